@@ -1,0 +1,144 @@
+"""ServingConfig: what is served and measured. Frozen, hashed, loaded from a YAML file.
+
+Knows the allowed values of every field and turns a bad file into a ConfigError that names the
+field, the bad value and what is allowed. Does not know where servers or folders are (Settings)
+and imports no torch: the API and the dashboard read configs too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUNDLED_PREFIX = "bundled:"
+BUNDLED_MODELS = ("smollm2-135m-instruct",)
+
+WeightPrecision = Literal["fp32", "bf16", "fp16", "awq-int4"]
+KVCacheDtype = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+class ConfigError(ValueError):
+    """A serving config that cannot be used; the message names the field, the value and the fix."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BatchingConfig(_Frozen):
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_wait_ms: float = Field(default=20.0, ge=0.0, le=60_000.0)
+    # NOTE: counted as the padded worst case of a batch: rows x (longest prompt + largest max_new_tokens).
+    max_batch_tokens: int = Field(default=16_384, ge=1)
+
+
+class DecodingConfig(_Frozen):
+    max_new_tokens: int = Field(default=256, ge=1, description="largest max_new_tokens a request may ask")
+    max_context_tokens: int = Field(default=2048, ge=2, description="prompt + new tokens, at most")
+
+    @model_validator(mode="after")
+    def _new_fits_context(self) -> DecodingConfig:
+        if self.max_new_tokens >= self.max_context_tokens:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be below max_context_tokens "
+                f"({self.max_context_tokens}) to leave room for a prompt"
+            )
+        return self
+
+
+class AWQConfig(_Frozen):
+    bits: Literal[4] = 4
+    group_size: Literal[32, 64, 128] = 64
+    zero_point: bool = True
+    num_calibration_samples: int = Field(default=128, ge=1, le=4096)
+    calibration_seq_len: int = Field(default=256, ge=16, le=4096)
+    calibration_set: Literal["hellaswag", "arc_easy", "piqa"] = "hellaswag"
+    kernel: Literal["auto", "torch", "triton", "marlin", "gemm", "exllama"] = "auto"
+
+
+class ServingConfig(_Frozen):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: str = Field(default=f"{BUNDLED_PREFIX}{BUNDLED_MODELS[0]}", min_length=1)
+    weights: WeightPrecision = "fp32"
+    kv_cache_dtype: KVCacheDtype = "auto"
+    device: str = "auto"
+    num_threads: int | None = Field(default=None, ge=1, le=256)
+    batching: BatchingConfig = BatchingConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    awq: AWQConfig | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _known_bundled_model(cls, value: str) -> str:
+        if value.startswith(BUNDLED_PREFIX) and value.removeprefix(BUNDLED_PREFIX) not in BUNDLED_MODELS:
+            allowed = ", ".join(BUNDLED_PREFIX + m for m in BUNDLED_MODELS)
+            raise ValueError(f"unknown bundled model {value!r}; bundled models: {allowed}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda"):
+            return value
+        if value.startswith("cuda:") and value.removeprefix("cuda:").isdigit():
+            return value
+        raise ValueError(f"unknown device {value!r}; allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
+
+    @model_validator(mode="after")
+    def _awq_settings_match_weights(self) -> ServingConfig:
+        if self.weights == "awq-int4" and self.awq is None:
+            object.__setattr__(self, "awq", AWQConfig())
+        if self.weights != "awq-int4" and self.awq is not None:
+            raise ValueError(f"an 'awq' section needs weights: awq-int4 (weights is {self.weights!r})")
+        return self
+
+    @property
+    def config_hash(self) -> str:
+        """Content hash of everything that changes what is served; the name is only a label."""
+        return hashlib.sha256(self.canonical_json(include_name=False).encode()).hexdigest()[:16]
+
+    def canonical_json(self, *, include_name: bool = True) -> str:
+        data = self.model_dump(mode="json", exclude=None if include_name else {"name"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "config") -> ServingConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"{source}: " + describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServingConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if isinstance(data, dict) and "name" not in data:
+            data = {"name": path.stem, **data}
+        return cls.from_dict(data, source=str(path))
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per bad field: 'field.path: got VALUE; MESSAGE'."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown field (check the spelling; see configs/ for the allowed fields)")
+        elif err["type"] == "missing":
+            lines.append(f"{where}: required field is missing")
+        else:
+            lines.append(f"{where}: got {err.get('input')!r}; {msg}")
+    return "; ".join(lines)

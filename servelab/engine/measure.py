@@ -1,0 +1,85 @@
+"""Measures memory from real tensors and the process: weights, the KV cache, peak working memory.
+
+Knows how to read tensor storage (shared storage counted once), a transformers cache's tensors,
+CUDA's allocator peaks and Linux's resident high-water mark (reset through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+
+def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return tensor_storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def cache_tensors(past_key_values) -> list[torch.Tensor]:
+    tensors = []
+    for layer in past_key_values.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                tensors.append(t)
+    return tensors
+
+
+def cache_allocated_bytes(past_key_values) -> int:
+    return sum(t.numel() * t.element_size() for t in cache_tensors(past_key_values))
+
+
+class PeakMemory:
+    """Peak memory over a block: CUDA allocator stats on GPU, the process's VmHWM on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start_bytes = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            _reset_rss_peak()
+            self.start_bytes = _proc_status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak_bytes = _proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    @property
+    def working_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.start_bytes)
+
+
+def _reset_rss_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # NOTE: "5" resets VmHWM to the current RSS
+    except OSError:
+        pass  # not Linux, or not allowed: VmHWM is then the process-lifetime peak
+
+
+def _proc_status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

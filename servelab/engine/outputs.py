@@ -1,0 +1,74 @@
+"""What the engine hands back: one Completion per request, and the batch's timings and memory.
+
+Plain frozen dataclasses, no torch: the worker stores them, the lab aggregates them.
+Times are milliseconds measured from the start of the batch's prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from servelab.engine.memory import MemoryBreakdown
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    finish_reason: FinishReason
+    error: str | None = None
+    seed: int | None = None
+    ttft_ms: float | None = None  # from prefill start to the first generated token
+    token_times_ms: tuple[float, ...] = ()  # each generated token's time, from prefill start
+    e2e_ms: float | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def itl_ms(self) -> tuple[float, ...]:
+        """Inter-token latencies: gaps between consecutive generated tokens."""
+        t = self.token_times_ms
+        return tuple(b - a for a, b in zip(t, t[1:]))
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first."""
+        if len(self.token_times_ms) < 2:
+            return None
+        return (self.token_times_ms[-1] - self.token_times_ms[0]) / (len(self.token_times_ms) - 1)
+
+
+def failed(request_id: str, reason: str, num_prompt_tokens: int = 0) -> Completion:
+    return Completion(request_id, "", (), num_prompt_tokens, FinishReason.ERROR, error=reason)
+
+
+@dataclass(frozen=True)
+class BatchTimings:
+    prefill_ms: float
+    decode_ms: float
+    num_rows_per_step: tuple[int, ...]  # rows still decoding at each step; step 0 is the prefill
+    num_prefill_tokens: int  # rows x padded prompt length
+    num_decode_tokens: int  # tokens produced by decode steps (not by the prefill)
+
+    @property
+    def total_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    completions: tuple[Completion, ...]
+    timings: BatchTimings
+    memory: MemoryBreakdown

@@ -1,0 +1,119 @@
+"""Engine benchmark: this engine against transformers' own generate, side by side in one run.
+
+Knows how to build equal-length prompts, time both engines in interleaved rounds (the machine is
+shared and noisy, so only ratios from the same run mean anything), and hold decode speed against
+the memory-bandwidth roofline. Does not know queues or stores: `servelab bench queue` does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from servelab.engine.engine import Engine
+from servelab.engine.requests import GenerationRequest, SamplingParams
+
+FILLER = (
+    "In the quiet town by the river, the baker rose before dawn to light the ovens, "
+    "and the smell of fresh bread drifted down the narrow streets where the children played. "
+)
+
+
+@dataclass(frozen=True)
+class EngineBenchRow:
+    config: str
+    weights: str
+    batch_size: int
+    num_threads: int
+    tokens_per_s: float  # this engine, output tokens over prefill + decode
+    decode_tokens_per_s: float  # this engine, decode steps only
+    hf_tokens_per_s: float  # transformers generate(use_cache=True), output tokens over its whole call
+    roofline_tokens_per_s: float  # batch x bandwidth / weight bytes read per decode step
+
+    @property
+    def ratio_to_hf(self) -> float:
+        return self.tokens_per_s / self.hf_tokens_per_s
+
+    @property
+    def fraction_of_roofline(self) -> float:
+        return self.decode_tokens_per_s / self.roofline_tokens_per_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio_to_hf": self.ratio_to_hf, "fraction_of_roofline": self.fraction_of_roofline}
+
+
+def bench_requests(engine: Engine, batch_size: int, num_prompt_tokens: int, num_new_tokens: int) -> list[GenerationRequest]:
+    ids = engine.tokenizer.encode(FILLER * (1 + num_prompt_tokens // 20), add_special_tokens=False)
+    prompt = engine.tokenizer.decode(ids[:num_prompt_tokens])
+    params = SamplingParams(max_new_tokens=num_new_tokens, ignore_eos=True)
+    return [GenerationRequest(f"bench-{i}", prompt=prompt, params=params) for i in range(batch_size)]
+
+
+def time_engine(engine: Engine, requests: list[GenerationRequest]) -> tuple[float, float]:
+    """-> (output tokens/s over the whole batch, decode tokens/s)."""
+    result = engine.generate(requests)
+    num_tokens = sum(c.num_generated_tokens for c in result.completions)
+    assert all(c.error is None for c in result.completions), [c.error for c in result.completions]
+    decode_s = max(result.timings.decode_ms, 1e-6) / 1e3
+    return num_tokens / (result.timings.total_ms / 1e3), result.timings.num_decode_tokens / decode_s
+
+
+@torch.inference_mode()
+def time_hf_generate(engine: Engine, requests: list[GenerationRequest]) -> float:
+    """transformers' generate on the same prompt ids, greedy, exactly max_new_tokens each."""
+    ids = torch.tensor([engine.encode(r) for r in requests], device=engine.device)  # (B, T), equal lengths
+    num_new = requests[0].params.max_new_tokens
+    started = time.perf_counter()
+    out = engine.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, min_new_tokens=num_new,
+        do_sample=False, use_cache=True, pad_token_id=engine.pad_token_id,
+    )
+    elapsed = time.perf_counter() - started
+    assert out.shape[1] == ids.shape[1] + num_new, out.shape
+    return ids.shape[0] * num_new / elapsed
+
+
+def bench_engines(
+    engines: list[Engine], *, batch_sizes: list[int], num_prompt_tokens: int, num_new_tokens: int,
+    num_rounds: int, bandwidth_gbs: float, progress=lambda message: None,
+) -> list[EngineBenchRow]:
+    """Interleaved rounds: every (engine, batch size) pair, ours then HF's, round after round; medians."""
+    samples: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+    for engine in engines:  # warm-up: first calls pay for lazy initialisation
+        warm = bench_requests(engine, 1, 8, 2)
+        time_engine(engine, warm), time_hf_generate(engine, warm)
+    for round_idx in range(num_rounds):
+        for e_idx, engine in enumerate(engines):
+            for batch_size in batch_sizes:
+                progress(f"round {round_idx + 1}/{num_rounds}: {engine.config.name} batch {batch_size}")
+                requests = bench_requests(engine, batch_size, num_prompt_tokens, num_new_tokens)
+                ours, decode = time_engine(engine, requests)
+                hf = time_hf_generate(engine, requests)
+                samples.setdefault((e_idx, batch_size), []).append((ours, decode, hf))
+    rows = []
+    for (e_idx, batch_size), runs in samples.items():
+        engine = engines[e_idx]
+        ours, decode, hf = (statistics.median(column) for column in zip(*runs))
+        roofline = batch_size * bandwidth_gbs * 1e9 / engine.weight_bytes
+        rows.append(EngineBenchRow(engine.config.name, engine.config.weights, batch_size, torch.get_num_threads(),
+                                   ours, decode, hf, roofline))
+    return rows
+
+
+def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float) -> str:
+    lines = [
+        f"memory bandwidth (measured): {bandwidth_gbs:.1f} GB/s; threads: {rows[0].num_threads if rows else '-'}",
+        f"{'config':<12} {'weights':<9} {'batch':>5} {'tok/s':>9} {'HF tok/s':>9} {'ratio':>6} "
+        f"{'decode tok/s':>12} {'roofline':>9} {'of roof':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.config:<12} {r.weights:<9} {r.batch_size:>5} {r.tokens_per_s:>9.1f} {r.hf_tokens_per_s:>9.1f} "
+            f"{r.ratio_to_hf:>5.2f}x {r.decode_tokens_per_s:>12.1f} {r.roofline_tokens_per_s:>9.0f} "
+            f"{r.fraction_of_roofline:>6.0%}"
+        )
+    lines.append("roofline: batch x bandwidth / weight bytes (every decode step reads all weights once)")
+    return "\n".join(lines)

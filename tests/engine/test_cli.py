@@ -1,0 +1,74 @@
+"""`servelab generate` and `servelab bench engine` end to end, on the tiny model, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from servelab.cli import app
+
+runner = CliRunner()
+
+
+def tiny_config(tmp_path: Path, tiny_folder: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"model: {tiny_folder}\nweights: fp32\ndevice: cpu\nnum_threads: 1\n"
+                    "decoding:\n  max_new_tokens: 32\n  max_context_tokens: 128\n")
+    return path
+
+
+def test_generate_json_reports_completions_timings_and_memory(tmp_path: Path, tiny_folder: Path) -> None:
+    result = runner.invoke(app, ["generate", "--config", str(tiny_config(tmp_path, tiny_folder)), "--json",
+                                 "--max-new-tokens", "5", "the cat", "a river of seven"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [c["num_generated_tokens"] for c in record["completions"]] == [5, 5]
+    assert record["completions"][0]["finish_reason"] == "length"
+    assert record["memory"]["kv_cache_bytes"] == record["memory"]["kv_cache_allocated_bytes"] > 0
+    assert record["timings"]["num_rows_per_step"] == [2, 2, 2, 2, 2]
+    assert record["config"]["name"] == "tiny"
+
+
+def test_generate_reports_a_bad_prompt_and_serves_the_rest(tmp_path: Path, tiny_folder: Path) -> None:
+    result = runner.invoke(app, ["generate", "-c", str(tiny_config(tmp_path, tiny_folder)),
+                                 "--max-new-tokens", "3", "the cat", ""])
+    assert result.exit_code == 1
+    assert "error: prompt is empty" in result.stdout
+    assert "generated 3 tok" in result.stdout
+
+
+def test_generate_with_a_bad_config_exits_2_with_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("weights: int2\n")
+    result = runner.invoke(app, ["generate", "-c", str(bad), "hello"])
+    assert result.exit_code == 2
+    assert "weights: got 'int2'" in result.stderr
+
+
+def test_generate_rejects_out_of_range_max_new_tokens(tmp_path: Path, tiny_folder: Path) -> None:
+    result = runner.invoke(app, ["generate", "-c", str(tiny_config(tmp_path, tiny_folder)),
+                                 "--max-new-tokens", "500", "the cat"])
+    assert result.exit_code == 1
+    assert "max_new_tokens must be between 1 and 32, got 500" in result.stdout
+
+
+def test_bench_engine_prints_ratio_and_roofline(tmp_path: Path, tiny_folder: Path) -> None:
+    result = runner.invoke(app, ["bench", "engine", "--configs", str(tiny_config(tmp_path, tiny_folder)),
+                                 "--batch-sizes", "1,2", "--prompt-tokens", "8", "--new-tokens", "4",
+                                 "--rounds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [r["batch_size"] for r in record["rows"]] == [1, 2]
+    assert record["bandwidth_gbs"] > 0 and record["threads"] == 1
+    for row in record["rows"]:
+        assert row["tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
+        assert row["ratio_to_hf"] == row["tokens_per_s"] / row["hf_tokens_per_s"]
+
+
+def test_bench_engine_rejects_bad_batch_sizes(tmp_path: Path, tiny_folder: Path) -> None:
+    result = runner.invoke(app, ["bench", "engine", "--configs", str(tiny_config(tmp_path, tiny_folder)),
+                                 "--batch-sizes", "1,x"])
+    assert result.exit_code == 2
+    assert "--batch-sizes must be comma-separated whole numbers" in result.stderr

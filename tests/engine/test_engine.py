@@ -1,0 +1,194 @@
+"""The engine against the naive reference, and its batch behaviour: padding, retirement, limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from servelab.engine.engine import Engine
+from servelab.engine.outputs import FinishReason
+from servelab.engine.requests import ChatMessage, GenerationRequest, SamplingParams
+from tests.engine.naive import naive_greedy
+
+
+def _random_prompt(rng: random.Random, length: int) -> str:
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "river", "blue", "seven", "quickly", "house"]
+    return " ".join(rng.choice(words) for _ in range(length))
+
+
+def _greedy(prompt: str, max_new_tokens: int, request_id: str | None = None, **params) -> GenerationRequest:
+    return GenerationRequest(request_id or prompt, prompt=prompt,
+                             params=SamplingParams(max_new_tokens=max_new_tokens, **params))
+
+
+@pytest.mark.parametrize("mix_seed", range(12))
+def test_batched_cached_decoding_equals_naive_uncached(tiny_engine: Engine, mix_seed: int) -> None:
+    rng = random.Random(mix_seed)
+    batch_size = rng.choice([1, 2, 3, 5, 8])
+    requests = [
+        _greedy(_random_prompt(rng, rng.randint(1, 40)), rng.randint(1, 24), request_id=f"r{i}")
+        for i in range(batch_size)
+    ]
+    result = tiny_engine.generate(requests)
+    for request, completion in zip(requests, result.completions):
+        prompt_ids = tiny_engine.encode(request)
+        expected = naive_greedy(tiny_engine.model, prompt_ids, request.params.max_new_tokens,
+                                tiny_engine.eos_token_ids)
+        assert list(completion.token_ids) == expected, (request.prompt, completion.token_ids, expected)
+        assert completion.num_prompt_tokens == len(prompt_ids)
+
+
+def test_finished_rows_leave_the_batch(tiny_engine: Engine) -> None:
+    requests = [_greedy("the cat sat", 2, "short"), _greedy("a river of seven blue houses", 9, "long")]
+    result = tiny_engine.generate(requests)
+    assert result.timings.num_rows_per_step == (2, 2, 1, 1, 1, 1, 1, 1, 1)
+    assert result.timings.num_decode_tokens == sum(result.timings.num_rows_per_step[1:])
+    alone = tiny_engine.generate([requests[1]]).completions[0]
+    assert result.completions[1].token_ids == alone.token_ids  # a batch-mate leaving changes nothing
+
+
+def test_kv_cache_bytes_double_with_retained_tokens(tiny_engine: Engine) -> None:
+    short_prompt = " ".join(["cat"] * 20)
+    long_prompt = " ".join(["cat"] * 40)
+    short, long = (tiny_engine.generate([_greedy(p, 1)]).memory for p in (short_prompt, long_prompt))
+    num_short = len(tiny_engine.encode(_greedy(short_prompt, 1)))
+    assert len(tiny_engine.encode(_greedy(long_prompt, 1))) == 2 * num_short
+    shape = tiny_engine.loaded.shape
+    assert short.kv_cache_bytes == shape.kv_cache_bytes(num_short, 4) == 2 * 2 * 2 * 16 * 4 * num_short
+    assert short.kv_cache_allocated_bytes == short.kv_cache_bytes  # the formula matches real tensors
+    assert long.kv_cache_allocated_bytes == long.kv_cache_bytes == 2 * short.kv_cache_bytes
+
+
+def test_kv_cache_counts_padding_of_the_batch(tiny_engine: Engine) -> None:
+    requests = [_greedy("cat " * 30, 1, "a"), _greedy("cat", 1, "b")]
+    memory = tiny_engine.generate(requests).memory
+    width = len(tiny_engine.encode(requests[0]))
+    assert memory.kv_cache_allocated_bytes == memory.kv_cache_bytes == tiny_engine.loaded.shape.kv_cache_bytes(2 * width, 4)
+
+
+def test_weight_bytes_count_tied_embeddings_once(tiny_engine: Engine) -> None:
+    model = tiny_engine.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    assert tiny_engine.weight_bytes == sum(unique.values()) + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_engine: Engine) -> None:
+    def sample(seed: int, request_id: str) -> tuple[int, ...]:
+        return _greedy("the cat sat on", 20, request_id, temperature=1.0, top_p=0.95, top_k=50, seed=seed)
+
+    first = tiny_engine.generate([sample(1, "a"), sample(2, "b")]).completions
+    again = tiny_engine.generate([sample(1, "a"), _greedy("house", 5, "mate")]).completions
+    assert first[0].token_ids == again[0].token_ids  # same seed, other batch-mates: same tokens
+    assert first[0].token_ids != first[1].token_ids
+    assert first[0].seed == 1
+
+
+def test_unseeded_sampling_reports_the_seed_it_used(tiny_engine: Engine) -> None:
+    completion = tiny_engine.generate([_greedy("the cat", 10, "x", temperature=0.7)]).completions[0]
+    assert completion.seed is not None
+    replay = tiny_engine.generate([_greedy("the cat", 10, "x", temperature=0.7, seed=completion.seed)])
+    assert replay.completions[0].token_ids == completion.token_ids
+
+
+def test_top_k_one_is_greedy(tiny_engine: Engine) -> None:
+    greedy = tiny_engine.generate([_greedy("blue river", 12, "g")]).completions[0]
+    top1 = tiny_engine.generate([_greedy("blue river", 12, "s", temperature=1.5, top_k=1, seed=3)]).completions[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (GenerationRequest("empty", prompt="", params=SamplingParams(max_new_tokens=4)), "prompt is empty"),
+        (GenerationRequest("long", prompt="cat " * 300, params=SamplingParams(max_new_tokens=4)), "max_context_tokens 256"),
+        (GenerationRequest("zero", prompt="cat", params=SamplingParams(max_new_tokens=0)), "max_new_tokens must be between 1 and 64"),
+        (GenerationRequest("huge", prompt="cat", params=SamplingParams(max_new_tokens=65)), "max_new_tokens must be between 1 and 64"),
+        (GenerationRequest("temp", prompt="cat", params=SamplingParams(temperature=-1)), "temperature"),
+        (GenerationRequest("topp", prompt="cat", params=SamplingParams(top_p=0.0)), "top_p"),
+        (GenerationRequest("chat", messages=(), params=SamplingParams()), "messages is empty"),
+    ],
+)
+def test_bad_request_fails_alone(tiny_engine: Engine, request_: GenerationRequest, message: str) -> None:
+    good = _greedy("the cat sat", 5, "good")
+    result = tiny_engine.generate([good, request_])
+    bad_completion = result.completions[1]
+    assert bad_completion.finish_reason is FinishReason.ERROR
+    assert message in bad_completion.error
+    assert result.completions[0].finish_reason is FinishReason.LENGTH
+    assert len(result.completions[0].token_ids) == 5
+
+
+def test_a_batch_of_only_bad_requests_returns_errors(tiny_engine: Engine) -> None:
+    result = tiny_engine.generate([GenerationRequest("e", prompt="", params=SamplingParams())])
+    assert result.completions[0].finish_reason is FinishReason.ERROR
+    assert result.timings.num_rows_per_step == ()
+
+
+def test_stop_string_ends_the_row_and_cuts_the_text(tiny_engine: Engine) -> None:
+    free = tiny_engine.generate([_greedy("seven blue", 20, "free")]).completions[0]
+    assert len(free.text) > 6, free.text
+    stop = free.text[3:6]
+    cut = tiny_engine.generate([_greedy("seven blue", 20, "cut", stop=(stop,))]).completions[0]
+    assert cut.finish_reason is FinishReason.STOP
+    assert cut.text == free.text[: free.text.find(stop)]
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+
+
+def test_eos_ends_the_row_with_stop(tiny_engine: Engine) -> None:
+    free = tiny_engine.generate([_greedy("house", 8, "free")]).completions[0]
+    eos_ids = tiny_engine.eos_token_ids
+    tiny_engine.eos_token_ids = {free.token_ids[3]}
+    try:
+        stopped = tiny_engine.generate([_greedy("house", 8, "eos")]).completions[0]
+    finally:
+        tiny_engine.eos_token_ids = eos_ids
+    first_hit = free.token_ids.index(free.token_ids[3])
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == free.token_ids[: first_hit + 1]
+
+
+def test_timings_are_ordered_per_request(tiny_engine: Engine) -> None:
+    result = tiny_engine.generate([_greedy("the cat", 6, "a"), _greedy("a mat", 3, "b")])
+    for completion in result.completions:
+        times = completion.token_times_ms
+        assert 0 < completion.ttft_ms == times[0] <= times[-1] == completion.e2e_ms
+        assert all(b >= a for a, b in zip(times, times[1:]))
+        assert len(completion.itl_ms) == len(times) - 1
+    assert result.timings.prefill_ms > 0 and result.timings.decode_ms > 0
+
+
+@pytest.mark.slow
+def test_bundled_model_batched_equals_naive(bundled_engine: Engine) -> None:
+    prompts = ["The capital of France is", "Water boils at", "def fibonacci(n):", "One, two, three,"]
+    result = bundled_engine.generate([_greedy(p, 10) for p in prompts])
+    for prompt, completion in zip(prompts, result.completions):
+        prompt_ids = bundled_engine.encode(_greedy(prompt, 10))
+        expected = naive_greedy(bundled_engine.model, prompt_ids, 10, bundled_engine.eos_token_ids)
+        assert list(completion.token_ids) == expected, prompt
+
+
+@pytest.mark.slow
+def test_bundled_model_answers_in_sensible_english(bundled_engine: Engine) -> None:
+    chat = GenerationRequest("chat", messages=(ChatMessage("user", "What is the capital of France?"),),
+                             params=SamplingParams(max_new_tokens=30))
+    completion = bundled_engine.generate([chat, _greedy("The capital of France is", 4)]).completions
+    assert "Paris" in completion[0].text
+    assert completion[0].finish_reason is FinishReason.STOP  # it ends its answer with EOS
+    assert completion[1].text.strip().startswith("Paris")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_cuda_matches_naive(tiny_folder, settings) -> None:
+    from tests.engine.conftest import make_config
+
+    engine = Engine.from_config(make_config(str(tiny_folder), device="cuda"), settings)
+    requests = [_greedy("the cat sat on the mat", 8, "a"), _greedy("blue", 8, "b")]
+    result = engine.generate(requests)
+    assert result.memory.device.startswith("cuda")
+    for request, completion in zip(requests, result.completions):
+        expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
+        assert list(completion.token_ids) == expected

@@ -1,0 +1,65 @@
+"""ServingConfig: frozen, hashed, loaded from YAML; a bad file names the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servelab.config import ConfigError, ServingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    config = ServingConfig.from_yaml(path)
+    assert config.name == path.stem
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("weights: int3\n", ["weights: got 'int3'", "'fp32', 'bf16', 'fp16' or 'awq-int4'"]),
+        ("batching:\n  max_batch_size: 0\n", ["batching.max_batch_size: got 0", "greater than or equal to 1"]),
+        ("device: tpu\n", ["device: got 'tpu'", "'cuda:N'"]),
+        ("model: 'bundled:gpt5'\n", ["model: got 'bundled:gpt5'", "bundled:smollm2-135m-instruct"]),
+        ("decoding:\n  max_new_tokens: 4096\n  max_context_tokens: 2048\n", ["must be below max_context_tokens"]),
+        ("batch_size: 4\n", ["batch_size: unknown field"]),
+        ("awq:\n  group_size: 64\n", ["needs weights: awq-int4"]),
+        ("awq:\n  group_size: 100\nweights: awq-int4\n", ["awq.group_size: got 100", "32, 64 or 128"]),
+        ("- a list\n", ["expected a mapping"]),
+        ("weights: [unclosed\n", ["not valid YAML"]),
+    ],
+)
+def test_bad_config_names_field_value_and_allowed(tmp_path: Path, text: str, expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ServingConfig.from_yaml(write(tmp_path, text))
+    for fragment in expected:
+        assert fragment in str(caught.value)
+    assert str(tmp_path / "c.yaml") in str(caught.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        ServingConfig.from_yaml(tmp_path / "absent.yaml")
+
+
+def test_config_is_frozen_and_hash_ignores_the_name(tmp_path: Path) -> None:
+    a = ServingConfig.from_dict({"name": "a", "weights": "bf16"})
+    b = ServingConfig.from_dict({"name": "b", "weights": "bf16"})
+    c = ServingConfig.from_dict({"name": "a", "weights": "fp32"})
+    assert a.config_hash == b.config_hash != c.config_hash
+    with pytest.raises(Exception):
+        a.weights = "fp32"  # type: ignore[misc]
+
+
+def test_awq_weights_get_default_awq_settings() -> None:
+    config = ServingConfig.from_dict({"name": "q", "weights": "awq-int4"})
+    assert config.awq is not None and config.awq.group_size == 64

@@ -1,0 +1,1 @@
+"""worker process package: thin wiring of the servelab core to its framework."""
