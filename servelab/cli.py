@@ -121,6 +121,27 @@ def _print_result(prompts: list[str], result) -> None:
                f"(allocated {m.kv_cache_allocated_bytes / 1e6:.2f} MB), peak working {m.peak_working_bytes / 1e6:.1f} MB")
 
 
+@app.command()
+def worker(
+    config: ConfigOption,
+    name: Annotated[str | None, typer.Option(help="consumer name; reuse it after a crash to take back its entries")] = None,
+) -> None:
+    """Serve one config from its Redis streams until stopped (the gpu-worker service)."""
+    from servelab.engine.loader import ModelLoadError
+    from servelab.runtime import connect
+    from servelab.serving import run_worker
+
+    serving = _load_config(config)
+    settings = Settings(worker_name=name) if name else Settings()
+    runtime = connect(settings)
+    try:
+        run_worker(serving, runtime)
+    except ModelLoadError as exc:
+        _fail(str(exc))
+    finally:
+        runtime.close()
+
+
 @bench_app.command("engine")
 def bench_engine(
     configs: Annotated[str, typer.Option(help="comma-separated serving config files")] = "configs/fp32.yaml",

@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: config or torch default")
     price_per_hour: float = Field(default=0.0, ge=0.0, description="hardware price, for cost per request")
     hf_hub_offline: bool = Field(default=True, description="never reach a model hub unless False")
+    worker_name: str | None = Field(default=None, description="stream consumer name; default host-pid")
+    claim_idle_ms: int = Field(default=30_000, ge=100, description="an entry idle this long has a dead owner")
+    renew_every_s: float = Field(default=5.0, gt=0, description="claim renewal period, well under claim_idle_ms")
+    max_attempts: int = Field(default=3, ge=1, description="started executions before a request is dead-lettered")
 
     @property
     def model_cache_dir(self) -> Path:

@@ -1,0 +1,163 @@
+"""Redis Streams for request ids: one interactive and one bulk stream per serving config.
+
+Knows the keys, the consumer group, reading new and own-pending entries, taking over entries idle
+past a limit, renewing a batch's claim, acknowledging (and deleting) finished entries, the
+dead-letter stream, and done-notifications for waiting callers. Carries ids only: the request row
+in Postgres is the truth, and is committed before its id is added here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from servelab.store.models import StreamKind
+
+GROUP = "workers"
+NOTIFY_TTL_S = 600
+
+
+@dataclass(frozen=True)
+class Entry:
+    stream: str
+    entry_id: str
+    request_id: str
+
+    @property
+    def is_interactive(self) -> bool:
+        return self.stream.endswith(":" + StreamKind.INTERACTIVE.value)
+
+
+class RequestStreams:
+    """The streams of one serving config, under one key prefix."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str, config_name: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.config_name = config_name
+        # NOTE: interactive first: XREADGROUP answers from every stream it is given, in this order.
+        self.keys = [stream_key(prefix, config_name, kind) for kind in (StreamKind.INTERACTIVE, StreamKind.BULK)]
+        self.dead_letter_key = f"{prefix}:dead:{config_name}"
+        self.enqueued_key = f"{prefix}:enqueued:{config_name}"
+
+    def ensure_groups(self) -> None:
+        for key in self.keys:
+            try:
+                self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def enqueue(self, request_id: str, kind: StreamKind) -> str:
+        self.ensure_groups()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(stream_key(self.prefix, self.config_name, kind), {"request_id": request_id})
+        pipe.sadd(self.enqueued_key, request_id)  # NOTE: lets the reaper find rows whose entry was lost
+        return _text(pipe.execute()[0])
+
+    def read_new(self, consumer: str, *, count: int, block_ms: int) -> list[Entry]:
+        return self._read(consumer, ">", count=count, block_ms=block_ms)
+
+    def read_own_pending(self, consumer: str, *, count: int = 10_000) -> list[Entry]:
+        """Entries delivered to this consumer name and never acknowledged: a restart takes them back."""
+        return self._read(consumer, "0", count=count, block_ms=None)
+
+    def _read(self, consumer: str, start: str, *, count: int, block_ms: int | None) -> list[Entry]:
+        try:
+            reply = self.client.xreadgroup(GROUP, consumer, {k: start for k in self.keys}, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_groups()  # Redis restarted empty: recreate, the reaper re-adds lost ids
+            return []
+        return [_entry(stream, entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries
+                if fields]
+
+    def claim_idle(self, consumer: str, *, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over entries another consumer left idle longer than min_idle_ms (it died, or hung)."""
+        taken: list[Entry] = []
+        for key in self.keys:
+            try:
+                _next, entries, *_deleted = self.client.xautoclaim(key, GROUP, consumer, min_idle_ms, "0-0", count=count)
+            except redis.ResponseError:
+                self.ensure_groups()
+                continue
+            taken += [_entry(key, entry_id, fields) for entry_id, fields in entries if fields]
+        return taken
+
+    def renew(self, consumer: str, entries: list[Entry]) -> None:
+        """Reset the idle time of entries this consumer is serving, so nobody takes them over."""
+        for key in {e.stream for e in entries}:
+            ids = [e.entry_id for e in entries if e.stream == key]
+            # NOTE: JUSTID resets idle time without bumping the delivery counter.
+            self.client.xclaim(key, GROUP, consumer, 0, ids, justid=True)
+
+    def ack(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for e in entries:
+            pipe.xack(e.stream, GROUP, e.entry_id)
+            pipe.xdel(e.stream, e.entry_id)  # NOTE: acknowledged entries are done: keep streams short
+        pipe.srem(self.enqueued_key, *{e.request_id for e in entries})
+        pipe.execute()
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_letter_key, {"request_id": entry.request_id, "reason": reason, "stream": entry.stream})
+        pipe.xack(entry.stream, GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        pipe.srem(self.enqueued_key, entry.request_id)
+        pipe.execute()
+
+    def is_enqueued(self, request_ids: list[str]) -> list[bool]:
+        if not request_ids:
+            return []
+        return [bool(v) for v in self.client.smismember(self.enqueued_key, request_ids)]
+
+    def depth(self) -> dict[str, int]:
+        """Entries not yet acknowledged per stream (waiting or being served)."""
+        return {key.rsplit(":", 1)[1]: int(self.client.xlen(key)) for key in self.keys}
+
+
+def stream_key(prefix: str, config_name: str, kind: StreamKind) -> str:
+    return f"{prefix}:stream:{config_name}:{kind.value}"
+
+
+def done_key(prefix: str, request_id: str) -> str:
+    return f"{prefix}:done:{request_id}"
+
+
+def notify_done(client: redis.Redis, *, prefix: str, request_ids: list[str]) -> None:
+    """Wake callers waiting on these requests; a list per request, so a late waiter still sees it."""
+    if not request_ids:
+        return
+    pipe = client.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.rpush(done_key(prefix, request_id), "1")
+        pipe.expire(done_key(prefix, request_id), NOTIFY_TTL_S)
+    pipe.execute()
+
+
+def wait_done(client: redis.Redis, *, prefix: str, request_id: str, timeout_s: float) -> bool:
+    """Block until the request's done-notification arrives, or the timeout; leaves it for other waiters."""
+    key = done_key(prefix, request_id)
+    if client.llen(key):
+        return True
+    # NOTE: BLMOVE onto the same list peeks without consuming; block in 1 s slices (client socket timeout).
+    remaining = timeout_s
+    while remaining > 0:
+        step = min(1.0, remaining)
+        if client.blmove(key, key, step, "LEFT", "RIGHT") is not None:
+            return True
+        remaining -= step
+    return False
+
+
+def _entry(stream, entry_id, fields) -> Entry:
+    return Entry(_text(stream), _text(entry_id), _text(fields.get(b"request_id", fields.get("request_id"))))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

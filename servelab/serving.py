@@ -1,0 +1,281 @@
+"""The GPU worker's serving loop: stream entries -> micro-batch -> engine -> store -> notify -> ack.
+
+Knows the order that makes redelivery harmless (claim rows, serve, write everything in one
+transaction, notify, then acknowledge), takes back its own pending entries on start, takes over
+entries a dead worker left idle, renews the claim on everything it holds, fails a request that
+has crashed its worker `max_attempts` times, and re-adds ids whose stream entry was lost.
+Does not know HTTP or Celery; the engine and the batching policy are handed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from servelab.config import ServingConfig
+from servelab.engine.engine import Engine
+from servelab.engine.outputs import BatchResult
+from servelab.engine.requests import ChatMessage, GenerationRequest, RequestError, SamplingParams
+from servelab.queue.batcher import BatchPolicy, Candidate
+from servelab.lab.hardware import describe_hardware, software_versions
+from servelab.queue.streams import Entry, RequestStreams, notify_done
+from servelab.runtime import Runtime
+from servelab.store import requests as store
+from servelab.store.db import session_scope
+from servelab.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    max_attempts: int = 3  # started executions before a request is failed as a poison request
+    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
+    renew_every_s: float = 5.0  # well under claim_idle_ms
+    reap_every_s: float = 15.0
+    heartbeat_every_s: float = 5.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> FaultPolicy:
+        return cls(max_attempts=settings.max_attempts, claim_idle_ms=settings.claim_idle_ms,
+                   renew_every_s=settings.renew_every_s, reap_every_s=max(1.0, settings.claim_idle_ms / 2e3))
+
+
+@dataclass
+class _Held:
+    """Entries this worker holds (read, not yet acknowledged) and the candidates built from them."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    entries: dict[str, Entry] = field(default_factory=dict)  # by entry id
+    waiting: list[Candidate] = field(default_factory=list)
+    requests: dict[str, GenerationRequest] = field(default_factory=dict)  # by request id
+    enqueued_at: dict[str, datetime] = field(default_factory=dict)
+
+
+class ServingWorker:
+    def __init__(self, *, engine: Engine, streams: RequestStreams, sessions: sessionmaker[Session],
+                 name: str, policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(), clock=time.monotonic) -> None:
+        self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
+        self.policy, self.faults, self.clock = policy, faults, clock
+        self.held = _Held()
+        self.stop = threading.Event()
+
+    # --- the loop ---
+
+    def run(self) -> None:
+        self.streams.ensure_groups()
+        self._admit(self.streams.read_own_pending(self.name))  # a restart takes back its own entries first
+        keeper = threading.Thread(target=self._keep_claims, name=f"{self.name}-keeper", daemon=True)
+        keeper.start()
+        while not self.stop.is_set():
+            self.step()
+
+    def step(self) -> int:
+        """Serve one micro-batch; returns how many requests it finished."""
+        batch = self._collect()
+        runnable = self._claim(batch)
+        if not runnable:
+            return 0
+        started_at = datetime.now(UTC)
+        result = self.engine.generate([self.held.requests[c.request_id] for c in runnable])
+        self._finish(runnable, result, started_at)
+        return len(runnable)
+
+    # --- forming a batch ---
+
+    def _collect(self) -> list[Candidate]:
+        first_seen = None
+        while not self.stop.is_set():
+            with self.held.lock:
+                batch, rest = self.policy.select(self.held.waiting)
+            now = self.clock()
+            if batch and first_seen is None:
+                first_seen = now
+            if batch and self.policy.is_closed(batch, rest, first_seen_s=first_seen, now_s=now):
+                break
+            wait_s = self.policy.wait_left_s(first_seen_s=first_seen, now_s=now) if batch else 1.0
+            count = self.policy.max_batch_size - len(batch)
+            self._admit(self.streams.read_new(self.name, count=count, block_ms=max(1, int(wait_s * 1e3))))
+        else:
+            return []
+        with self.held.lock:
+            taken = {c.entry_id for c in batch}
+            self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
+        return batch
+
+    def _admit(self, entries: list[Entry]) -> None:
+        """Turn entries into candidates; entries of finished, missing or poison requests end here."""
+        entries = [e for e in entries if e.entry_id not in self.held.entries]
+        if not entries:
+            return
+        done, valid = [], []
+        for e in entries:
+            (valid if _is_uuid(e.request_id) else done).append(e)
+        with session_scope(self.sessions) as session:
+            rows = store.load_requests(session, [e.request_id for e in valid])
+        poison: list[Entry] = []
+        rejected: dict[str, list[Entry]] = {}
+        for e in valid:
+            row = rows.get(e.request_id)
+            if row is None or row.status.is_terminal:
+                done.append(e)
+            elif row.num_attempts >= self.faults.max_attempts:
+                poison.append(e)
+            else:
+                try:
+                    self._hold(e, row)
+                except RequestError as exc:  # NOTE: fails alone, before it can take a batch slot
+                    rejected.setdefault(str(exc), []).append(e)
+        self.streams.ack(done)
+        self._dead_letter(poison, f"crashed its worker {self.faults.max_attempts} times; not retried")
+        for reason, bad in rejected.items():
+            self._fail(bad, reason)
+
+    def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
+        request = to_generation_request(row)
+        num_prompt_tokens = len(self.engine.encode(request))
+        candidate = Candidate(entry.entry_id, row.id, num_prompt_tokens, request.params.max_new_tokens,
+                              entry.is_interactive, is_retry=row.num_attempts > 0)
+        with self.held.lock:
+            self.held.entries[entry.entry_id] = entry
+            self.held.requests[row.id] = request
+            self.held.enqueued_at[row.id] = row.enqueued_at
+            self.held.waiting.append(candidate)
+
+    def _claim(self, batch: list[Candidate]) -> list[Candidate]:
+        if not batch:
+            return []
+        with session_scope(self.sessions) as session:
+            claimed = store.claim_requests(session, ids=[c.request_id for c in batch], now=datetime.now(UTC))
+        skipped = [c for c in batch if c.request_id not in claimed]
+        self._release(skipped, ack=True)  # finished meanwhile (cancelled, or served by another worker)
+        return [c for c in batch if c.request_id in claimed]
+
+    # --- after the engine ---
+
+    def _finish(self, batch: list[Candidate], result: BatchResult, started_at: datetime) -> None:
+        with session_scope(self.sessions) as session:
+            store.record_batch(
+                session, worker_name=self.name, serving_config_name=self.streams.config_name,
+                config_hash=self.engine.config.config_hash, result=result, started_at=started_at,
+                enqueued_at={c.request_id: self.held.enqueued_at[c.request_id] for c in batch},
+            )
+        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[c.request_id for c in batch])
+        self._release(batch, ack=True)
+
+    def _fail(self, entries: list[Entry], reason: str) -> None:
+        with session_scope(self.sessions) as session:
+            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[e.request_id for e in entries])
+        self.streams.ack(entries)
+
+    def _dead_letter(self, entries: list[Entry], reason: str) -> None:
+        if not entries:
+            return
+        with session_scope(self.sessions) as session:
+            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[e.request_id for e in entries])
+        for e in entries:
+            self.streams.dead_letter(e, reason)
+        log.warning("dead-lettered %d request(s): %s", len(entries), reason)
+
+    def _release(self, batch: list[Candidate], *, ack: bool) -> None:
+        with self.held.lock:
+            entries = [self.held.entries.pop(c.entry_id) for c in batch]
+            for c in batch:
+                self.held.requests.pop(c.request_id, None)
+                self.held.enqueued_at.pop(c.request_id, None)
+        if ack:
+            self.streams.ack(entries)
+
+    # --- in the background: claims, take-overs, lost entries, heartbeat ---
+
+    def _keep_claims(self) -> None:
+        """Renew what this worker holds, take over dead workers' entries, re-add lost ids, heartbeat."""
+        last = {"reap": 0.0, "beat": 0.0}
+        while not self.stop.wait(self.faults.renew_every_s):
+            try:
+                with self.held.lock:
+                    held = list(self.held.entries.values())
+                self.streams.renew(self.name, held)
+                self._admit(self.streams.claim_idle(self.name, min_idle_ms=self.faults.claim_idle_ms,
+                                                    count=self.policy.max_batch_size))
+                now = self.clock()
+                if now - last["reap"] >= self.faults.reap_every_s:
+                    last["reap"] = now
+                    self.reap_lost()
+                if now - last["beat"] >= self.faults.heartbeat_every_s:
+                    last["beat"] = now
+                    with session_scope(self.sessions) as session:
+                        store.heartbeat(session, name=self.name)
+            except (redis.RedisError, OSError) as exc:  # NOTE: Redis restarting: keep serving, retry next tick
+                log.warning("claim keeper: %s", exc)
+
+    def reap_lost(self) -> int:
+        """Re-add unfinished requests whose stream entry is gone (e.g. Redis restarted empty)."""
+        now = datetime.now(UTC)
+        grace = timedelta(milliseconds=self.faults.claim_idle_ms)
+        with session_scope(self.sessions) as session:
+            ids = store.find_lost_candidates(session, serving_config_name=self.streams.config_name,
+                                             queued_before=now - grace, started_before=now - 2 * grace)
+            lost = [i for i, present in zip(ids, self.streams.is_enqueued(ids)) if not present]
+            kinds = store.stream_of(session, lost)
+        for request_id in lost:
+            self.streams.enqueue(request_id, kinds[request_id])
+        if lost:
+            log.warning("re-enqueued %d request(s) whose stream entry was lost", len(lost))
+        return len(lost)
+
+
+def to_generation_request(row: store.StoredRequest) -> GenerationRequest:
+    """The engine's view of a stored request; stored fields it cannot read are a RequestError."""
+    try:
+        sampling = dict(row.sampling)
+        params = SamplingParams(**{**sampling, "stop": tuple(sampling.get("stop") or ())})
+        messages = tuple(ChatMessage(m["role"], m["content"]) for m in row.messages) if row.messages else None
+        return GenerationRequest(row.id, prompt=row.prompt, messages=messages, params=params)
+    except (TypeError, KeyError, AssertionError) as exc:
+        raise RequestError(f"stored request cannot be read: {exc}") from None
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def default_worker_name() -> str:
+    """Unique per process and host, so scaled-out workers never share a consumer name."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def run_worker(config: ServingConfig, runtime: Runtime) -> None:
+    """Load the model once, register, serve until SIGTERM / SIGINT (the batch in hand is finished first)."""
+    name = runtime.settings.worker_name or default_worker_name()
+    faults = FaultPolicy.from_settings(runtime.settings)
+    engine = Engine.from_config(config, runtime.settings)
+    streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
+    with session_scope(runtime.sessions) as session:
+        store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
+                              hardware={**describe_hardware().as_dict(), "device": str(engine.device)},
+                              software=software_versions())
+        store.save_serving_config(session, config=config)
+    policy = BatchPolicy.from_config(config.batching)
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=policy,
+                           faults=faults)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.stop.set())
+    log.warning("worker %s serving %s (%s) on %s", name, config.name, config.weights, engine.device)
+    worker.run()

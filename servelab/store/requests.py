@@ -1,0 +1,191 @@
+"""Store functions of the data plane: create, load, claim and finish requests; record batches and workers.
+
+Every function takes a session and never commits: the caller owns the transaction. Claims and
+finishes are conditional updates and results insert with their unique key, so a request that is
+delivered twice is still finished exactly once. Knows rows; hands frozen dataclasses on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from servelab.config import ServingConfig
+from servelab.engine.outputs import BatchResult, Completion, FinishReason
+from servelab.store.models import (
+    BatchRow,
+    RequestMetricsRow,
+    RequestRow,
+    RequestStatus,
+    ResultRow,
+    ServingConfigRow,
+    StreamKind,
+    WorkerRow,
+)
+
+UNFINISHED = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    """What a worker needs of a request row to serve it."""
+
+    id: str
+    serving_config_name: str
+    status: RequestStatus
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    num_attempts: int
+    enqueued_at: datetime
+
+
+def create_request(
+    session: Session, *, serving_config_name: str, stream: StreamKind, prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None, sampling: dict[str, Any] | None = None,
+    tenant: str = "default", priority: int = 0, batch_job_id: uuid.UUID | None = None,
+    custom_id: str | None = None,
+) -> str:
+    row = RequestRow(
+        id=uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
+        messages=messages, sampling=sampling or {}, tenant=tenant, priority=priority,
+        batch_job_id=batch_job_id, custom_id=custom_id,
+    )
+    session.add(row)
+    session.flush()
+    return str(row.id)
+
+
+def load_requests(session: Session, ids: list[str]) -> dict[str, StoredRequest]:
+    rows = session.scalars(select(RequestRow).where(RequestRow.id.in_(_uuids(ids)))).all()
+    return {
+        str(r.id): StoredRequest(str(r.id), r.serving_config_name, r.status, r.prompt, r.messages, r.sampling,
+                                 r.num_attempts, r.enqueued_at)
+        for r in rows
+    }
+
+
+def claim_requests(session: Session, *, ids: list[str], now: datetime) -> dict[str, int]:
+    """Mark unfinished requests running and count this execution; -> {id: started executions}.
+
+    NOTE: 'running' rows are claimable too: after a crash the stream hands the entry to a new owner,
+    and the stream (not this row) says who owns it. Finished rows are left alone and not returned.
+    """
+    if not ids:
+        return {}
+    result = session.execute(
+        update(RequestRow)
+        .where(RequestRow.id.in_(_uuids(ids)), RequestRow.status.in_(UNFINISHED))
+        .values(status=RequestStatus.RUNNING, num_attempts=RequestRow.num_attempts + 1, started_at=now)
+        .returning(RequestRow.id, RequestRow.num_attempts)
+    )
+    return {str(request_id): attempts for request_id, attempts in result.all()}
+
+
+def fail_requests(session: Session, *, ids: list[str], reason: str, now: datetime) -> list[str]:
+    """Fail unfinished requests with a reason; -> the ids that were failed now."""
+    if not ids:
+        return []
+    result = session.execute(
+        update(RequestRow)
+        .where(RequestRow.id.in_(_uuids(ids)), RequestRow.status.in_(UNFINISHED))
+        .values(status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=reason, finished_at=now)
+        .returning(RequestRow.id)
+    )
+    return [str(i) for (i,) in result.all()]
+
+
+def record_batch(
+    session: Session, *, worker_name: str, serving_config_name: str, config_hash: str, result: BatchResult,
+    started_at: datetime, enqueued_at: dict[str, datetime],
+) -> str:
+    """Write the batch record, every request's result and metrics, and finish the request rows."""
+    batch_id = uuid.uuid4()
+    finished_at = started_at + timedelta(milliseconds=result.timings.total_ms)
+    t, m = result.timings, result.memory
+    session.add(BatchRow(
+        id=batch_id, worker_name=worker_name, serving_config_name=serving_config_name, config_hash=config_hash,
+        num_requests=len(result.completions), num_rows_per_step=list(t.num_rows_per_step),
+        prefill_ms=t.prefill_ms, decode_ms=t.decode_ms, num_prefill_tokens=t.num_prefill_tokens,
+        num_decode_tokens=t.num_decode_tokens, device=m.device, weight_bytes=m.weight_bytes,
+        kv_cache_bytes=m.kv_cache_bytes, kv_cache_allocated_bytes=m.kv_cache_allocated_bytes,
+        peak_working_bytes=m.peak_working_bytes, peak_process_bytes=m.peak_process_bytes,
+        started_at=started_at, finished_at=finished_at,
+    ))
+    session.flush()
+    for c in result.completions:
+        _finish(session, c, batch_id=batch_id, started_at=started_at, enqueued_at=enqueued_at[c.request_id])
+    return str(batch_id)
+
+
+def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at: datetime,
+            enqueued_at: datetime) -> None:
+    finished_at = started_at + timedelta(milliseconds=c.e2e_ms or 0.0)
+    is_error = c.finish_reason is FinishReason.ERROR
+    updated = session.execute(
+        update(RequestRow)
+        .where(RequestRow.id == uuid.UUID(c.request_id), RequestRow.status == RequestStatus.RUNNING)
+        .values(
+            status=RequestStatus.FAILED if is_error else RequestStatus.SUCCEEDED, finish_reason=c.finish_reason,
+            error=c.error, finished_at=finished_at,
+            first_token_at=None if c.ttft_ms is None else started_at + timedelta(milliseconds=c.ttft_ms),
+        )
+        .returning(RequestRow.id)
+    ).first()
+    if updated is None or is_error:
+        return  # NOTE: finished elsewhere (cancelled, or a duplicate run): the first outcome stands
+    session.execute(insert(ResultRow).values(
+        request_id=uuid.UUID(c.request_id), text=c.text, num_prompt_tokens=c.num_prompt_tokens,
+        num_generated_tokens=c.num_generated_tokens, token_ids=list(c.token_ids),
+    ).on_conflict_do_nothing(index_elements=["request_id"]))
+    session.execute(insert(RequestMetricsRow).values(
+        request_id=uuid.UUID(c.request_id), batch_id=batch_id,
+        queue_ms=max(0.0, (started_at - enqueued_at).total_seconds() * 1e3),
+        ttft_ms=c.ttft_ms, tpot_ms=c.tpot_ms, e2e_ms=c.e2e_ms, itl_ms=list(c.itl_ms),
+    ).on_conflict_do_nothing(index_elements=["request_id"]))
+
+
+def find_lost_candidates(session: Session, *, serving_config_name: str, queued_before: datetime,
+                         started_before: datetime, limit: int = 1000) -> list[str]:
+    """Unfinished requests old enough that their stream entry should long have been read or renewed."""
+    rows = session.scalars(
+        select(RequestRow.id).where(
+            RequestRow.serving_config_name == serving_config_name,
+            ((RequestRow.status == RequestStatus.QUEUED) & (RequestRow.enqueued_at < queued_before))
+            | ((RequestRow.status == RequestStatus.RUNNING) & (RequestRow.started_at < started_before)),
+        ).order_by(RequestRow.enqueued_at).limit(limit)
+    ).all()
+    return [str(i) for i in rows]
+
+
+def stream_of(session: Session, ids: list[str]) -> dict[str, StreamKind]:
+    rows = session.execute(select(RequestRow.id, RequestRow.stream).where(RequestRow.id.in_(_uuids(ids)))).all()
+    return {str(i): kind for i, kind in rows}
+
+
+def register_worker(session: Session, *, name: str, serving_config_name: str, config_hash: str,
+                    hardware: dict[str, Any], software: dict[str, Any]) -> None:
+    values = dict(name=name, serving_config_name=serving_config_name, config_hash=config_hash,
+                  hardware=hardware, software=software, started_at=func.now(), heartbeat_at=func.now())
+    session.execute(insert(WorkerRow).values(**values).on_conflict_do_update(index_elements=["name"], set_=values))
+
+
+def heartbeat(session: Session, *, name: str) -> None:
+    session.execute(update(WorkerRow).where(WorkerRow.name == name).values(heartbeat_at=func.now()))
+
+
+def _uuids(ids: list[str]) -> list[uuid.UUID]:
+    return [uuid.UUID(i) for i in ids]
+
+
+def save_serving_config(session: Session, *, config: ServingConfig) -> None:
+    """Record a served config (name + content hash) once; the full config travels with it."""
+    session.execute(insert(ServingConfigRow).values(
+        name=config.name, config_hash=config.config_hash, config=config.model_dump(mode="json"),
+    ).on_conflict_do_nothing(index_elements=["name", "config_hash"]))

@@ -1,0 +1,129 @@
+"""Real services for the tests: a fresh PostgreSQL database per test session and a Redis key prefix per test.
+
+Knows the two environment variables that point the tests at other servers (read here and nowhere else):
+SERVELAB_TEST_DATABASE_ADMIN_URL (a database to connect to for CREATE / DROP DATABASE) and
+SERVELAB_TEST_REDIS_URL. Everything created is dropped or deleted afterwards. No mocks of either server.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session
+
+from servelab.settings import Settings
+from servelab.store.db import make_engine
+from servelab.store.migrate import upgrade
+
+ADMIN_URL = os.environ.get(
+    "SERVELAB_TEST_DATABASE_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("SERVELAB_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _admin_engine() -> Engine:
+    return create_engine(make_url(ADMIN_URL), isolation_level="AUTOCOMMIT")
+
+
+def create_test_database() -> URL:
+    """A new, empty database with a unique name, on the admin URL's server."""
+    name = f"servelab_test_{uuid.uuid4().hex[:12]}"
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return make_url(ADMIN_URL).set(database=name)
+
+
+def drop_test_database(url: URL) -> None:
+    assert url.database and url.database.startswith("servelab_test_"), f"refusing to drop {url.database!r}"
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            # NOTE: WITH (FORCE) (PostgreSQL 13+) ends connections a failed test left open.
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[URL]:
+    """A fresh database for the whole test session, dropped at its end."""
+    url = create_test_database()
+    yield url
+    drop_test_database(url)
+
+
+@pytest.fixture
+def fresh_database_url() -> Iterator[URL]:
+    """A fresh database for one test (migration tests go up and down without disturbing others)."""
+    url = create_test_database()
+    yield url
+    drop_test_database(url)
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: URL) -> Iterator[Engine]:
+    """An engine on the session's database, migrated to head."""
+    upgrade(database_url)
+    engine = make_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def session(engine: Engine) -> Iterator[Session]:
+    """A session inside a transaction that is rolled back after the test, whatever the test committed.
+
+    Code under test may call session.commit(): with join_transaction_mode="create_savepoint" that
+    releases a savepoint, and the outer transaction still rolls everything back.
+    """
+    with engine.connect() as conn:
+        outer = conn.begin()
+        session = Session(bind=conn, join_transaction_mode="create_savepoint", expire_on_commit=False)
+        try:
+            yield session
+        finally:
+            session.close()
+            outer.rollback()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A Redis key prefix of this test's own; every key under it is deleted afterwards."""
+    return f"servelab-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    try:
+        yield client
+    finally:
+        keys = list(client.scan_iter(match=f"{key_prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture
+def service_settings(database_url: URL, engine: Engine, key_prefix: str, tmp_path: Path) -> Settings:
+    """Settings pointing at the test database (migrated) and Redis, with this test's key prefix."""
+    return Settings(
+        redis_url=REDIS_URL,
+        database_url=database_url.render_as_string(hide_password=False),
+        key_prefix=key_prefix,
+        state_dir=tmp_path / "state",
+        cache_dir=REPO / ".cache",  # the converted models, shared with tests/engine
+    )

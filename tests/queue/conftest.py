@@ -1,0 +1,55 @@
+"""A live serving worker on the tiny model, against the tests' real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from servelab.engine.engine import Engine
+from servelab.queue.batcher import BatchPolicy
+from servelab.queue.streams import RequestStreams
+from servelab.serving import FaultPolicy, ServingWorker
+from servelab.store.db import session_factory
+from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401 (fixtures)
+
+
+@dataclass
+class Served:
+    """A worker serving one fresh config name; start() runs it in a thread until the test ends."""
+
+    worker: ServingWorker
+    streams: RequestStreams
+    sessions: sessionmaker[Session]
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+
+@pytest.fixture
+def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
+    started: list[Served] = []
+
+    def make(policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(renew_every_s=0.2)) -> Served:
+        streams = RequestStreams(redis_client, prefix=key_prefix, config_name=f"tiny-{uuid.uuid4().hex[:8]}")
+        sessions = session_factory(engine)
+        worker = ServingWorker(engine=tiny_engine, streams=streams, sessions=sessions,
+                               name=f"w-{uuid.uuid4().hex[:6]}", policy=policy, faults=faults)
+        served = Served(worker, streams, sessions)
+        started.append(served)
+        return served
+
+    yield make
+    for served in started:
+        served.worker.stop.set()
+    for served in started:
+        if served.thread is not None:
+            served.thread.join(timeout=10)
+            assert not served.thread.is_alive(), "worker did not stop"

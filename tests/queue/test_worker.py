@@ -1,0 +1,143 @@
+"""The serving worker end to end on real Redis and PostgreSQL: batches, priorities, redelivery, lost entries."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from sqlalchemy import select
+
+from servelab.queue.batcher import BatchPolicy
+from servelab.queue.streams import wait_done
+from servelab.queue.submit import submit_request
+from servelab.serving import FaultPolicy
+from servelab.store.db import session_scope
+from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
+
+GREEDY = {"max_new_tokens": 6}
+
+
+def submit(served, n: int, *, kind: StreamKind = StreamKind.INTERACTIVE, prompt: str = "the cat sat",
+           sampling: dict | None = None) -> list[str]:
+    return [submit_request(sessions=served.sessions, streams=served.streams, kind=kind, prompt=f"{prompt} {i}",
+                           sampling=sampling or GREEDY) for i in range(n)]
+
+
+def wait_all(served, ids: list[str], timeout_s: float = 60.0) -> dict[str, RequestRow]:
+    deadline = time.monotonic() + timeout_s
+    for request_id in ids:
+        wait_done(served.streams.client, prefix=served.streams.prefix, request_id=request_id,
+                  timeout_s=max(0.1, deadline - time.monotonic()))
+    with session_scope(served.sessions) as session:
+        rows = session.scalars(select(RequestRow).where(RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
+        return {str(r.id): r for r in rows}
+
+
+def batches_of(served) -> list[BatchRow]:
+    with session_scope(served.sessions) as session:
+        return list(session.scalars(select(BatchRow).where(BatchRow.serving_config_name == served.streams.config_name)
+                                    .order_by(BatchRow.started_at)).all())
+
+
+def test_burst_larger_than_max_batch_size_is_served_in_full_batches(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=300, max_batch_tokens=100_000))
+    ids = submit(served, 10)
+    served.start()
+    rows = wait_all(served, ids)
+    assert all(r.status is RequestStatus.SUCCEEDED for r in rows.values())
+    assert [b.num_requests for b in batches_of(served)] == [4, 4, 2]
+
+
+def test_lone_request_is_served_alone_when_the_window_closes(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=100, max_batch_tokens=100_000))
+    served.start()
+    ids = submit(served, 1)
+    assert wait_all(served, ids)[ids[0]].status is RequestStatus.SUCCEEDED
+    assert [b.num_requests for b in batches_of(served)] == [1]  # the window, not a full batch, closed it
+
+
+def test_kv_budget_caps_a_batch_of_long_requests(make_served) -> None:
+    long_prompt = "seven blue houses by the river " * 8  # about 50 tokens
+    sampling = {"max_new_tokens": 50}
+    served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=300, max_batch_tokens=3 * 110))
+    ids = submit(served, 6, prompt=long_prompt, sampling=sampling)
+    served.start()
+    wait_all(served, ids)
+    sizes = [b.num_requests for b in batches_of(served)]
+    assert max(sizes) <= 3 and sum(sizes) == 6, sizes
+
+
+def test_interactive_requests_are_served_before_bulk(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=1, max_wait_ms=0, max_batch_tokens=100_000))
+    bulk = submit(served, 3, kind=StreamKind.BULK)
+    interactive = submit(served, 1, kind=StreamKind.INTERACTIVE)
+    served.start()
+    rows = wait_all(served, bulk + interactive)
+    order = sorted(rows.values(), key=lambda r: r.started_at)
+    assert str(order[0].id) == interactive[0]
+
+
+def test_metrics_are_ordered_and_token_counts_match_the_text(make_served, tiny_engine) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=50, max_batch_tokens=100_000))
+    served.start()
+    ids = submit(served, 3, sampling={"max_new_tokens": 8, "temperature": 0.8, "seed": 7})
+    rows = wait_all(served, ids)
+    with session_scope(served.sessions) as session:
+        results = {str(r.request_id): r for r in session.scalars(select(ResultRow).where(
+            ResultRow.request_id.in_([uuid.UUID(i) for i in ids])))}
+        metrics = {str(m.request_id): m for m in session.scalars(select(RequestMetricsRow).where(
+            RequestMetricsRow.request_id.in_([uuid.UUID(i) for i in ids])))}
+    for request_id, row in rows.items():
+        assert row.enqueued_at <= row.started_at <= row.first_token_at <= row.finished_at
+        result = results[request_id]
+        assert result.num_generated_tokens == len(result.token_ids) == 8
+        assert tiny_engine.tokenizer.decode(result.token_ids, skip_special_tokens=True) == result.text
+        m = metrics[request_id]
+        assert m.queue_ms >= 0 and m.ttft_ms <= m.e2e_ms and len(m.itl_ms) == 7
+        assert row.num_attempts == 1
+
+
+def test_redelivered_finished_request_is_acknowledged_not_served_again(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000))
+    served.start()
+    ids = submit(served, 1)
+    wait_all(served, ids)
+    served.streams.client.delete(f"{served.streams.prefix}:done:{ids[0]}")
+    served.streams.enqueue(ids[0], StreamKind.INTERACTIVE)  # a duplicate entry for a finished request
+    probe = submit(served, 1)  # served after the duplicate: the duplicate has been handled by then
+    wait_all(served, probe)
+    with session_scope(served.sessions) as session:
+        row = session.get(RequestRow, uuid.UUID(ids[0]))
+        assert row.num_attempts == 1
+        assert session.query(ResultRow).filter(ResultRow.request_id == uuid.UUID(ids[0])).count() == 1
+    assert served.streams.depth() == {"interactive": 0, "bulk": 0}
+
+
+def test_a_bad_request_fails_alone_with_its_reason(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=200, max_batch_tokens=100_000))
+    good = submit(served, 2)
+    empty = [submit_request(sessions=served.sessions, streams=served.streams, prompt="", sampling=GREEDY)]
+    too_long = [submit_request(sessions=served.sessions, streams=served.streams, prompt="cat " * 400,
+                               sampling=GREEDY)]
+    unreadable = [submit_request(sessions=served.sessions, streams=served.streams, prompt="the cat",
+                                 sampling={"max_new_tokens": 4, "no_such_param": 1})]
+    served.start()
+    rows = wait_all(served, good + empty + too_long + unreadable)
+    assert all(rows[i].status is RequestStatus.SUCCEEDED for i in good)
+    assert rows[empty[0]].status is RequestStatus.FAILED and "prompt is empty" in rows[empty[0]].error
+    assert rows[too_long[0]].status is RequestStatus.FAILED and "max_context_tokens" in rows[too_long[0]].error
+    assert rows[unreadable[0]].status is RequestStatus.FAILED and "no_such_param" in rows[unreadable[0]].error
+
+
+def test_lost_stream_entries_are_enqueued_again_and_served(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=20, max_batch_tokens=100_000),
+                         FaultPolicy(claim_idle_ms=200, renew_every_s=0.1))
+    ids = submit(served, 5)
+    client = served.streams.client
+    for key in client.scan_iter(match=f"{served.streams.prefix}:*"):  # Redis restarted empty
+        client.delete(key)
+    time.sleep(0.3)  # NOTE: older than the grace period, as a lost entry would be
+    assert served.worker.reap_lost() == 5
+    served.start()
+    rows = wait_all(served, ids)
+    assert all(r.status is RequestStatus.SUCCEEDED and r.num_attempts == 1 for r in rows.values())
