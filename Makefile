@@ -22,6 +22,7 @@ demo: $(STAMP)
 		"The capital of France is" "Water boils at a temperature of"
 	$(VENV)/bin/servelab generate --config configs/bf16.yaml --chat --max-new-tokens 48 "What is the capital of France?"
 	$(VENV)/bin/servelab bench engine --configs configs/fp32.yaml,configs/bf16.yaml --batch-sizes 1,4,16 --new-tokens 16 --rounds 1 --threads 1
+	$(VENV)/bin/servelab bench queue --config configs/bf16.yaml --requests 16 --new-tokens 8 --rounds 1 --threads 1
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -29,5 +30,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/servelab bench engine --configs configs/fp32.yaml,configs/bf16.yaml --threads 1
 
-clean:
+stop:
+	$(VENV)/bin/servelab down
+
+clean: stop
 	rm -rf $(VENV) .cache .state

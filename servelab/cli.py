@@ -142,6 +142,15 @@ def worker(
         runtime.close()
 
 
+@app.command()
+def down() -> None:
+    """Stop the embedded Redis and PostgreSQL this folder's state dir started."""
+    from servelab.embedded import stop_embedded
+
+    for server in stop_embedded(Settings()):
+        typer.echo(f"stopped embedded {server.kind} (pid {server.pid})")
+
+
 @bench_app.command("engine")
 def bench_engine(
     configs: Annotated[str, typer.Option(help="comma-separated serving config files")] = "configs/fp32.yaml",
@@ -177,6 +186,58 @@ def bench_engine(
                                "rows": [r.as_dict() for r in rows]}, indent=2))
     else:
         typer.echo(format_engine_table(rows, bandwidth_gbs=bandwidth))
+
+
+@bench_app.command("queue")
+def bench_queue(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    requests: Annotated[int, typer.Option(help="requests in the burst")] = 32,
+    prompt_tokens: int = 32,
+    new_tokens: int = 16,
+    rounds: Annotated[int, typer.Option(help="in-process / queue pairs, back to back")] = 2,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: the config's)")] = None,
+) -> None:
+    """The same burst served by the engine in-process and through the full queue path; the ratio."""
+    import threading
+    import uuid
+
+    from servelab.engine.engine import Engine
+    from servelab.lab.bench import bench_requests, format_queue_table, time_in_process, time_queue_path
+    from servelab.queue.batcher import BatchPolicy
+    from servelab.queue.streams import RequestStreams
+    from servelab.runtime import connect
+    from servelab.serving import FaultPolicy, ServingWorker
+
+    serving = _load_config(config)
+    if threads:
+        serving = serving.model_copy(update={"num_threads": threads})
+    settings = Settings()
+    runtime = connect(settings)
+    engine = Engine.from_config(serving, settings)
+    streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
+                           policy=BatchPolicy.from_config(serving.batching), faults=FaultPolicy.from_settings(settings))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    burst = bench_requests(engine, requests, prompt_tokens, new_tokens)
+    time_in_process(engine, burst[:2], serving.batching.max_batch_size)  # warm-up
+    pairs = []
+    for round_idx in range(rounds):
+        typer.echo(f"round {round_idx + 1}/{rounds}", err=True)
+        pairs.append((time_in_process(engine, burst, serving.batching.max_batch_size), time_queue_path(worker, burst)))
+    worker.stop.set()
+    thread.join(timeout=30)
+    runtime.close()
+    typer.echo(f"config {serving.name} ({serving.weights}), max_batch_size {serving.batching.max_batch_size}, "
+               f"max_wait_ms {serving.batching.max_wait_ms}, threads {engine_threads()}; burst of {requests} requests, "
+               f"{prompt_tokens} prompt + {new_tokens} new tokens each")
+    typer.echo(format_queue_table(pairs))
+
+
+def engine_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
 from servelab.engine.engine import Engine
 from servelab.engine.requests import GenerationRequest, SamplingParams
+from servelab.queue.streams import wait_done
+from servelab.queue.submit import submit_request
+from servelab.serving import ServingWorker
+from servelab.store import requests as store
+from servelab.store.db import session_scope
 
 FILLER = (
     "In the quiet town by the river, the baker rose before dawn to light the ovens, "
@@ -116,4 +122,67 @@ def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float) -> 
             f"{r.fraction_of_roofline:>6.0%}"
         )
     lines.append("roofline: batch x bandwidth / weight bytes (every decode step reads all weights once)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PathTiming:
+    """One serving path over the same burst of requests: throughput and client-observed latency."""
+
+    path: str
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    latencies_ms: tuple[float, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def latency_percentile_ms(self, q: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def time_in_process(engine: Engine, requests: list[GenerationRequest], max_batch_size: int) -> PathTiming:
+    """The engine called directly, the burst cut into batches of max_batch_size, one after another."""
+    started = time.perf_counter()
+    latencies, num_tokens = [], 0
+    for i in range(0, len(requests), max_batch_size):
+        result = engine.generate(requests[i:i + max_batch_size])
+        done_ms = (time.perf_counter() - started) * 1e3
+        latencies += [done_ms] * len(result.completions)
+        num_tokens += sum(c.num_generated_tokens for c in result.completions)
+    return PathTiming("in-process", len(requests), num_tokens, time.perf_counter() - started, tuple(latencies))
+
+
+def time_queue_path(worker: ServingWorker, requests: list[GenerationRequest]) -> PathTiming:
+    """The same burst through the full path: commit + XADD, a live worker, the store, the notification."""
+    def one(request: GenerationRequest) -> tuple[str, float]:
+        sent = time.perf_counter()
+        request_id = submit_request(sessions=worker.sessions, streams=worker.streams, prompt=request.prompt,
+                                    sampling={"max_new_tokens": request.params.max_new_tokens, "ignore_eos": True})
+        assert wait_done(worker.streams.client, prefix=worker.streams.prefix, request_id=request_id, timeout_s=600)
+        return request_id, (time.perf_counter() - sent) * 1e3
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
+        outcomes = list(pool.map(one, requests))
+    wall_s = time.perf_counter() - started
+    with session_scope(worker.sessions) as session:
+        num_tokens = store.count_generated_tokens(session, ids=[i for i, _ in outcomes])
+    return PathTiming("queue", len(requests), num_tokens, wall_s, tuple(ms for _, ms in outcomes))
+
+
+def format_queue_table(rows: list[tuple[PathTiming, PathTiming]]) -> str:
+    """One block per round; each pair was measured back to back on the same burst."""
+    lines = [f"{'path':<11} {'requests':>8} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}"]
+    for direct, queued in rows:
+        for t in (direct, queued):
+            lines.append(f"{t.path:<11} {t.num_requests:>8} {t.tokens_per_s:>8.1f} "
+                         f"{t.latency_percentile_ms(50):>8.0f} {t.latency_percentile_ms(99):>8.0f}")
+        lines.append(f"{'ratio':<11} {'':>8} {queued.tokens_per_s / direct.tokens_per_s:>7.2f}x "
+                     f"{queued.latency_percentile_ms(50) / direct.latency_percentile_ms(50):>7.2f}x "
+                     f"{queued.latency_percentile_ms(99) / direct.latency_percentile_ms(99):>7.2f}x")
+    lines.append("ratio = queue / in-process: tok/s below 1x and latency above 1x are the cost of the queue")
     return "\n".join(lines)

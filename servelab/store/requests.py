@@ -189,3 +189,9 @@ def save_serving_config(session: Session, *, config: ServingConfig) -> None:
     session.execute(insert(ServingConfigRow).values(
         name=config.name, config_hash=config.config_hash, config=config.model_dump(mode="json"),
     ).on_conflict_do_nothing(index_elements=["name", "config_hash"]))
+
+
+def count_generated_tokens(session: Session, *, ids: list[str]) -> int:
+    total = session.scalar(select(func.coalesce(func.sum(ResultRow.num_generated_tokens), 0))
+                           .where(ResultRow.request_id.in_(_uuids(ids))))
+    return int(total or 0)

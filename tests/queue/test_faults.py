@@ -1,0 +1,149 @@
+"""Real worker processes killed with SIGKILL, crashing requests, and take-over by a live worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from servelab.queue.streams import RequestStreams
+from servelab.queue.submit import submit_request
+from servelab.store.db import session_factory, session_scope
+from servelab.store.models import RequestRow, RequestStatus, ResultRow
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = {"max_new_tokens": 5}
+
+
+class WorkerProcesses:
+    """Starts real `python -m worker.gpu`-equivalent processes (with the faulty engine) and kills them."""
+
+    def __init__(self, tmp_path: Path, tiny_folder: Path, service_settings, config_name: str) -> None:
+        self.config = tmp_path / f"{config_name}.yaml"
+        self.config.write_text(
+            f"name: {config_name}\nmodel: {tiny_folder}\nweights: fp32\ndevice: cpu\nnum_threads: 1\n"
+            "batching:\n  max_batch_size: 8\n  max_wait_ms: 300\n"
+            "decoding:\n  max_new_tokens: 32\n  max_context_tokens: 128\n")
+        self.marker = tmp_path / "stalled"
+        self.env = {**os.environ, "SERVELAB_REDIS_URL": service_settings.redis_url,
+                    "SERVELAB_DATABASE_URL": service_settings.database_url,
+                    "SERVELAB_KEY_PREFIX": service_settings.key_prefix,
+                    "SERVELAB_CACHE_DIR": str(service_settings.cache_dir), "SERVELAB_NUM_THREADS": "1",
+                    "SERVELAB_CLAIM_IDLE_MS": "1500", "SERVELAB_RENEW_EVERY_S": "0.2",
+                    "SERVELAB_TEST_STALL_MARKER": str(self.marker), "PYTHONPATH": str(REPO)}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.queue.faulty_worker", str(self.config)], cwd=REPO,
+                                env={**self.env, "SERVELAB_WORKER_NAME": name})
+        self.procs.append(proc)
+        return proc
+
+    def wait_for_stall(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.marker.exists():
+            assert time.monotonic() < deadline, "the worker never reached the stalling batch"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def workers(tmp_path, tiny_folder, service_settings):
+    procs = WorkerProcesses(tmp_path, tiny_folder, service_settings, f"faulty-{uuid.uuid4().hex[:8]}")
+    yield procs
+    procs.close()
+
+
+@pytest.fixture
+def queue(workers, engine, redis_client, service_settings):
+    streams = RequestStreams(redis_client, prefix=service_settings.key_prefix, config_name=workers.config.stem)
+    return streams, session_factory(engine)
+
+
+def submit_all(queue, prompts: list[str]) -> list[str]:
+    streams, sessions = queue
+    return [submit_request(sessions=sessions, streams=streams, prompt=p, sampling=GREEDY) for p in prompts]
+
+
+def wait_finished(queue, ids: list[str], *, timeout_s: float = 120.0, until_exit: subprocess.Popen | None = None) -> bool:
+    """Poll until every request is finished (True) or the given process exits first (False)."""
+    _, sessions = queue
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with session_scope(sessions) as session:
+            statuses = session.scalars(select(RequestRow.status).where(
+                RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
+        if all(s.is_terminal for s in statuses):
+            return True
+        if until_exit is not None and until_exit.poll() is not None:
+            return False
+        time.sleep(0.2)
+    raise AssertionError(f"requests not finished within {timeout_s} s")
+
+
+def outcomes(queue, ids: list[str]) -> dict[str, tuple[RequestStatus, int, int, str | None]]:
+    """id -> (status, started executions, result rows, error)."""
+    _, sessions = queue
+    with session_scope(sessions) as session:
+        rows = session.execute(
+            select(RequestRow.id, RequestRow.status, RequestRow.num_attempts, func.count(ResultRow.request_id),
+                   RequestRow.error)
+            .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+            .where(RequestRow.id.in_([uuid.UUID(i) for i in ids])).group_by(RequestRow.id)).all()
+    return {str(i): (status, attempts, num_results, error) for i, status, attempts, num_results, error in rows}
+
+
+def test_kill_9_mid_batch_then_restart_finishes_every_request_exactly_once(workers, queue) -> None:
+    ids = submit_all(queue, ["STALL here", *[f"the cat sat {i}" for i in range(5)]])
+    first = workers.start("w-restart")
+    workers.wait_for_stall()
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    workers.start("w-restart")  # same consumer name: takes back its own pending entries at once
+    assert wait_finished(queue, ids)
+    result = outcomes(queue, ids)
+    assert all(status is RequestStatus.SUCCEEDED and num_results == 1 for status, _, num_results, _ in result.values())
+    assert all(attempts == 2 for _, attempts, _, _ in result.values())  # the killed run, then the finishing one
+
+
+def test_a_live_worker_takes_over_a_dead_workers_pending_requests(workers, queue) -> None:
+    ids = submit_all(queue, ["STALL here", *[f"a river {i}" for i in range(4)]])
+    doomed = workers.start("w-doomed")
+    workers.wait_for_stall()
+    workers.start("w-survivor")
+    doomed.send_signal(signal.SIGKILL)  # killed for good: never restarted
+    doomed.wait(timeout=30)
+    assert wait_finished(queue, ids)
+    result = outcomes(queue, ids)
+    assert all(status is RequestStatus.SUCCEEDED and num_results == 1 for status, _, num_results, _ in result.values())
+
+
+def test_a_request_that_crashes_its_worker_three_times_fails_and_its_batch_mates_succeed(workers, queue) -> None:
+    streams, _ = queue
+    ids = submit_all(queue, ["CRASH now", *[f"seven blue houses {i}" for i in range(4)]])
+    for _ in range(6):  # a supervisor restarting the crashed worker, as docker or systemd would
+        proc = workers.start("w-poison")
+        if wait_finished(queue, ids, until_exit=proc):
+            break
+        assert proc.returncode == 17, proc.returncode
+    else:
+        raise AssertionError("the poison request was never given up")
+    result = outcomes(queue, ids)
+    status, attempts, num_results, error = result[ids[0]]
+    assert status is RequestStatus.FAILED and attempts == 3 and num_results == 0
+    assert "crashed its worker 3 times" in error
+    assert all(result[i][0] is RequestStatus.SUCCEEDED and result[i][2] == 1 for i in ids[1:])
+    dead = streams.client.xrange(streams.dead_letter_key)
+    assert [fields[b"request_id"].decode() for _, fields in dead] == [ids[0]]
