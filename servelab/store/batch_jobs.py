@@ -1,0 +1,252 @@
+"""Store functions of bulk jobs: create, read, lock and move a job; its requests, line errors and counts.
+
+Knows the job row, its requests (by batch_job_id) and its bad lines. Status moves are conditional
+updates, so a task that runs twice moves a job once. Does not know the file format (servelab/jobs/)
+or Celery. Every function takes a session and never commits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from servelab.engine.outputs import FinishReason
+from servelab.store.models import (
+    BatchJobRow,
+    BatchLineErrorRow,
+    BatchStatus,
+    RequestRow,
+    RequestStatus,
+    ResultRow,
+    StreamKind,
+)
+
+ID_PREFIX = "batch_"
+ACTIVE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    total: int
+    completed: int
+    failed: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"total": self.total, "completed": self.completed, "failed": self.failed}
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    id: uuid.UUID
+    tenant: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict[str, Any] | None
+    status: BatchStatus
+    errors: list[dict[str, Any]] | None
+    ingest_offset: int
+    num_lines: int  # physical lines read, blank ones included: the next line's number is num_lines + 1
+    is_ingested: bool
+    output_file_id: str | None
+    error_file_id: str | None
+    request_counts: dict[str, int] | None
+    timestamps: dict[str, datetime | None]
+
+    @property
+    def public_id(self) -> str:
+        return public_id(self.id)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A good batch line, ready to become a request row."""
+
+    custom_id: str
+    serving_config_name: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineError:
+    line_no: int
+    custom_id: str | None
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One request of a job as finalisation sees it, with its result when it has one."""
+
+    id: str
+    custom_id: str
+    serving_config_name: str
+    status: RequestStatus
+    error: str | None
+    finish_reason: FinishReason | None
+    finished_at: datetime | None
+    text: str | None
+    num_prompt_tokens: int | None
+    num_generated_tokens: int | None
+
+
+TIMESTAMPS = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
+              "expired_at", "cancelling_at", "cancelled_at")
+
+
+def public_id(job_id: uuid.UUID) -> str:
+    return f"{ID_PREFIX}{job_id.hex}"
+
+
+def parse_public_id(value: str) -> uuid.UUID | None:
+    if not value.startswith(ID_PREFIX):
+        return None
+    try:
+        return uuid.UUID(hex=value.removeprefix(ID_PREFIX))
+    except ValueError:
+        return None
+
+
+def _stored(row: BatchJobRow) -> StoredJob:
+    return StoredJob(
+        row.id, row.tenant, row.endpoint, row.input_file_id, row.completion_window, row.job_metadata, row.status,
+        row.errors, row.ingest_offset, row.num_lines, row.is_ingested, row.output_file_id, row.error_file_id,
+        row.request_counts, {name: getattr(row, name) for name in TIMESTAMPS},
+    )
+
+
+def create_job(session: Session, *, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
+               metadata: dict[str, Any] | None, expires_at: datetime) -> StoredJob:
+    row = BatchJobRow(id=uuid.uuid4(), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
+                      completion_window=completion_window, job_metadata=metadata, expires_at=expires_at)
+    session.add(row)
+    session.flush()
+    session.refresh(row)
+    return _stored(row)
+
+
+def get_job(session: Session, *, job_id: uuid.UUID, tenant: str | None = None, for_update: bool = False
+            ) -> StoredJob | None:
+    """The job; None when it does not exist or (tenant given) belongs to another tenant."""
+    query = select(BatchJobRow).where(BatchJobRow.id == job_id)
+    if tenant is not None:
+        query = query.where(BatchJobRow.tenant == tenant)
+    if for_update:
+        query = query.with_for_update()
+    row = session.scalar(query)
+    return _stored(row) if row else None
+
+
+def list_jobs(session: Session, *, tenant: str, after: uuid.UUID | None = None, limit: int = 20) -> list[StoredJob]:
+    """Newest first; `after` is the last id of the previous page."""
+    query = select(BatchJobRow).where(BatchJobRow.tenant == tenant)
+    if after is not None:
+        anchor = select(BatchJobRow.created_at).where(BatchJobRow.id == after).scalar_subquery()
+        query = query.where((BatchJobRow.created_at, BatchJobRow.id) < (anchor, after))
+    rows = session.scalars(query.order_by(BatchJobRow.created_at.desc(), BatchJobRow.id.desc()).limit(limit))
+    return [_stored(r) for r in rows]
+
+
+def active_job_ids(session: Session) -> list[uuid.UUID]:
+    return list(session.scalars(select(BatchJobRow.id).where(BatchJobRow.status.in_(ACTIVE))
+                                .order_by(BatchJobRow.created_at)))
+
+
+def move_job(session: Session, *, job_id: uuid.UUID, from_statuses: tuple[BatchStatus, ...], to: BatchStatus,
+             now: datetime, **values: Any) -> bool:
+    """Move the job to `to` if it is in one of from_statuses, stamping `<to>_at`; True if it moved."""
+    stamp = {f"{to.value}_at": now} if f"{to.value}_at" in TIMESTAMPS else {}
+    result = session.execute(
+        update(BatchJobRow).where(BatchJobRow.id == job_id, BatchJobRow.status.in_(from_statuses))
+        .values(status=to, **stamp, **values).returning(BatchJobRow.id)
+    )
+    return result.first() is not None
+
+
+def update_job(session: Session, *, job_id: uuid.UUID, **values: Any) -> None:
+    session.execute(update(BatchJobRow).where(BatchJobRow.id == job_id).values(**values))
+
+
+def add_requests(session: Session, *, job: StoredJob, requests: list[NewRequest]) -> tuple[dict[str, str], list[str]]:
+    """Insert request rows; -> ({custom_id: new request id}, custom_ids already taken by earlier lines)."""
+    if not requests:
+        return {}, []
+    rows = [dict(id=uuid.uuid4(), tenant=job.tenant, serving_config_name=r.serving_config_name,
+                 stream=StreamKind.BULK, status=RequestStatus.QUEUED, prompt=r.prompt, messages=r.messages,
+                 sampling=r.sampling, batch_job_id=job.id, custom_id=r.custom_id) for r in requests]
+    table = RequestRow.__table__
+    # NOTE: one cached statement executed for many rows (insertmanyvalues), not a new VALUES list per step:
+    # compiling 500-row VALUES statements cost more than running them.
+    result = session.execute(
+        insert(table).on_conflict_do_nothing(index_elements=["batch_job_id", "custom_id"])
+        .returning(table.c.id, table.c.custom_id),
+        rows,
+    )
+    created = {custom_id: str(request_id) for request_id, custom_id in result.all()}
+    return created, [r.custom_id for r in requests if r.custom_id not in created]
+
+
+def add_line_errors(session: Session, *, job_id: uuid.UUID, errors: list[LineError]) -> None:
+    if not errors:
+        return
+    session.execute(
+        insert(BatchLineErrorRow.__table__).on_conflict_do_nothing(index_elements=["batch_job_id", "line_no"]),
+        [dict(batch_job_id=job_id, line_no=e.line_no, custom_id=e.custom_id, code=e.code, message=e.message)
+         for e in errors],
+    )
+
+
+def num_unfinished(session: Session, *, job_id: uuid.UUID, statuses: tuple[RequestStatus, ...] = (
+        RequestStatus.QUEUED, RequestStatus.RUNNING)) -> int:
+    return session.scalar(select(func.count()).select_from(RequestRow).where(
+        RequestRow.batch_job_id == job_id, RequestRow.status.in_(statuses))) or 0
+
+
+def cancel_queued(session: Session, *, job_id: uuid.UUID, reason: str, now: datetime) -> int:
+    """Cancel the job's requests no worker has started; started ones run to their end."""
+    result = session.execute(
+        update(RequestRow).where(RequestRow.batch_job_id == job_id, RequestRow.status == RequestStatus.QUEUED)
+        .values(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, error=reason, finished_at=now)
+    )
+    return result.rowcount
+
+
+def count_requests(session: Session, *, job: StoredJob) -> RequestCounts:
+    """Live counts: requests plus bad lines; succeeded requests; bad lines plus failed or cancelled requests."""
+    by_status = dict(session.execute(
+        select(RequestRow.status, func.count()).where(RequestRow.batch_job_id == job.id).group_by(RequestRow.status)
+    ).all())
+    num_bad_lines = session.scalar(select(func.count()).select_from(BatchLineErrorRow)
+                                   .where(BatchLineErrorRow.batch_job_id == job.id)) or 0
+    failed = num_bad_lines + by_status.get(RequestStatus.FAILED, 0) + by_status.get(RequestStatus.CANCELLED, 0)
+    total = sum(by_status.values()) + num_bad_lines
+    return RequestCounts(total=total, completed=by_status.get(RequestStatus.SUCCEEDED, 0), failed=failed)
+
+
+def iter_job_requests(session: Session, *, job_id: uuid.UUID, page_size: int = 1_000) -> Iterator[JobRequest]:
+    """Every request of the job with its result, streamed from the server in pages."""
+    query = (
+        select(RequestRow.id, RequestRow.custom_id, RequestRow.serving_config_name, RequestRow.status,
+               RequestRow.error, RequestRow.finish_reason, RequestRow.finished_at, ResultRow.text,
+               ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens)
+        .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+        .where(RequestRow.batch_job_id == job_id).order_by(RequestRow.enqueued_at, RequestRow.id)
+    )
+    for row in session.execute(query.execution_options(yield_per=page_size)):
+        yield JobRequest(str(row[0]), *row[1:])
+
+
+def iter_line_errors(session: Session, *, job_id: uuid.UUID) -> Iterator[LineError]:
+    query = select(BatchLineErrorRow).where(BatchLineErrorRow.batch_job_id == job_id).order_by(BatchLineErrorRow.line_no)
+    for row in session.scalars(query.execution_options(yield_per=1_000)):
+        yield LineError(row.line_no, row.custom_id, row.code, row.message)

@@ -1,0 +1,81 @@
+"""Files of the Batch API: uploaded JSONL inputs and jobs' output / error files, content held in Postgres.
+
+Knows ids ("file-<hex>"), ownership (every read names the tenant; another tenant's file is simply not
+found) and reading content in byte ranges so a large file is never loaded whole by ingest.
+Store functions take a session and never commit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from servelab.store.models import FileRow
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    id: str
+    tenant: str
+    purpose: str
+    filename: str
+    num_bytes: int
+    created_at: datetime
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def create_file(session: Session, *, tenant: str, purpose: str, filename: str, content: bytes,
+                file_id: str | None = None) -> StoredFile:
+    """Insert a file; with a given id, an existing file of that id is kept (a re-run writes nothing twice)."""
+    file_id = file_id or new_file_id()
+    session.execute(insert(FileRow).values(
+        id=file_id, tenant=tenant, purpose=purpose, filename=filename, num_bytes=len(content), content=content,
+    ).on_conflict_do_nothing(index_elements=["id"]))
+    stored = get_file(session, file_id=file_id, tenant=tenant)
+    assert stored is not None, f"file {file_id} was not written"
+    return stored
+
+
+def get_file(session: Session, *, file_id: str, tenant: str) -> StoredFile | None:
+    row = session.execute(
+        select(FileRow.id, FileRow.tenant, FileRow.purpose, FileRow.filename, FileRow.num_bytes, FileRow.created_at)
+        .where(FileRow.id == file_id, FileRow.tenant == tenant)
+    ).first()
+    return StoredFile(*row) if row else None
+
+
+def list_files(session: Session, *, tenant: str, limit: int = 100) -> list[StoredFile]:
+    rows = session.execute(
+        select(FileRow.id, FileRow.tenant, FileRow.purpose, FileRow.filename, FileRow.num_bytes, FileRow.created_at)
+        .where(FileRow.tenant == tenant).order_by(FileRow.created_at.desc()).limit(limit)
+    ).all()
+    return [StoredFile(*r) for r in rows]
+
+
+def read_content(session: Session, *, file_id: str, tenant: str) -> bytes | None:
+    return session.scalar(select(FileRow.content).where(FileRow.id == file_id, FileRow.tenant == tenant))
+
+
+def read_range(session: Session, *, file_id: str, offset: int, num_bytes: int) -> bytes:
+    """Bytes [offset, offset + num_bytes) of a file; fewer at its end."""
+    # NOTE: substring on bytea is 1-based; Postgres reads only the range (TOAST slices), not the whole value.
+    return session.scalar(
+        select(func.substring(FileRow.content, offset + 1, num_bytes)).where(FileRow.id == file_id)
+    ) or b""
+
+
+def find_newline(session: Session, *, file_id: str, offset: int) -> int | None:
+    """The offset of the first newline at or after offset, or None when the file ends first."""
+    position = session.scalar(
+        text("SELECT position('\\x0a'::bytea IN substring(content FROM :start)) FROM files WHERE id = :id"),
+        {"start": offset + 1, "id": file_id},
+    )
+    return None if not position else offset + position - 1

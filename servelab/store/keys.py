@@ -1,0 +1,60 @@
+"""API keys and tenants: create, look up and revoke keys; count and serialise a tenant's queued requests.
+
+Knows that only a key's sha256 is stored, so a key is shown once, when created. Does not know HTTP:
+the API turns "no tenant" into 401. Store functions take a session and never commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import datetime
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.orm import Session
+
+from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus
+
+KEY_PREFIX = "sl-"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(session: Session, *, tenant: str) -> str:
+    """A new key for the tenant; the only time the key itself is seen."""
+    assert tenant, "a key needs a tenant"
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    session.add(ApiKeyRow(key_hash=hash_key(key), tenant=tenant))
+    session.flush()
+    return key
+
+
+def tenant_of_key(session: Session, key: str) -> str | None:
+    """The tenant of a live key; None for an unknown or revoked key."""
+    return session.scalar(
+        select(ApiKeyRow.tenant).where(ApiKeyRow.key_hash == hash_key(key), ApiKeyRow.revoked_at.is_(None))
+    )
+
+
+def revoke_key(session: Session, *, key: str, now: datetime) -> bool:
+    result = session.execute(
+        update(ApiKeyRow).where(ApiKeyRow.key_hash == hash_key(key), ApiKeyRow.revoked_at.is_(None))
+        .values(revoked_at=now).returning(ApiKeyRow.id)
+    )
+    return result.first() is not None
+
+
+def lock_tenant(session: Session, tenant: str) -> None:
+    """Serialise admissions of one tenant until the transaction ends, so its queue limit holds exactly."""
+    session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": f"tenant:{tenant}"})
+
+
+def num_queued_requests(session: Session, tenant: str) -> int:
+    """Queued interactive requests of a tenant (bulk jobs have their own back-pressure)."""
+    return session.scalar(
+        select(func.count()).select_from(RequestRow).where(
+            RequestRow.tenant == tenant, RequestRow.status == RequestStatus.QUEUED, RequestRow.batch_job_id.is_(None)
+        )
+    ) or 0
