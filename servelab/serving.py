@@ -27,7 +27,7 @@ from servelab.engine.engine import Engine
 from servelab.engine.outputs import BatchResult
 from servelab.engine.requests import ChatMessage, GenerationRequest, RequestError, SamplingParams
 from servelab.queue.batcher import BatchPolicy, Candidate
-from servelab.lab.hardware import describe_hardware, software_versions
+from servelab.lab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import Entry, RequestStreams, notify_done
 from servelab.runtime import Runtime
 from servelab.store import requests as store
@@ -269,7 +269,8 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
     with session_scope(runtime.sessions) as session:
         store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
-                              hardware={**describe_hardware().as_dict(), "device": str(engine.device)},
+                              hardware={**describe_hardware().as_dict(), "device": str(engine.device),
+                                        "bandwidth_gbs": round(measure_bandwidth_gbs(engine.device), 1)},
                               software=software_versions())
         store.save_serving_config(session, config=config)
     policy = BatchPolicy.from_config(config.batching)

@@ -32,3 +32,25 @@ class Settings(BaseSettings):
     @property
     def model_cache_dir(self) -> Path:
         return self.cache_dir / "models"
+
+
+class ServiceSettings(Settings):
+    """Settings of the api and jobs-worker processes: where configs are, and each tenant's limits.
+
+    NOTE: a subclass appended here (not new fields on Settings) so the data-plane settings stay as they were;
+    every limit applies per tenant, the same for each.
+    """
+
+    configs_dir: Path = Field(default=Path("configs"), description="serving config YAML files the API accepts")
+    max_request_bytes: int = Field(default=1_000_000, ge=1_024, description="largest API request body")
+    max_prompt_chars: int = Field(default=32_000, ge=1, description="longest prompt (all messages together)")
+    max_file_bytes: int = Field(default=200_000_000, ge=1_024, description="largest uploaded batch file")
+    max_batch_lines: int = Field(default=100_000, ge=1, description="most lines in one batch file")
+    max_queued_requests: int = Field(default=1_000, ge=1, description="queued interactive requests per tenant")
+    max_job_in_flight: int = Field(default=2_000, ge=1, description="unfinished requests of one job in the queue")
+    max_wait_s: float = Field(default=600.0, gt=0, description="longest a completion call or ?wait= waits")
+    worker_live_s: float = Field(default=30.0, gt=0, description="a worker heard from this recently is live")
+    jobs_poll_s: float = Field(default=2.0, gt=0, description="how often running batch jobs are advanced")
+    celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")
+    api_url: str = Field(default="http://127.0.0.1:8000", description="where `servelab submit` finds the API")
+    api_key: str | None = Field(default=None, description="the key `servelab submit` and `results` send")

@@ -1,0 +1,124 @@
+"""A run's aggregates from its requests' measurements: throughput, latency percentiles, goodput, memory, cost.
+
+Pure arithmetic on RequestSample / BatchSample dataclasses (which the store builds from rows):
+no database, no torch, no clock. Metric names follow the serving benchmarks people already read:
+TTFT, TPOT, ITL, E2EL, queue time, goodput.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from servelab.lab.stats import bootstrap, percentile, percentile_of
+from servelab.lab.workload import SLOSpec
+
+PERCENTILES = (50, 95, 99)
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms")
+
+
+@dataclass(frozen=True)
+class RequestSample:
+    request_id: str
+    is_success: bool
+    submitted_at: datetime  # when the client sent it (the row's enqueued_at)
+    finished_at: datetime | None
+    num_output_tokens: int
+    queue_ms: float | None
+    ttft_ms: float | None  # client view: from submission to the first token (queue wait included)
+    tpot_ms: float | None
+    e2el_ms: float | None  # client view: from submission to the last token
+    itl_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchSample:
+    num_requests: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    peak_working_bytes: int
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    mean: float
+    p50: float
+    p95: float
+    p99: float
+    p95_low: float | None = None  # bootstrap 95 % interval of p95
+    p95_high: float | None = None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    num_requests: int
+    num_succeeded: int
+    duration_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    latency: dict[str, LatencySummary]
+    goodput_fraction: float | None  # share of requests meeting every SLO set; None when no SLO is set
+    goodput_requests_per_s: float | None
+    batch_size_counts: dict[int, int]
+    mean_batch_size: float
+    weight_bytes: int
+    kv_cache_peak_bytes: int
+    working_peak_bytes: int
+    cost_per_request: float
+    cost_per_1k_output_tokens: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, slo: SLOSpec,
+                  price_per_hour: float) -> RunSummary:
+    assert requests, "a run without requests has no summary"
+    ok = [r for r in requests if r.is_success]
+    start = min(r.submitted_at for r in requests)
+    end = max((r.finished_at for r in requests if r.finished_at), default=start)
+    duration_s = max((end - start).total_seconds(), 1e-9)
+    output_tokens = sum(r.num_output_tokens for r in ok)
+    cost = price_per_hour * duration_s / 3600
+    meets_slo = [meets(r, slo) for r in requests] if _has_slo(slo) else None
+    return RunSummary(
+        num_requests=len(requests), num_succeeded=len(ok), duration_s=duration_s, output_tokens=output_tokens,
+        output_tokens_per_s=output_tokens / duration_s, requests_per_s=len(ok) / duration_s,
+        latency={m: s for m in LATENCY_METRICS if (s := summarise_latency(latency_values(ok, m))) is not None},
+        goodput_fraction=None if meets_slo is None else sum(meets_slo) / len(requests),
+        goodput_requests_per_s=None if meets_slo is None else sum(meets_slo) / duration_s,
+        batch_size_counts=dict(sorted(Counter(b.num_requests for b in batches).items())),
+        mean_batch_size=sum(b.num_requests for b in batches) / len(batches) if batches else 0.0,
+        weight_bytes=max((b.weight_bytes for b in batches), default=0),
+        kv_cache_peak_bytes=max((b.kv_cache_bytes for b in batches), default=0),
+        working_peak_bytes=max((b.peak_working_bytes for b in batches), default=0),
+        cost_per_request=cost / max(len(ok), 1),
+        cost_per_1k_output_tokens=cost / max(output_tokens, 1) * 1000,
+    )
+
+
+def latency_values(requests: list[RequestSample], metric: str) -> list[float]:
+    if metric == "itl_ms":
+        return [gap for r in requests for gap in r.itl_ms]
+    return [v for r in requests if (v := getattr(r, metric)) is not None]
+
+
+def summarise_latency(values: list[float]) -> LatencySummary | None:
+    if not values:
+        return None
+    p95 = bootstrap(values, percentile_of(95), num_resamples=300)
+    return LatencySummary(sum(values) / len(values), percentile(values, 50), p95.value, percentile(values, 99),
+                          p95.low, p95.high)
+
+
+def meets(request: RequestSample, slo: SLOSpec) -> bool:
+    if not request.is_success:
+        return False
+    checks = [(slo.ttft_ms, request.ttft_ms), (slo.tpot_ms, request.tpot_ms), (slo.e2e_ms, request.e2el_ms)]
+    return all(limit is None or (value is not None and value <= limit) for limit, value in checks)
+
+
+def _has_slo(slo: SLOSpec) -> bool:
+    return any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms))

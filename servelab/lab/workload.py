@@ -1,0 +1,190 @@
+"""Workloads: a prompt set, output caps, an arrival process and SLOs, replayed identically for every config.
+
+Knows the YAML format, the built-in prompt sets, the seeded arrival schedule and the fingerprint
+(prompts, lengths and arrival times) that keeps runs on different workloads from being compared.
+Pure: no clock, no queue, no torch. Bad files get a WorkloadError naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from servelab.config import describe_validation_error
+
+BUILTIN_SETS = {"chat": Path(__file__).parent / "prompts" / "chat.jsonl"}
+
+
+class WorkloadError(ValueError):
+    """A workload or prompt file that cannot be used; the message names the file, line or field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PromptSpec(_Frozen):
+    set: Literal["chat"] | None = Field(default=None, description="a built-in prompt set")
+    file: str | None = Field(default=None, description="JSONL: {'prompt': ...} or {'messages': [...]} per line")
+    num_prompts: int = Field(default=16, ge=1, le=100_000)
+    seed: int = 0
+    chat: bool = Field(default=True, description="wrap plain prompts as a user message in the chat template")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSpec:
+        if (self.set is None) == (self.file is None):
+            raise ValueError("give exactly one of 'set' (built-in: chat) or 'file' (a JSONL path)")
+        return self
+
+
+class ArrivalSpec(_Frozen):
+    process: Literal["poisson", "burst", "closed"] = "poisson"
+    rate_per_s: float = Field(default=2.0, gt=0, le=10_000, description="poisson: mean arrivals per second")
+    num_clients: int = Field(default=4, ge=1, le=1024, description="closed: clients, each one request at a time")
+    seed: int = 0
+
+
+class SLOSpec(_Frozen):
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2e_ms: float | None = Field(default=None, gt=0)
+
+
+class WorkloadSpec(_Frozen):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    prompts: PromptSpec
+    max_new_tokens: int = Field(default=32, ge=1, le=8192)
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0, description="0: greedy, so outputs can be compared")
+    ignore_eos: bool = Field(default=False, description="every request decodes exactly max_new_tokens")
+    arrival: ArrivalSpec = ArrivalSpec()
+    slo: SLOSpec = SLOSpec()
+
+
+@dataclass(frozen=True)
+class WorkloadItem:
+    index: int
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    max_new_tokens: int
+    offset_s: float | None  # scheduled arrival after the start; None for closed-loop clients
+
+    def sampling(self, spec: WorkloadSpec) -> dict[str, Any]:
+        sampling: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": spec.temperature,
+                                    "ignore_eos": spec.ignore_eos}
+        if spec.temperature > 0:
+            sampling["seed"] = spec.arrival.seed * 100_003 + self.index  # NOTE: same seeds in every replay
+        return sampling
+
+
+@dataclass(frozen=True)
+class Workload:
+    spec: WorkloadSpec
+    items: tuple[WorkloadItem, ...]
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def load_workload(path: str | Path) -> Workload:
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"{path}: no such workload file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise WorkloadError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{path}: expected a mapping of fields")
+    data = {"name": path.stem, **data}
+    try:
+        spec = WorkloadSpec.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(f"{path}: {describe_validation_error(exc)}") from None
+    return build_workload(spec, base_dir=path.parent)
+
+
+def build_workload(spec: WorkloadSpec, *, base_dir: Path = Path(".")) -> Workload:
+    prompts = _sample(_read_prompt_file(_prompt_path(spec.prompts, base_dir)), spec.prompts)
+    offsets = arrival_offsets(spec.arrival, len(prompts))
+    items = tuple(
+        WorkloadItem(i, *_as_prompt(record, spec.prompts.chat), int(record.get("max_new_tokens", spec.max_new_tokens)),
+                     offset)
+        for i, (record, offset) in enumerate(zip(prompts, offsets))
+    )
+    return Workload(spec, items, fingerprint(spec, items))
+
+
+def arrival_offsets(arrival: ArrivalSpec, num_requests: int) -> list[float | None]:
+    """Seconds after the start at which each request is sent; None for closed-loop clients."""
+    if arrival.process == "burst":
+        return [0.0] * num_requests
+    if arrival.process == "closed":
+        return [None] * num_requests
+    gaps = np.random.default_rng(arrival.seed).exponential(1.0 / arrival.rate_per_s, num_requests)
+    return [0.0, *np.cumsum(gaps[1:]).round(6).tolist()]
+
+
+def fingerprint(spec: WorkloadSpec, items: tuple[WorkloadItem, ...]) -> str:
+    """Hash of what is replayed: every prompt, its output cap, its arrival time, and how it is sampled."""
+    body = {
+        "items": [[it.prompt, it.messages, it.max_new_tokens, it.offset_s] for it in items],
+        "arrival": spec.arrival.model_dump(), "temperature": spec.temperature, "ignore_eos": spec.ignore_eos,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _prompt_path(prompts: PromptSpec, base_dir: Path) -> Path:
+    if prompts.set is not None:
+        return BUILTIN_SETS[prompts.set]
+    path = Path(prompts.file)
+    return path if path.is_absolute() or path.exists() else base_dir / path
+
+
+def _read_prompt_file(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise WorkloadError(f"prompts.file: no such file {path}")
+    records = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str) or
+                                                isinstance(record.get("messages"), list)):
+            raise WorkloadError(f"{path}:{line_no}: each line needs a 'prompt' string or a 'messages' list")
+        messages = record.get("messages")
+        if messages is not None and not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and isinstance(m.get("content"), str) for m in messages):
+            raise WorkloadError(f"{path}:{line_no}: each message needs 'role' and 'content' strings")
+        cap = record.get("max_new_tokens")
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise WorkloadError(f"{path}:{line_no}: max_new_tokens must be a positive whole number, got {cap!r}")
+        records.append(record)
+    if not records:
+        raise WorkloadError(f"{path}: holds no prompts")
+    return records
+
+
+def _sample(records: list[dict[str, Any]], prompts: PromptSpec) -> list[dict[str, Any]]:
+    """num_prompts records: a seeded permutation, cycled when the set is smaller than asked."""
+    order = np.random.default_rng(prompts.seed).permutation(len(records)).tolist()
+    return [records[order[i % len(order)]] for i in range(prompts.num_prompts)]
+
+
+def _as_prompt(record: dict[str, Any], chat: bool) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+    if "messages" in record:
+        return None, tuple({"role": m["role"], "content": m["content"]} for m in record["messages"])
+    if chat:
+        return None, ({"role": "user", "content": record["prompt"]},)
+    return record["prompt"], None

@@ -1,0 +1,70 @@
+"""Workloads: same file, same requests and arrivals; fingerprints tell workloads apart; bad files named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servelab.lab.workload import WorkloadError, load_workload
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "workloads").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_workloads_load(path: Path) -> None:
+    workload = load_workload(path)
+    assert workload.items and workload.name == path.stem
+
+
+def write(tmp_path: Path, text: str, name: str = "w.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_the_same_workload_replays_identically(tmp_path: Path) -> None:
+    text = "prompts: {set: chat, num_prompts: 12, seed: 3}\narrival: {process: poisson, rate_per_s: 4, seed: 9}\n"
+    a, b = load_workload(write(tmp_path, text, "a.yaml")), load_workload(write(tmp_path, text, "b.yaml"))
+    assert a.items == b.items and a.fingerprint == b.fingerprint
+    offsets = [it.offset_s for it in a.items]
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and len(set(offsets)) == 12
+
+
+@pytest.mark.parametrize("change", [
+    "prompts: {set: chat, num_prompts: 12, seed: 4}\n",  # other prompts
+    "prompts: {set: chat, num_prompts: 12, seed: 3}\nmax_new_tokens: 8\n",  # other lengths
+    "prompts: {set: chat, num_prompts: 12, seed: 3}\narrival: {process: poisson, rate_per_s: 4, seed: 10}\n",
+    "prompts: {set: chat, num_prompts: 12, seed: 3}\narrival: {process: burst}\n",
+])
+def test_fingerprint_changes_with_prompts_lengths_or_arrivals(tmp_path: Path, change: str) -> None:
+    base = load_workload(write(tmp_path, "prompts: {set: chat, num_prompts: 12, seed: 3}\n"
+                                         "arrival: {process: poisson, rate_per_s: 4, seed: 9}\n", "a.yaml"))
+    assert load_workload(write(tmp_path, change, "b.yaml")).fingerprint != base.fingerprint
+
+
+def test_a_prompt_file_with_per_prompt_caps(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello", "max_new_tokens": 5}\n\n'
+                                      '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    workload = load_workload(write(tmp_path, "prompts: {file: p.jsonl, num_prompts: 4, chat: false}\n"
+                                             "max_new_tokens: 9\narrival: {process: closed, num_clients: 2}\n"))
+    caps = sorted((it.prompt or "", it.messages is not None, it.max_new_tokens) for it in workload.items)
+    assert caps == [("", True, 9), ("", True, 9), ("hello", False, 5), ("hello", False, 5)]
+    assert all(it.offset_s is None for it in workload.items)
+
+
+@pytest.mark.parametrize(("text", "lines", "message"), [
+    ("prompts: {set: chat}\narrival: {process: trickle}\n", None, "arrival.process: got 'trickle'"),
+    ("prompts: {set: chat, file: x.jsonl}\n", None, "exactly one of 'set'"),
+    ("prompts: {file: p.jsonl}\n", "not json\n", "p.jsonl:1: not valid JSON"),
+    ("prompts: {file: p.jsonl}\n", '{"prompt": "a"}\n{"text": "b"}\n', "p.jsonl:2: each line needs a 'prompt'"),
+    ("prompts: {file: p.jsonl}\n", '{"prompt": "a", "max_new_tokens": -3}\n', "max_new_tokens must be a positive"),
+    ("prompts: {file: missing.jsonl}\n", None, "no such file"),
+    ("prompts: {set: chat}\nmax_new_tokens: 0\n", None, "max_new_tokens: got 0"),
+    ("prompts: {set: chat}\nspeed: 3\n", None, "speed: unknown field"),
+])
+def test_bad_workload_files_are_named(tmp_path: Path, text: str, lines: str | None, message: str) -> None:
+    if lines is not None:
+        (tmp_path / "p.jsonl").write_text(lines)
+    with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace("'", "'")):
+        load_workload(write(tmp_path, text))
