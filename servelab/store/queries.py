@@ -1,0 +1,494 @@
+"""The dashboard's reads: runs and their settings, run sets for a verdict, batches, sweeps, jobs, workers, failures.
+
+Read-only SQL, one function per question a page asks, each returning small frozen dataclasses (or the
+lab's own RunSet), so the pages only select, cache and draw, and these are tested without Streamlit.
+Imports no torch: the dashboard uses it. Does not know how a page draws, nor how runs are made.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import redis
+from sqlalchemy import Float, Integer, cast, func, select
+from sqlalchemy.orm import Session
+
+from servelab.lab.metrics import RequestSample
+from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, QualityOutcome, RunSet
+from servelab.queue.streams import RequestStreams
+from servelab.store.models import (
+    BatchJobRow,
+    BatchRow,
+    ComparisonRow,
+    RequestMetricsRow,
+    RequestRow,
+    RequestStatus,
+    ResultRow,
+    RunRequestRow,
+    RunRow,
+    SweepRow,
+    WorkerRow,
+)
+
+# NOTE: what a page shows when the runs belong to no stored comparison: said on the page, editable there,
+# never written back. One latency limit and one gain goal, the shape of the plans in plans/.
+DEFAULT_LIMITS = Limits(
+    max_accuracy_drop=0.02,
+    latency=(LatencyLimit(metric="tpot_ms", percentile=95, max_ratio=1.2),),
+    gains=(GainGoal(metric="output_tokens_per_s", min_ratio=1.1),),
+)
+# The settings a review compares, in the order the design lists them; each is a path into the stored config.
+SETTING_PATHS = {
+    "model": ("model",), "weight precision": ("weights",), "cache precision": ("kv_cache_dtype",),
+    "batch policy": ("batching",), "decoding limits": ("decoding",), "device": ("device",),
+    "threads": ("num_threads",), "AWQ": ("awq",),
+}
+# NOTE: the engine has no eviction policy yet: a row keeps its whole cache until it finishes. Said, not hidden.
+NO_EVICTION = "none (a row keeps its whole cache until it finishes)"
+
+
+@dataclass(frozen=True)
+class RunListing:
+    """One run as the runs table and the pickers show it: its settings and headline figures."""
+
+    id: str
+    serving_config_name: str
+    config_hash: str
+    workload_name: str
+    workload_fingerprint: str
+    plan_name: str | None
+    repeat_index: int
+    started_at: datetime
+    settings: dict[str, str]
+    hardware: str
+    num_requests: int | None
+    num_succeeded: int | None
+    output_tokens_per_s: float | None
+    p95_ttft_ms: float | None
+    p95_tpot_ms: float | None
+    lambada_accuracy: float | None
+
+
+@dataclass(frozen=True)
+class StoredLimits:
+    """The limits a comparison is judged by, and where they came from."""
+
+    limits: Limits
+    source: str  # "plan <name> (comparison <id>)" or "defaults"
+    plan_name: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    """One engine batch of a run: its peak stored KV bytes and the retained tokens at that peak."""
+
+    run_id: str
+    serving_config_name: str
+    weights: str
+    kv_cache_dtype: str
+    num_requests: int
+    kv_cache_bytes: int
+    retained_tokens: int
+    weight_bytes: int
+    peak_working_bytes: int
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """One request of a run: the tokens whose keys and values it kept when it finished."""
+
+    run_id: str
+    serving_config_name: str
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+    @property
+    def retained_tokens(self) -> int:
+        # NOTE: the last generated token is never fed back, so its keys and values are never stored.
+        return self.num_prompt_tokens + max(0, self.num_generated_tokens - 1)
+
+
+@dataclass(frozen=True)
+class SweepListing:
+    id: str
+    created_at: datetime
+    hardware: dict[str, Any]
+    report: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (config, batch size) point of a sweep, read defensively from the stored report."""
+
+    config: str
+    weights: str
+    batch_size: int
+    decode_tokens_per_s: float | None
+    tpot_ms: float | None
+    bandwidth_roofline_tokens_per_s: float | None
+    compute_roofline_tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where one precision stops paying against another, or where decoding turns compute bound."""
+
+    label: str
+    batch_size: float
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    id: str
+    tenant: str
+    status: str
+    created_at: datetime
+    num_lines: int
+    is_ingested: bool
+    counts: dict[str, int]  # request status -> requests
+
+    @property
+    def num_total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def num_finished(self) -> int:
+        return sum(n for s, n in self.counts.items() if RequestStatus(s).is_terminal)
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    name: str
+    serving_config_name: str
+    config_hash: str
+    device: str
+    hardware: str
+    started_at: datetime
+    heartbeat_at: datetime
+    seconds_since_heartbeat: float
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str
+    serving_config_name: str
+    finished_at: datetime | None
+    num_attempts: int
+    reason: str
+
+
+# --- runs ---
+
+def list_runs(session: Session, *, workload_fingerprint: str | None = None, limit: int = 1000) -> list[RunListing]:
+    """Newest first; the per-passage quality arrays stay in the database (only the accuracy is read)."""
+    summary = RunRow.summary
+    query = (
+        select(RunRow.id, RunRow.serving_config_name, RunRow.config_hash, RunRow.workload_name,
+               RunRow.workload_fingerprint, RunRow.plan_name, RunRow.repeat_index, RunRow.started_at, RunRow.config,
+               RunRow.hardware, cast(summary["num_requests"].astext, Integer),
+               cast(summary["num_succeeded"].astext, Integer), cast(summary["output_tokens_per_s"].astext, Float),
+               cast(summary["latency"]["ttft_ms"]["p95"].astext, Float),
+               cast(summary["latency"]["tpot_ms"]["p95"].astext, Float),
+               cast(RunRow.quality["accuracy"]["value"].astext, Float))
+        .order_by(RunRow.started_at.desc()).limit(limit)
+    )
+    if workload_fingerprint is not None:
+        query = query.where(RunRow.workload_fingerprint == workload_fingerprint)
+    return [RunListing(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], describe_settings(r[8]),
+                       describe_hardware(r[9]), *r[10:]) for r in session.execute(query)]
+
+
+def describe_settings(config: dict[str, Any]) -> dict[str, str]:
+    """Every setting a review compares, as text; eviction is named even though the engine has none."""
+    shown = {name: _setting_text(_get(config, path)) for name, path in SETTING_PATHS.items()}
+    shown["eviction"] = _setting_text(config.get("eviction")) if config.get("eviction") else NO_EVICTION
+    return shown
+
+
+def describe_hardware(hardware: dict[str, Any]) -> str:
+    gpu = hardware.get("gpu")
+    device = hardware.get("device", "?")
+    what = gpu if gpu else f"{hardware.get('cpu', '?')} ({hardware.get('num_cpus', '?')} CPUs)"
+    return f"{device}: {what}"
+
+
+def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
+    """The repeats of one config on one workload, as servelab.lab.compare builds them, without torch.
+
+    NOTE: the same figures as compare.load_run_set (which imports the runner, hence torch), with the samples
+    read in one query over run_requests instead of one per run.
+    """
+    ids = [uuid.UUID(i) for i in run_ids]
+    rows = session.execute(
+        select(RunRow.id, RunRow.serving_config_name, RunRow.config, RunRow.workload_fingerprint, RunRow.hardware,
+               RunRow.summary, RunRow.quality).where(RunRow.id.in_(ids))
+    ).all()
+    by_id = {str(r.id): r for r in rows}
+    missing = [i for i in run_ids if i not in by_id]
+    if missing:
+        raise LookupError(f"no such run: {', '.join(missing)}")
+    runs = [by_id[i] for i in run_ids]
+    names, prints = {r.serving_config_name for r in runs}, {r.workload_fingerprint for r in runs}
+    if len(names) != 1 or len(prints) != 1:
+        raise ValueError(f"the runs of one side must share a config and a workload, got {names} / {prints}")
+    first = runs[0]
+    return RunSet(
+        name=first.serving_config_name, run_ids=tuple(run_ids), config=first.config,
+        workload_fingerprint=first.workload_fingerprint, hardware=first.hardware,
+        summaries=tuple(r.summary for r in runs), samples=tuple(request_samples(session, run_ids=run_ids)),
+        quality=quality_outcome(first.quality), texts=result_texts(session, run_id=run_ids[0]),
+    )
+
+
+def quality_outcome(quality: dict[str, Any] | None) -> QualityOutcome | None:
+    if not quality or "correct" not in quality:
+        return None
+    return QualityOutcome(tuple(quality["passage_ids"]), tuple(quality["correct"]), tuple(quality["nll"]),
+                          tuple(quality["num_target_tokens"]))
+
+
+def request_samples(session: Session, *, run_ids: list[str]) -> list[RequestSample]:
+    """Every request the runs sent, pooled, timed as the client saw it (from submission), in SQL."""
+    r, m = RequestRow, RequestMetricsRow
+    rows = session.execute(
+        select(r.id, r.status, r.enqueued_at, r.finished_at, ResultRow.num_generated_tokens, m.queue_ms,
+               _ms_between(r.enqueued_at, r.first_token_at), m.tpot_ms, _ms_between(r.enqueued_at, r.finished_at),
+               m.itl_ms)
+        .join(RunRequestRow, RunRequestRow.request_id == r.id)
+        .outerjoin(m, m.request_id == r.id)
+        .outerjoin(ResultRow, ResultRow.request_id == r.id)
+        .where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
+        .order_by(RunRequestRow.run_id, RunRequestRow.item_index)
+    ).all()
+    return [RequestSample(str(i), status is RequestStatus.SUCCEEDED, submitted, finished, tokens or 0, queue_ms,
+                          ttft, tpot, e2el, tuple(itl or ()))
+            for i, status, submitted, finished, tokens, queue_ms, ttft, tpot, e2el, itl in rows]
+
+
+def _ms_between(start, end):
+    return func.extract("epoch", end - start) * 1000.0
+
+
+def result_texts(session: Session, *, run_id: str) -> dict[int, str]:
+    rows = session.execute(
+        select(RunRequestRow.item_index, ResultRow.text)
+        .join(ResultRow, ResultRow.request_id == RunRequestRow.request_id)
+        .where(RunRequestRow.run_id == uuid.UUID(run_id))
+    ).all()
+    return dict(rows)
+
+
+def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:
+    """The limits of the newest stored comparison that holds all these runs on the same sides; else the defaults."""
+    row = session.execute(
+        select(ComparisonRow.id, ComparisonRow.plan_name, ComparisonRow.plan)
+        .where(ComparisonRow.baseline_run_ids.contains([uuid.UUID(i) for i in baseline_run_ids]),
+               ComparisonRow.candidate_run_ids.contains([uuid.UUID(i) for i in candidate_run_ids]))
+        .order_by(ComparisonRow.created_at.desc()).limit(1)
+    ).first()
+    if row is None or "limits" not in (row.plan or {}):
+        return StoredLimits(DEFAULT_LIMITS, "defaults")
+    return StoredLimits(Limits.model_validate(row.plan["limits"]), f"plan {row.plan_name} (comparison {row.id})",
+                        row.plan_name)
+
+
+def latest_comparison_runs(session: Session) -> tuple[list[str], list[str]] | None:
+    """(baseline run ids, candidate run ids) of the newest stored comparison, for the front page's first view."""
+    row = session.execute(select(ComparisonRow.baseline_run_ids, ComparisonRow.candidate_run_ids)
+                          .order_by(ComparisonRow.created_at.desc()).limit(1)).first()
+    return None if row is None else ([str(i) for i in row[0]], [str(i) for i in row[1]])
+
+
+# --- the KV cache ---
+
+def batch_points(session: Session, *, run_ids: list[str]) -> list[BatchPoint]:
+    """Every batch that served a request of these runs, with the retained tokens at its KV peak.
+
+    NOTE: retained tokens are not stored; they are rebuilt from the batch's shape. After step s (0 = the
+    prefill) the cache holds rows_s x (padded prompt length + s) tokens; the engine's kv_cache_bytes is the
+    peak of that over the batch, so the same peak is taken here. Exact while no finished row's padding is
+    trimmed; an upper bound otherwise.
+    """
+    served = (select(RunRequestRow.run_id, RequestMetricsRow.batch_id)
+              .join(RequestMetricsRow, RequestMetricsRow.request_id == RunRequestRow.request_id)
+              .where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids])).distinct().subquery())
+    rows = session.execute(
+        select(served.c.run_id, RunRow.serving_config_name, RunRow.config["weights"].astext,
+               RunRow.config["kv_cache_dtype"].astext, BatchRow.num_requests, BatchRow.kv_cache_bytes,
+               BatchRow.num_rows_per_step, BatchRow.num_prefill_tokens, BatchRow.weight_bytes,
+               BatchRow.peak_working_bytes)
+        .join(BatchRow, BatchRow.id == served.c.batch_id).join(RunRow, RunRow.id == served.c.run_id)
+        .order_by(RunRow.serving_config_name, BatchRow.started_at)
+    ).all()
+    return [BatchPoint(str(run_id), name, weights or "-", kv or "-", num, kv_bytes,
+                       peak_retained_tokens(steps, prefill), wb, work)
+            for run_id, name, weights, kv, num, kv_bytes, steps, prefill, wb, work in rows]
+
+
+def peak_retained_tokens(num_rows_per_step: list[int], num_prefill_tokens: int) -> int:
+    if not num_rows_per_step or num_rows_per_step[0] == 0:
+        return 0
+    prompt_len = num_prefill_tokens // num_rows_per_step[0]
+    return max(rows * (prompt_len + step) for step, rows in enumerate(num_rows_per_step))
+
+
+def kv_bytes_per_token(points: list[BatchPoint]) -> float | None:
+    """Least-squares slope through the origin of stored KV bytes against retained tokens (one config)."""
+    num = sum(p.kv_cache_bytes * p.retained_tokens for p in points)
+    den = sum(p.retained_tokens ** 2 for p in points)
+    return num / den if den else None
+
+
+def request_tokens(session: Session, *, run_ids: list[str]) -> list[RequestTokens]:
+    rows = session.execute(
+        select(RunRequestRow.run_id, RunRow.serving_config_name, ResultRow.num_prompt_tokens,
+               ResultRow.num_generated_tokens)
+        .join(ResultRow, ResultRow.request_id == RunRequestRow.request_id)
+        .join(RunRow, RunRow.id == RunRequestRow.run_id)
+        .where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
+        .order_by(RunRequestRow.run_id, RunRequestRow.item_index)
+    ).all()
+    return [RequestTokens(str(run_id), name, p, g) for run_id, name, p, g in rows]
+
+
+# --- sweeps ---
+
+def list_sweeps(session: Session, *, limit: int = 50) -> list[SweepListing]:
+    rows = session.execute(select(SweepRow.id, SweepRow.created_at, SweepRow.hardware, SweepRow.report)
+                           .order_by(SweepRow.created_at.desc()).limit(limit)).all()
+    return [SweepListing(str(i), created, hardware or {}, report or {}) for i, created, hardware, report in rows]
+
+
+def sweep_points(report: dict[str, Any]) -> list[SweepPoint]:
+    """The report's points, whichever of the expected key names it uses; points without a batch size are skipped.
+
+    NOTE: servelab/lab/sweep.py (SweepReport.as_dict) did not exist when this was written: the shape read here
+    is the one agreed (points with config, weights, batch_size, decode_tokens_per_s, tpot_ms and both rooflines
+    in tokens/s), read leniently so a renamed key degrades to a missing value, not a crash.
+    """
+    points = []
+    for p in report.get("points") or []:
+        if not isinstance(p, dict) or _first(p, "batch_size", "num_rows") is None:
+            continue
+        points.append(SweepPoint(
+            config=str(_first(p, "config", "config_name", "name") or p.get("weights") or "?"),
+            weights=str(_first(p, "weights", "precision") or "?"), batch_size=int(_first(p, "batch_size", "num_rows")),
+            decode_tokens_per_s=_number(_first(p, "decode_tokens_per_s", "tokens_per_s")),
+            tpot_ms=_number(_first(p, "tpot_ms", "decode_step_ms")),
+            bandwidth_roofline_tokens_per_s=_number(_first(p, "bandwidth_roofline_tokens_per_s",
+                                                           "bandwidth_bound_tokens_per_s", "roofline_tokens_per_s")),
+            compute_roofline_tokens_per_s=_number(_first(p, "compute_roofline_tokens_per_s",
+                                                         "compute_bound_tokens_per_s")),
+        ))
+    return sorted(points, key=lambda p: (p.config, p.batch_size))
+
+
+def sweep_crossovers(report: dict[str, Any]) -> list[Crossover]:
+    """Crossovers as a list of {label|description|..., batch_size} or a mapping label -> batch size."""
+    found = report.get("crossovers") or []
+    if isinstance(found, dict):
+        found = [{"label": k, "batch_size": v} for k, v in found.items()]
+    crossovers = []
+    for c in found:
+        size = _number(_first(c, "batch_size", "crossover_batch_size", "at_batch_size")) if isinstance(c, dict) else None
+        if size is not None:
+            label = _first(c, "label", "description", "reason", "kind") or \
+                " vs ".join(str(v) for k, v in c.items() if k in ("config", "baseline", "candidate", "weights"))
+            crossovers.append(Crossover(str(label or "crossover"), size))
+    return crossovers
+
+
+def _first(data: dict[str, Any], *keys: str) -> Any:
+    return next((data[k] for k in keys if data.get(k) is not None), None)
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# --- jobs, queues, workers, failures ---
+
+def job_progress(session: Session, *, limit: int = 50) -> list[JobProgress]:
+    """The newest batch jobs with their requests counted by status (one grouped query over those jobs)."""
+    jobs = session.execute(select(BatchJobRow.id, BatchJobRow.tenant, BatchJobRow.status, BatchJobRow.created_at,
+                                  BatchJobRow.num_lines, BatchJobRow.is_ingested)
+                           .order_by(BatchJobRow.created_at.desc()).limit(limit)).all()
+    counts: dict[uuid.UUID, dict[str, int]] = defaultdict(dict)
+    if jobs:
+        for job_id, status, n in session.execute(
+                select(RequestRow.batch_job_id, RequestRow.status, func.count())
+                .where(RequestRow.batch_job_id.in_([j.id for j in jobs]))
+                .group_by(RequestRow.batch_job_id, RequestRow.status)):
+            counts[job_id][status.value] = n
+    return [JobProgress(str(j.id), j.tenant, j.status.value, j.created_at, j.num_lines, j.is_ingested,
+                        counts.get(j.id, {})) for j in jobs]
+
+
+def request_status_counts(session: Session) -> dict[str, dict[str, int]]:
+    """serving config name -> request status -> requests, over every request stored."""
+    table: dict[str, dict[str, int]] = defaultdict(dict)
+    for name, status, n in session.execute(select(RequestRow.serving_config_name, RequestRow.status, func.count())
+                                           .group_by(RequestRow.serving_config_name, RequestRow.status)):
+        table[name][status.value] = n
+    return dict(table)
+
+
+def unfinished_config_names(session: Session) -> list[str]:
+    """Configs with queued or running requests (the index on (status, config) answers this)."""
+    return list(session.scalars(select(RequestRow.serving_config_name).distinct().where(
+        RequestRow.status.in_([RequestStatus.QUEUED, RequestStatus.RUNNING]))))
+
+
+def workers(session: Session, *, now: datetime, limit: int = 200) -> list[LiveWorker]:
+    rows = session.execute(select(WorkerRow).order_by(WorkerRow.heartbeat_at.desc()).limit(limit)).scalars().all()
+    return [LiveWorker(w.name, w.serving_config_name, w.config_hash, str(w.hardware.get("device", "?")),
+                       describe_hardware(w.hardware), w.started_at, w.heartbeat_at,
+                       (now - w.heartbeat_at).total_seconds()) for w in rows]
+
+
+def recent_failures(session: Session, *, limit: int = 50) -> list[Failure]:
+    rows = session.execute(
+        select(RequestRow.id, RequestRow.serving_config_name, RequestRow.finished_at, RequestRow.num_attempts,
+               RequestRow.error)
+        .where(RequestRow.status == RequestStatus.FAILED)
+        .order_by(RequestRow.finished_at.desc().nulls_last()).limit(limit)
+    ).all()
+    return [Failure(str(i), name, at, n, error or "(no reason stored)") for i, name, at, n, error in rows]
+
+
+def stream_depths(client: redis.Redis, *, prefix: str, config_names: list[str]) -> dict[str, dict[str, int]]:
+    """config name -> stream kind -> entries not yet acknowledged, for the named configs and any stream found.
+
+    NOTE: SCAN finds streams of configs with no request rows (a config whose rows were cleaned up still has
+    a stream); the names given cover configs whose stream has not been created yet.
+    """
+    found = {key.decode() if isinstance(key, bytes) else key
+             for key in client.scan_iter(match=f"{prefix}:stream:*", count=1000)}
+    names = set(config_names) | {k[len(prefix) + len(":stream:"):].rsplit(":", 1)[0] for k in found}
+    return {name: RequestStreams(client, prefix=prefix, config_name=name).depth() for name in sorted(names)}
+
+
+def run_configs(session: Session, *, run_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """run id -> (config name, workload fingerprint), to group a selection into one RunSet per config."""
+    rows = session.execute(select(RunRow.id, RunRow.serving_config_name, RunRow.workload_fingerprint)
+                           .where(RunRow.id.in_([uuid.UUID(i) for i in run_ids]))).all()
+    return {str(i): (name, fp) for i, name, fp in rows}

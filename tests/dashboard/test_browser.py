@@ -1,0 +1,89 @@
+"""The real app in real headless Chromium (Debian's package, driven by Playwright): a compare link, end to end.
+
+Skips where /usr/bin/chromium is missing (CI: `apt-get install -y chromium chromium-driver`); never downloads
+a browser. Leaves a screenshot in the test's tmp dir and at /tmp/dashboard-compare.png, to be looked at.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REDIS_URL, REPO
+from tests.dashboard.conftest import APP
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOT_COPY = Path("/tmp/dashboard-compare.png")
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                "(apt-get install -y chromium chromium-driver)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def dashboard_url(seeded, tmp_path):
+    port = free_port()
+    env = {**os.environ, "SERVELAB_DATABASE_URL": seeded.database_url, "SERVELAB_REDIS_URL": REDIS_URL,
+           "SERVELAB_KEY_PREFIX": seeded.key_prefix}
+    log = (tmp_path / "streamlit.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
+                             "--server.port", str(port), "--server.address", "127.0.0.1",
+                             "--browser.gatherUsageStats", "false"], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"{base}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "streamlit.log").read_text()
+            assert time.monotonic() < deadline, "streamlit did not answer within 60 s"
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def test_a_compare_link_shows_the_verdict_and_charts_in_chromium(dashboard_url, seeded, tmp_path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    link = f"{dashboard_url}/?baseline={','.join(seeded.baseline_ids)}&candidates={','.join(seeded.candidate_ids)}"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            # NOTE: a tall viewport: Streamlit scrolls inside its own container, so a full-page shot would crop.
+            page = browser.new_page(viewport={"width": 1500, "height": 4200})
+            page.goto(link, timeout=60_000)
+            page.get_by_text(f"against {seeded.baseline_name}").first.wait_for(timeout=90_000)
+            page.locator(".vega-embed canvas, .vega-embed svg").nth(7).wait_for(timeout=60_000)
+            page.wait_for_timeout(1500)  # let the last charts finish drawing
+            body = page.inner_text("body")
+            assert "ACCEPT" in body or "REJECT" in body
+            assert "Verdict" in body and "Side by side" in body and "Traceback" not in body
+            assert page.locator(".vega-embed").count() >= 8
+            shot = tmp_path / "dashboard-compare.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 50_000
+    shutil.copy(shot, SCREENSHOT_COPY)

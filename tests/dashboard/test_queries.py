@@ -1,0 +1,129 @@
+"""The dashboard's queries on runs made by the real lab code; no Streamlit."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+import redis
+from sqlalchemy.orm import Session
+
+from servelab.engine.memory import ModelShape
+from servelab.lab.compare import load_run_set as lab_load_run_set
+from servelab.runtime import connect
+from servelab.settings import Settings
+from servelab.store import queries
+from servelab.store.db import make_engine
+from tests.conftest import REDIS_URL, REPO
+
+# tests/engine/conftest.py's tiny Llama: 2 layers, 2 KV heads, hidden 64 / 4 heads = head_dim 16
+TINY_SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=0)
+
+
+@pytest.fixture(scope="module")
+def db(seeded):
+    engine = make_engine(seeded.database_url)
+    with Session(engine) as session:
+        yield session
+    engine.dispose()
+
+
+def test_runs_are_listed_newest_first_with_every_setting(db, seeded) -> None:
+    listing = queries.list_runs(db)
+    assert len(listing) == 5
+    assert [r.started_at for r in listing] == sorted((r.started_at for r in listing), reverse=True)
+    by_id = {r.id: r for r in listing}
+    base = by_id[seeded.baseline_ids[0]]
+    assert base.settings["weight precision"] == "fp32" and by_id[seeded.candidate_ids[0]].settings[
+        "weight precision"] == "bf16"
+    assert set(base.settings) >= {"model", "batch policy", "cache precision", "eviction"}
+    assert "max_batch_size=4" in base.settings["batch policy"]
+    assert base.num_succeeded == 6 and base.output_tokens_per_s > 0 and base.p95_ttft_ms > 0
+    assert 0 <= base.lambada_accuracy <= 1 and by_id[seeded.other_workload_run_id].lambada_accuracy is None
+    assert len(queries.list_runs(db, workload_fingerprint=base.workload_fingerprint)) == 4
+
+
+def test_a_run_set_matches_the_labs_own(db, seeded, tmp_path) -> None:
+    """The torch-free loader gives the verdict the same inputs as servelab.lab.compare.load_run_set."""
+    mine = queries.load_run_set(db, run_ids=seeded.baseline_ids)
+    runtime = connect(Settings(redis_url=REDIS_URL, database_url=seeded.database_url, key_prefix=seeded.key_prefix,
+                               state_dir=tmp_path, cache_dir=REPO / ".cache"), migrate=False)
+    try:
+        theirs = lab_load_run_set(runtime, seeded.baseline_ids)
+    finally:
+        runtime.close()
+    assert (mine.name, mine.run_ids, mine.config, mine.summaries, mine.quality, mine.texts) == \
+        (theirs.name, theirs.run_ids, theirs.config, theirs.summaries, theirs.quality, theirs.texts)
+    key = lambda s: s.request_id  # noqa: E731
+    for a, b in zip(sorted(mine.samples, key=key), sorted(theirs.samples, key=key), strict=True):
+        assert (a.request_id, a.is_success, a.num_output_tokens, a.itl_ms) == \
+            (b.request_id, b.is_success, b.num_output_tokens, b.itl_ms)
+        assert a.ttft_ms == pytest.approx(b.ttft_ms, abs=1e-6) and a.e2el_ms == pytest.approx(b.e2el_ms, abs=1e-6)
+
+
+def test_limits_come_from_the_stored_plan_else_defaults(db, seeded) -> None:
+    stored = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids, candidate_run_ids=seeded.candidate_ids)
+    assert "dash-precision" in stored.source and stored.limits.max_accuracy_drop == 1.0
+    assert stored.limits.gains[0].metric == "weight_bytes"
+    one_repeat = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids[:1],
+                                       candidate_run_ids=seeded.candidate_ids[:1])
+    assert one_repeat.limits == stored.limits  # a subset of a stored comparison's runs keeps its plan
+    other = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids,
+                                  candidate_run_ids=[seeded.other_workload_run_id])
+    assert other.source == "defaults" and other.limits == queries.DEFAULT_LIMITS
+
+
+def test_retained_tokens_put_every_batch_on_its_configs_line(db, seeded) -> None:
+    points = queries.batch_points(db, run_ids=seeded.baseline_ids)
+    assert points and {p.serving_config_name for p in points} == {seeded.baseline_name}
+    fp32_per_token = TINY_SHAPE.kv_bytes_per_token(4)
+    for p in points:  # the engine's own figure, from the model shape, equals the rebuilt tokens x bytes per token
+        assert p.kv_cache_bytes == fp32_per_token * p.retained_tokens
+    assert queries.kv_bytes_per_token(points) == pytest.approx(fp32_per_token)
+    requests = queries.request_tokens(db, run_ids=seeded.baseline_ids[:1])
+    assert len(requests) == 6 and all(r.num_generated_tokens == 4 for r in requests)
+    assert all(r.retained_tokens == r.num_prompt_tokens + 3 for r in requests)
+
+
+def test_peak_retained_tokens_follow_the_batch_shape() -> None:
+    assert queries.peak_retained_tokens([4, 4, 4, 4], 4 * 10) == 4 * 13
+    assert queries.peak_retained_tokens([4, 4, 1, 1, 1, 1, 1], 40) == max(4 * 11, 1 * 16)
+    assert queries.peak_retained_tokens([], 0) == 0
+
+
+def test_jobs_queues_workers_and_failures(db, seeded) -> None:
+    [job] = queries.job_progress(db)
+    assert job.counts == {"failed": 1, "queued": 2} and job.num_total == 3 and job.num_finished == 1
+    counts = queries.request_status_counts(db)
+    # 2 repeats x 6 requests, and whatever the runner sends to warm its worker up
+    assert counts[seeded.baseline_name]["succeeded"] >= 12 and counts[seeded.baseline_name]["queued"] == 3
+    assert seeded.baseline_name in queries.unfinished_config_names(db)
+    workers = queries.workers(db, now=datetime.now(UTC))
+    assert {w.serving_config_name for w in workers} == {seeded.baseline_name, seeded.candidate_name}
+    assert all(w.seconds_since_heartbeat >= 0 and "cpu" in w.hardware for w in workers)
+    [failure] = queries.recent_failures(db)
+    assert failure.reason == seeded.failure_reason and failure.num_attempts == 1
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        depths = queries.stream_depths(client, prefix=seeded.key_prefix, config_names=["never-served"])
+    finally:
+        client.close()
+    assert depths["never-served"] == {"interactive": 0, "bulk": 0}
+    assert depths[seeded.baseline_name] == {"interactive": 0, "bulk": 0}  # served and acknowledged
+
+
+def test_sweep_reports_are_read_leniently() -> None:
+    report = {"points": [
+        {"config": "fp32", "weights": "fp32", "batch_size": 2, "decode_tokens_per_s": 40.0, "tpot_ms": 50,
+         "bandwidth_roofline_tokens_per_s": 140.0, "compute_roofline_tokens_per_s": 900.0},
+        {"config": "fp32", "weights": "fp32", "batch_size": 1, "decode_tokens_per_s": 25.0},
+        {"weights": "bf16", "num_rows": 1, "tokens_per_s": "31.5"},
+        {"config": "broken"},
+    ], "crossovers": [{"label": "bf16 stops paying", "batch_size": 8}, {"label": "no size"}]}
+    points = queries.sweep_points(report)
+    assert [(p.config, p.batch_size) for p in points] == [("bf16", 1), ("fp32", 1), ("fp32", 2)]
+    assert points[0].decode_tokens_per_s == 31.5 and points[1].tpot_ms is None
+    assert points[2].bandwidth_roofline_tokens_per_s == 140.0
+    assert queries.sweep_crossovers(report) == [queries.Crossover("bf16 stops paying", 8.0)]
+    assert queries.sweep_crossovers({"crossovers": {"compute bound": 16}}) == [queries.Crossover("compute bound", 16)]
+    assert queries.sweep_points({}) == []
