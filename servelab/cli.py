@@ -143,12 +143,90 @@ def worker(
 
 
 @app.command()
+def migrate() -> None:
+    """Create the database if needed and upgrade it to the newest schema (the compose `migrate` service)."""
+    from servelab.runtime import connect
+
+    connect(Settings(), migrate=True).close()
+    typer.echo("database at the newest schema")
+
+
+@app.command()
 def down() -> None:
     """Stop the embedded Redis and PostgreSQL this folder's state dir started."""
     from servelab.embedded import stop_embedded
 
     for server in stop_embedded(Settings()):
         typer.echo(f"stopped embedded {server.kind} (pid {server.pid})")
+
+
+@app.command()
+def run(
+    config: ConfigOption,
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="workload YAML, e.g. workloads/smoke.yaml")],
+) -> None:
+    """Serve a workload with one config through a real worker and the queue; store and print the run."""
+    from servelab.lab.runner import RunError, run_workload, start_worker, warm_up
+    from servelab.lab.workload import WorkloadError, load_workload
+    from servelab.runtime import connect
+
+    serving = _load_config(config)
+    try:
+        loaded = load_workload(workload)
+    except WorkloadError as exc:
+        _fail(str(exc))
+    runtime = connect(Settings())
+    try:
+        with start_worker(serving, config, runtime) as started:
+            warm_up(started, serving, loaded)
+            outcome = run_workload(workload=loaded, config=serving, worker=started,
+                                   progress=lambda m: typer.echo(m, err=True))
+    except RunError as exc:
+        _fail(str(exc))
+    finally:
+        runtime.close()
+    typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint})")
+    typer.echo(_format_summary(outcome.summary))
+
+
+def _format_summary(summary) -> str:
+    lines = [f"requests {summary.num_succeeded}/{summary.num_requests} in {summary.duration_s:.1f} s: "
+             f"{summary.output_tokens_per_s:.1f} output tok/s, {summary.requests_per_s:.2f} req/s, "
+             f"mean batch {summary.mean_batch_size:.1f} {summary.batch_size_counts}"]
+    for name, lat in summary.latency.items():
+        lines.append(f"  {name:<9} p50 {lat.p50:9.1f}  p95 {lat.p95:9.1f}  p99 {lat.p99:9.1f}")
+    if summary.goodput_fraction is not None:
+        lines.append(f"  goodput {summary.goodput_fraction:.0%} of requests met the SLOs "
+                     f"({summary.goodput_requests_per_s:.2f} req/s)")
+    lines.append(f"  memory: weights {summary.weight_bytes / 1e6:.1f} MB, KV cache peak "
+                 f"{summary.kv_cache_peak_bytes / 1e6:.2f} MB, working peak {summary.working_peak_bytes / 1e6:.1f} MB")
+    lines.append(f"  cost: {summary.cost_per_request:.6f} per request, {summary.cost_per_1k_output_tokens:.6f} "
+                 "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)")
+    return "\n".join(lines)
+
+
+@app.command(name="compare")
+def compare_plan(
+    plan: Annotated[Path, typer.Argument(help="comparison plan YAML, e.g. plans/precision.yaml")],
+) -> None:
+    """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts."""
+    from servelab.lab.compare import PlanError, format_verdicts, load_plan, run_plan
+    from servelab.lab.runner import RunError
+    from servelab.runtime import connect
+
+    try:
+        loaded = load_plan(plan)
+    except PlanError as exc:
+        _fail(str(exc))
+    runtime = connect(Settings())
+    try:
+        result = run_plan(loaded, runtime, progress=lambda m: typer.echo(m, err=True))
+    except RunError as exc:
+        _fail(str(exc))
+    finally:
+        runtime.close()
+    typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
+    typer.echo(format_verdicts(result.verdicts))
 
 
 @bench_app.command("engine")
@@ -238,6 +316,212 @@ def engine_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+@app.command()
+def dashboard(
+    port: Annotated[int, typer.Option(help="port to serve the dashboard on")] = 8501,
+    address: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+) -> None:
+    """Serve the dashboard (Streamlit; reads Postgres and Redis only) until stopped."""
+    import os
+    import sys
+
+    app_path = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+    if not app_path.is_file():
+        _fail(f"{app_path}: the dashboard app is missing (run from a source checkout)")
+    # NOTE: exec, so Ctrl-C and the service manager's signals reach Streamlit itself.
+    os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.headless", "true",
+                              "--server.port", str(port), "--server.address", address,
+                              "--browser.gatherUsageStats", "false"])
+
+
+@app.command()
+def sweep(
+    configs: Annotated[str, typer.Option(help="comma-separated serving config files; the first is the baseline")]
+    = "configs/fp32.yaml,configs/bf16.yaml",
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,2,4,8,16,32",
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 2,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: the config's, else torch's)")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Decode speed against batch size per config, beside the bandwidth and compute rooflines."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.sweep import format_sweep_table, sweep_report
+
+    serving = [_load_config(Path(p.strip())) for p in configs.split(",") if p.strip()]
+    sizes = _parse_ints(batch_sizes, "--batch-sizes")
+    if not serving:
+        _fail(f"--configs names no config file, got {configs!r}")
+    if len({c.name for c in serving}) != len(serving):
+        _fail(f"--configs: config names must differ, got {[c.name for c in serving]}")
+    if new_tokens < 2 or prompt_tokens < 1 or rounds < 1:
+        _fail("--new-tokens must be at least 2, --prompt-tokens and --rounds at least 1")
+    settings = Settings(num_threads=threads) if threads else Settings()
+    try:
+        engines = [Engine.from_config(c.model_copy(update={"num_threads": threads or c.num_threads}), settings)
+                   for c in serving]
+    except ModelLoadError as exc:
+        _fail(str(exc))
+    report = sweep_report(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
+                          num_rounds=rounds, progress=lambda m: typer.echo(m, err=True))
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_sweep_table(report))
+
+
+# --- the control plane: keys, the api and jobs-worker processes, and batch files through the API ---
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys: one tenant per key, stored hashed.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("create")
+def keys_create(tenant: Annotated[str, typer.Option(help="the tenant the key acts for")]) -> None:
+    """Create a key and print it; only its hash is stored, so it is shown this once."""
+    from servelab.runtime import connect
+    from servelab.store.db import session_scope
+    from servelab.store.keys import create_key
+
+    if not tenant.strip():
+        _fail("--tenant must not be empty")
+    runtime = connect(Settings())
+    try:
+        with session_scope(runtime.sessions) as session:
+            key = create_key(session, tenant=tenant.strip())
+    finally:
+        runtime.close()
+    typer.echo(key)
+
+
+@app.command("api")
+def api_server(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Run the API (FastAPI under uvicorn); it never loads torch."""
+    import uvicorn
+
+    # NOTE: named by string, not imported: the core never imports the process packages.
+    uvicorn.run("api.app:build", factory=True, host=host, port=port, workers=workers)
+
+
+def _run_module(*args: str) -> None:
+    import subprocess
+    import sys
+
+    raise typer.Exit(code=subprocess.call([sys.executable, "-m", *args]))
+
+
+@app.command("jobs-worker")
+def jobs_worker(concurrency: int = 2) -> None:
+    """Run the Celery jobs-worker (batch ingest, finalisation, cancel, expiry, reaper)."""
+    _run_module("worker.jobs", "worker", f"--concurrency={concurrency}", "--loglevel=INFO")
+
+
+@app.command("beat")
+def beat() -> None:
+    """Run Celery beat: it sweeps batch jobs every jobs_poll_s and reaps lost stream entries."""
+    _run_module("worker.jobs", "beat", "--loglevel=INFO")
+
+
+def _api_client(api_url: str | None, api_key: str | None):
+    import httpx
+
+    from servelab.settings import ServiceSettings
+
+    settings = ServiceSettings()
+    key = api_key or settings.api_key
+    if not key:
+        _fail("no API key: pass --api-key or set SERVELAB_API_KEY (make one with `servelab keys create`)")
+    return httpx.Client(base_url=(api_url or settings.api_url).rstrip("/"), timeout=120,
+                        headers={"Authorization": f"Bearer {key}"})
+
+
+def _checked(response) -> dict:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        _fail(f"{response.request.method} {response.request.url.path}: {response.status_code}: {message}")
+    return response.json()
+
+
+def _with_model(path: Path, config: str | None) -> tuple[bytes, str, int]:
+    """The file with every parseable line's body.model set to config -> (content, endpoint, number of lines)."""
+    out, endpoint, num_lines = [], None, 0
+    with path.open("rb") as lines:
+        for raw in lines:
+            if not raw.strip():
+                continue
+            num_lines += 1
+            try:
+                record = json.loads(raw)
+                endpoint = endpoint or record.get("url")
+                if config and isinstance(record.get("body"), dict):
+                    record["body"]["model"] = config
+                    raw = json.dumps(record).encode() + b"\n"
+            except (ValueError, AttributeError):
+                pass  # NOTE: sent as it is: the server refuses it with a reason in the error file
+            out.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    return b"".join(out), endpoint or "/v1/chat/completions", num_lines
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="a JSONL batch file (OpenAI batch format)")],
+    config: Annotated[str | None, typer.Option("--config", "-c", help="serving config name for every line")] = None,
+    window: Annotated[str, typer.Option(help="completion window, e.g. 24h")] = "24h",
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="print the batch id and return at once")] = False,
+    api_url: Annotated[str | None, typer.Option(help="default: SERVELAB_API_URL")] = None,
+    api_key: Annotated[str | None, typer.Option(help="default: SERVELAB_API_KEY")] = None,
+) -> None:
+    """Upload a batch file, create the batch, and show its progress until it ends."""
+    import time
+
+    if not file.is_file():
+        _fail(f"{file}: no such file")
+    content, endpoint, num_lines = _with_model(file, config)
+    with _api_client(api_url, api_key) as client:
+        uploaded = _checked(client.post("/v1/files", data={"purpose": "batch"},
+                                        files={"file": (file.name, content, "application/jsonl")}))
+        batch = _checked(client.post("/v1/batches", json={"input_file_id": uploaded["id"], "endpoint": endpoint,
+                                                          "completion_window": window}))
+        typer.echo(batch["id"])
+        if no_wait:
+            return
+        with typer.progressbar(length=num_lines, label=batch["id"], file=None) as bar:
+            done = 0
+            while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(1.0)
+                batch = _checked(client.get(f"/v1/batches/{batch['id']}"))
+                counts = batch["request_counts"]
+                bar.update(counts["completed"] + counts["failed"] - done)
+                done = counts["completed"] + counts["failed"]
+    counts = batch["request_counts"]
+    typer.echo(f"{batch['status']}: {counts['completed']} completed, {counts['failed']} failed of {counts['total']}")
+    if batch["status"] != "completed":
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def results(
+    batch_id: Annotated[str, typer.Argument(help="batch_...")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="where the output JSONL goes")] = Path("out.jsonl"),
+    errors: Annotated[Path | None, typer.Option(help="where the error JSONL goes (default: not written)")] = None,
+    api_url: Annotated[str | None, typer.Option(help="default: SERVELAB_API_URL")] = None,
+    api_key: Annotated[str | None, typer.Option(help="default: SERVELAB_API_KEY")] = None,
+) -> None:
+    """Download a batch's output file (and error file)."""
+    with _api_client(api_url, api_key) as client:
+        batch = _checked(client.get(f"/v1/batches/{batch_id}"))
+        if batch["status"] not in ("completed", "expired", "cancelled"):
+            _fail(f"batch {batch_id} is {batch['status']}: no files yet")
+        for file_id, path in ((batch["output_file_id"], output), (batch["error_file_id"], errors)):
+            if path is None:
+                continue
+            content = b"" if file_id is None else client.get(f"/v1/files/{file_id}/content").content
+            path.write_bytes(content)
+            typer.echo(f"{path}: {len(content.splitlines())} lines")
 
 
 if __name__ == "__main__":
