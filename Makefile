@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml requirements-nodeps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 is pinned: on these machines pip takes the CPU wheel already on disk.
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[engine,dashboard,test]"
 	# Packages whose declared dependencies are wrong for this stack (see README, "Dependencies").
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	touch $(STAMP)

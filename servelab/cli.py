@@ -143,6 +143,26 @@ def worker(
 
 
 @app.command()
+def quantize(config: ConfigOption) -> None:
+    """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it."""
+    from servelab.engine.awq import quantize as quantize_model
+    from servelab.engine.loader import ModelLoadError
+
+    serving = _load_config(config)
+    if serving.weights != "awq-int4":
+        _fail(f"{config}: weights is {serving.weights!r}; quantize needs weights: awq-int4")
+    try:
+        record = quantize_model(serving, Settings(), progress=lambda m: typer.echo(m, err=True))
+    except (ModelLoadError, ValueError) as exc:
+        _fail(str(exc))
+    verb = "reused" if record.is_reused else f"made in {record.quantize_s:.0f} s"
+    calibration = (f"{record.num_calibration_samples} x {record.calibration_seq_len} tokens of "
+                   f"{record.calibration_set}" if record.calibration_set else "no calibration (round to nearest)")
+    typer.echo(f"{record.method} int{record.bits} g{record.group_size} checkpoint {verb}: {record.checkpoint} "
+               f"({calibration})")
+
+
+@app.command()
 def migrate() -> None:
     """Create the database if needed and upgrade it to the newest schema (the compose `migrate` service)."""
     from servelab.runtime import connect

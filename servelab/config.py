@@ -52,6 +52,7 @@ class DecodingConfig(_Frozen):
 
 
 class AWQConfig(_Frozen):
+    method: Literal["awq", "rtn"] = Field(default="awq", description="rtn: round-to-nearest, the baseline AWQ must beat")
     bits: Literal[4] = 4
     group_size: Literal[32, 64, 128] = 64
     zero_point: bool = True

@@ -63,7 +63,7 @@ def bundled_gguf_path(name: str) -> Path:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # NOTE: two workers starting at once convert only once
@@ -77,7 +77,7 @@ def ensure_bundled_folder(name: str, cache_dir: Path) -> Path:
     """The bundled model as a safetensors folder in the cache, converted from its GGUF on first use."""
     gguf = bundled_gguf_path(name)
     folder = cache_dir / f"{name}-{gguf.stat().st_size}"
-    with _file_lock(cache_dir / f".{name}.lock"):
+    with file_lock(cache_dir / f".{name}.lock"):
         if (folder / "config.json").is_file():
             return folder
         log.info("converting %s to safetensors in %s (once)", gguf.name, folder)

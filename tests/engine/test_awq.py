@@ -1,0 +1,344 @@
+"""AWQ int4: quantise a tiny random Llama once, load it back as packed int4 modules, and refuse bad checkpoints.
+
+The tiny model (2 layers, hidden 128) keeps quantisation to seconds; the bundled tokenizer makes the
+calibration windows real. The full bundled model is measured in benchmarks, not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from servelab.config import ServingConfig
+from servelab.engine import awq
+from servelab.engine.engine import Engine
+from servelab.engine.measure import weight_bytes
+from servelab.engine.requests import GenerationRequest, SamplingParams
+from servelab.settings import Settings
+from tests.engine.naive import naive_greedy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="needs gptqmodel==7.6.0")
+
+PROMPTS = ["The capital of France is", "A man is sitting on a roof. He", "Seven blue houses stood by the river"]
+
+
+def _tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int, intermediate_size: int) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2,  # NOTE: spread-out logits, so greedy picks are not float-noise ties
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _awq_config(model: str | Path, **awq) -> ServingConfig:
+    return ServingConfig.from_dict({
+        "name": "tiny-awq", "model": str(model), "weights": "awq-int4", "device": "cpu",
+        "decoding": {"max_new_tokens": 16, "max_context_tokens": 128},
+        "awq": {"num_calibration_samples": 8, "calibration_seq_len": 64, **awq},
+    })
+
+
+@pytest.fixture(scope="module")
+def awq_settings(tmp_path_factory) -> Settings:
+    return Settings(cache_dir=tmp_path_factory.mktemp("awq-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, bundled_folder: str) -> Path:
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-base"), bundled_folder, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tiny_base: Path) -> ServingConfig:
+    return _awq_config(tiny_base)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_config: ServingConfig, awq_settings: Settings) -> awq.QuantizeRecord:
+    return awq.quantize(tiny_config, awq_settings, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def loaded(quantized: awq.QuantizeRecord, tiny_config: ServingConfig, awq_settings: Settings):
+    return awq.load_awq_model(tiny_config, awq_settings)
+
+
+def _copy_checkpoint(record: awq.QuantizeRecord, config: ServingConfig, settings: Settings) -> Path:
+    """The checkpoint copied to where `config` looks for its own, under another cache."""
+    target = awq.awq_checkpoint_dir(config, settings)
+    shutil.copytree(record.checkpoint, target)
+    return target
+
+
+@torch.inference_mode()
+def _logits(model, tokenizer, prompt: str) -> torch.Tensor:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    return model(input_ids=ids).logits[0].float()  # (T, V)
+
+
+# --- calibration ---
+
+
+def test_calibration_windows_are_exact_length_and_deterministic(tiny_base: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base)
+    cfg = _awq_config(tiny_base, num_calibration_samples=6, calibration_seq_len=48).awq
+    windows = awq.calibration_windows(cfg, tokenizer)
+    assert [len(w) for w in windows] == [48] * 6
+    assert windows == awq.calibration_windows(cfg, tokenizer)
+    assert awq.calibration_texts(cfg, tokenizer)[0].startswith("Roof shingle removal: A man is sitting on a roof.")
+
+
+def test_calibration_set_chooses_the_text(tiny_base: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base)
+    text = awq.calibration_texts(_awq_config(tiny_base, calibration_set="arc_easy").awq, tokenizer)[0]
+    assert text.startswith("Question:") and "Roof shingle" not in text
+
+
+def test_asking_more_calibration_text_than_the_set_has_is_refused(tiny_base: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base)
+    cfg = _awq_config(tiny_base, calibration_set="arc_easy", num_calibration_samples=4096,
+                      calibration_seq_len=4096).awq
+    with pytest.raises(ValueError, match="fewer or shorter samples"):
+        awq.calibration_windows(cfg, tokenizer)
+
+
+# --- quantising and the cache ---
+
+
+def test_batched_clip_search_picks_the_same_clips_as_gptqmodel() -> None:
+    awq._import_gptqmodel()
+    from gptqmodel.looper.awq_processor import AWQProcessor
+
+    processor = AWQProcessor.__new__(AWQProcessor)  # only its quant settings and quantiser are used
+    processor.qcfg = type("QuantSettings", (), {"group_size": 64, "sym": False, "bits": 4})()
+    torch.manual_seed(0)
+    w = torch.randn(320, 128) * 0.05  # 320 rows: two row chunks of the batched search
+    x = torch.randn(512, 128)
+    x[:, :3] *= 20  # outlier input channels, as in real activations
+    want = AWQProcessor._compute_best_clip(processor, w, x)  # fp32: both searches are exact
+    got = awq.batched_best_clip(processor, w, x)
+    assert got.shape == want.shape == (320, 2, 1)
+    assert torch.equal(got, want)
+    assert (got < w.reshape(320, 2, 64).abs().amax(-1, keepdim=True)).any(), "some groups are clipped"
+
+
+def test_quantize_writes_a_checkpoint_with_its_record(quantized: awq.QuantizeRecord, awq_settings: Settings,
+                                                      tiny_config: ServingConfig) -> None:
+    folder = Path(quantized.checkpoint)
+    assert folder == awq.awq_checkpoint_dir(tiny_config, awq_settings)
+    assert not quantized.is_reused and quantized.method == "awq" and quantized.quantize_s > 0
+    on_disk = json.loads((folder / awq.RECORD_FILE).read_text())
+    assert on_disk["calibration_set"] == "hellaswag" and on_disk["num_calibration_samples"] == 8
+    assert on_disk["calibration_seq_len"] == 64 and on_disk["group_size"] == 64
+    assert not list(folder.parent.glob("*.partial")), "a finished quantisation leaves no staging folder"
+    hf = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (hf["quant_method"], hf["bits"], hf["group_size"], hf["zero_point"]) == ("awq", 4, 64, True)
+
+
+def test_second_quantize_reuses_the_checkpoint(quantized: awq.QuantizeRecord, tiny_config: ServingConfig,
+                                               awq_settings: Settings) -> None:
+    weights = Path(quantized.checkpoint) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    again = awq.quantize(tiny_config, awq_settings, progress=lambda _: None)
+    assert again.is_reused and again.checkpoint == quantized.checkpoint
+    assert again.quantize_s == quantized.quantize_s and weights.stat().st_mtime_ns == mtime
+
+
+def test_cache_key_follows_the_calibration(tiny_config: ServingConfig, tiny_base: Path, awq_settings: Settings) -> None:
+    other = _awq_config(tiny_base, num_calibration_samples=9)
+    assert awq.awq_checkpoint_dir(other, awq_settings) != awq.awq_checkpoint_dir(tiny_config, awq_settings)
+    # RTN reads no calibration text, so its checkpoint does not depend on it
+    assert (awq.awq_checkpoint_dir(other, awq_settings, method="rtn")
+            == awq.awq_checkpoint_dir(tiny_config, awq_settings, method="rtn"))
+
+
+def test_group_size_that_does_not_divide_the_hidden_size_is_refused(settings: Settings, bundled_folder: str) -> None:
+    config = _awq_config("bundled:smollm2-135m-instruct", group_size=128)  # hidden size 576 = 4.5 x 128
+    with pytest.raises(ValueError, match=r"group_size 128 .* hidden_size \(576\).*\[32, 64\]"):
+        awq.quantize(config, settings, progress=lambda _: None)
+
+
+# --- loading ---
+
+
+def test_loaded_layers_are_packed_int4_modules(loaded, tiny_base: Path) -> None:
+    base = LlamaForCausalLM.from_pretrained(tiny_base)
+    base_linears = {n: m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    modules = dict(loaded.model.named_modules())
+    assert len(base_linears) == 14
+    for name, linear in base_linears.items():
+        quant = modules[name]
+        assert not isinstance(quant, torch.nn.Linear), f"{name} was left in full precision"
+        packed_bytes = quant.qweight.numel() * quant.qweight.element_size()
+        assert packed_bytes * 2 == linear.in_features * linear.out_features, f"{name} is not 4 bits per weight"
+    assert awq.kernel_name(loaded.model) == "TorchAtenAwqLinear"  # the ATen int4 CPU matmul
+
+
+def test_checkpoint_stores_int32_packed_qweight(quantized: awq.QuantizeRecord) -> None:
+    from safetensors import safe_open
+
+    with safe_open(Path(quantized.checkpoint) / "model.safetensors", "pt") as handle:
+        qweight = handle.get_tensor("model.layers.0.self_attn.q_proj.qweight")
+        scales = handle.get_tensor("model.layers.0.self_attn.q_proj.scales")
+        qzeros = handle.get_tensor("model.layers.0.self_attn.q_proj.qzeros")
+        assert "model.layers.0.self_attn.q_proj.weight" not in handle.keys()
+    assert qweight.dtype == torch.int32 and tuple(qweight.shape) == (128, 128 // 8)  # (in, out / 8 nibbles)
+    assert tuple(scales.shape) == (128 // 64, 128) and tuple(qzeros.shape) == (2, 16)  # one per group x out
+    assert len(torch.unique(qzeros)) > 1, "asymmetric quantisation has a zero point per group"
+
+
+def test_weight_bytes_count_the_packed_tensors(loaded, tiny_base: Path) -> None:
+    quantized_bytes = sum(
+        b.numel() * b.element_size() for m in loaded.model.modules() if hasattr(m, "qweight") for b in m.buffers()
+    )
+    num_weights = 2 * (4 * 128 * 128 // 2 + 128 * 32 * 2 + 3 * 128 * 256)  # 2 layers: q,o + k,v + gate,up,down
+    assert 0.5 * num_weights <= quantized_bytes <= 0.6 * num_weights  # 4 bits + a scale and zero per 64
+    embedding = loaded.model.model.embed_tokens.weight  # tied with the head; fp32 or bf16 by CPU
+    embedding_bytes = embedding.numel() * embedding.element_size()
+    assert weight_bytes(loaded.model) >= quantized_bytes + embedding_bytes
+    assert weight_bytes(loaded.model) < quantized_bytes + embedding_bytes + 10_000  # norms only
+
+
+def test_rtn_baseline_shares_the_layout_and_kernel_but_not_the_weights(
+        loaded, quantized: awq.QuantizeRecord, tiny_config: ServingConfig, awq_settings: Settings,
+        tiny_base: Path) -> None:
+    # NOTE: whether AWQ beats RTN is a quality question for the real model on LAMBADA; a random tiny
+    # model has no activation outliers for AWQ to protect, so only the mechanics are checked here.
+    from safetensors.torch import load_file
+
+    rtn_record = awq.quantize_rtn(tiny_config, awq_settings, progress=lambda _: None)
+    assert rtn_record.method == "rtn" and rtn_record.calibration_set is None
+    rtn = awq.load_awq_model(tiny_config, awq_settings, method="rtn")
+    assert awq.kernel_name(rtn.model) == awq.kernel_name(loaded.model)
+    awq_tensors = load_file(Path(quantized.checkpoint) / "model.safetensors")
+    rtn_tensors = load_file(Path(rtn_record.checkpoint) / "model.safetensors")
+    assert awq_tensors.keys() == rtn_tensors.keys()
+    key = "model.layers.0.mlp.up_proj.scales"
+    assert not torch.equal(awq_tensors[key].float(), rtn_tensors[key].float()), "AWQ rescales; RTN does not"
+    reference = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32)
+    for prompt in PROMPTS:
+        want = _logits(reference, loaded.tokenizer, prompt)
+        for model in (loaded.model, rtn.model):
+            got = _logits(model, loaded.tokenizer, prompt)
+            assert (got - want).pow(2).mean() < 0.5 * want.pow(2).mean(), prompt  # garbage is ~1x or more
+
+
+def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: ServingConfig,
+                                                        awq_settings: Settings) -> None:
+    engine = Engine.from_config(tiny_config, awq_settings)
+    requests = [GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=8))
+                for i, p in enumerate(PROMPTS)]
+    result = engine.generate(requests)
+    for request, completion in zip(requests, result.completions):
+        expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
+        assert list(completion.token_ids) == expected, request.prompt
+
+
+def test_kernel_override_selects_the_torch_kernel(quantized, tiny_base: Path, awq_settings: Settings) -> None:
+    loaded = awq.load_awq_model(_awq_config(tiny_base, kernel="torch"), awq_settings)
+    assert awq.kernel_name(loaded.model) == "AwqTorchLinear"
+
+
+# --- refusing bad checkpoints ---
+
+
+def test_missing_checkpoint_tells_to_run_quantize(tiny_base: Path, awq_settings: Settings) -> None:
+    config = _awq_config(tiny_base, num_calibration_samples=3)
+    with pytest.raises(awq.AWQCheckpointError, match="servelab quantize --config") as info:
+        awq.load_awq_model(config, awq_settings)
+    assert str(awq.awq_checkpoint_dir(config, awq_settings)) in str(info.value)
+
+
+def test_corrupt_checkpoint_names_the_file(quantized, tiny_config: ServingConfig, tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path)
+    weights = _copy_checkpoint(quantized, tiny_config, settings) / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(awq.AWQCheckpointError, match="not a readable safetensors file") as info:
+        awq.load_awq_model(tiny_config, settings)
+    assert str(weights) in str(info.value)
+
+
+def test_missing_weights_file_names_the_file(quantized, tiny_config: ServingConfig, tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path)
+    weights = _copy_checkpoint(quantized, tiny_config, settings) / "model.safetensors"
+    weights.unlink()
+    with pytest.raises(awq.AWQCheckpointError, match="is missing") as info:
+        awq.load_awq_model(tiny_config, settings)
+    assert str(weights) in str(info.value)
+
+
+@pytest.fixture
+def narrow_config(tmp_path: Path, bundled_folder: str) -> ServingConfig:
+    """Another base model (hidden 64) whose cache slot can be filled with the wrong checkpoint."""
+    return _awq_config(_tiny_llama(tmp_path / "narrow", bundled_folder, hidden_size=64, intermediate_size=128))
+
+
+def test_checkpoint_of_another_model_names_the_file(quantized, narrow_config: ServingConfig, tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path / "cache")
+    folder = _copy_checkpoint(quantized, narrow_config, settings)
+    with pytest.raises(awq.AWQCheckpointError, match="hidden_size: checkpoint has 128, expected 64") as info:
+        awq.load_awq_model(narrow_config, settings)
+    assert str(folder / "config.json") in str(info.value)
+
+
+def test_checkpoint_with_wrong_tensors_names_the_tensor(quantized, narrow_config: ServingConfig,
+                                                        tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path / "cache")
+    folder = _copy_checkpoint(quantized, narrow_config, settings)
+    hf = json.loads((folder / "config.json").read_text())
+    hf.update(hidden_size=64, intermediate_size=128)  # a config edited to match; the tensors still do not
+    (folder / "config.json").write_text(json.dumps(hf))
+    wrong_tensor = r"proj\.qweight is \(\(\d+, \d+\), 'I32'\), expected shape"
+    with pytest.raises(awq.AWQCheckpointError, match=wrong_tensor) as info:
+        awq.load_awq_model(narrow_config, settings)
+    assert str(folder) in str(info.value)
+
+
+def test_checkpoint_with_other_quant_settings_is_refused(quantized, tiny_config: ServingConfig,
+                                                         tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path)
+    folder = _copy_checkpoint(quantized, tiny_config, settings)
+    hf = json.loads((folder / "config.json").read_text())
+    hf["quantization_config"]["group_size"] = 32
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(awq.AWQCheckpointError, match="group_size: checkpoint has 32, expected 64"):
+        awq.load_awq_model(tiny_config, settings)
+
+
+def test_quantize_does_not_trust_a_folder_without_its_record(quantized, tiny_config: ServingConfig,
+                                                             tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path)
+    folder = _copy_checkpoint(quantized, tiny_config, settings)
+    (folder / awq.RECORD_FILE).unlink()  # as if a copy was interrupted: quantise again
+    (folder / "model.safetensors").write_bytes(b"partial")
+    record = awq.quantize(tiny_config, settings, progress=lambda _: None)
+    assert not record.is_reused and (folder / awq.RECORD_FILE).is_file()
+    awq.load_awq_model(tiny_config, settings)
+
+
+# --- GPU ---
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_loads_a_cuda_kernel_in_fp16(quantized, tiny_base: Path, awq_settings: Settings) -> None:
+    config = ServingConfig.from_dict({**_awq_config(tiny_base).model_dump(), "device": "cuda"})
+    loaded = awq.load_awq_model(config, awq_settings)
+    assert loaded.dtype == torch.float16 and loaded.device.type == "cuda"
+    assert "Aten" not in awq.kernel_name(loaded.model)
+    ids = loaded.tokenizer(PROMPTS[0], return_tensors="pt").input_ids.to(loaded.device)
+    assert torch.isfinite(loaded.model(input_ids=ids).logits).all()
