@@ -163,6 +163,40 @@ def quantize(config: ConfigOption) -> None:
 
 
 @app.command()
+def quality(
+    configs: Annotated[str, typer.Option(help="comma-separated serving configs; the first is the baseline")],
+    samples: Annotated[int, typer.Option(help="LAMBADA passages, the same for every config")] = 100,
+    seed: int = 0,
+) -> None:
+    """LAMBADA last-word accuracy and perplexity of each config through the serving engine, paired."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.quality import accuracy_drop, evaluate_lambada, lambada_passages, perplexity_ratio
+
+    serving = [_load_config(Path(p.strip())) for p in configs.split(",") if p.strip()]
+    passages = lambada_passages(samples, seed=seed)
+    results = []
+    for config in serving:
+        try:
+            engine = Engine.from_config(config, Settings())
+        except ModelLoadError as exc:
+            _fail(str(exc))
+        results.append(evaluate_lambada(engine, passages, batch_size=config.batching.max_batch_size))
+        del engine
+    typer.echo(f"LAMBADA, {samples} passages (seed {seed}); intervals are 95 %; drop and ratio are paired "
+               f"against {serving[0].name}")
+    for config, result in zip(serving, results):
+        acc, ppl = result.accuracy, result.perplexity
+        line = (f"{config.name:<12} accuracy {acc.value:.3f} [{acc.low:.3f}, {acc.high:.3f}]  "
+                f"perplexity {ppl.value:.2f} [{ppl.low:.2f}, {ppl.high:.2f}]")
+        if result is not results[0]:
+            drop, ratio = accuracy_drop(results[0], result), perplexity_ratio(results[0], result)
+            line += (f"  drop {drop.value:+.3f} [{drop.low:+.3f}, {drop.high:+.3f}]  "
+                     f"ppl x{ratio.value:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]")
+        typer.echo(line)
+
+
+@app.command()
 def migrate() -> None:
     """Create the database if needed and upgrade it to the newest schema (the compose `migrate` service)."""
     from servelab.runtime import connect
@@ -366,6 +400,7 @@ def sweep(
     rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 2,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: the config's, else torch's)")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    store: Annotated[bool, typer.Option(help="store the sweep in PostgreSQL for the dashboard")] = True,
 ) -> None:
     """Decode speed against batch size per config, beside the bandwidth and compute rooflines."""
     from servelab.engine.engine import Engine
@@ -389,6 +424,22 @@ def sweep(
     report = sweep_report(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
                           num_rounds=rounds, progress=lambda m: typer.echo(m, err=True))
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_sweep_table(report))
+    if store:
+        typer.echo(f"stored as sweep {_store_sweep(report)} (the dashboard's Sweep page)", err=True)
+
+
+def _store_sweep(report) -> str:
+    from servelab.lab.hardware import describe_hardware
+    from servelab.runtime import connect
+    from servelab.store.db import session_scope
+    from servelab.store.runs import save_sweep
+
+    runtime = connect(Settings())
+    try:
+        with session_scope(runtime.sessions) as session:
+            return save_sweep(session, report=report.as_dict(), hardware=describe_hardware().as_dict())
+    finally:
+        runtime.close()
 
 
 # --- the control plane: keys, the api and jobs-worker processes, and batch files through the API ---
