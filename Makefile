@@ -2,6 +2,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+SL := $(VENV)/bin/servelab
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench stop clean
@@ -17,12 +18,17 @@ $(STAMP): pyproject.toml requirements-nodeps.txt
 
 install: $(STAMP)
 
+# The main job: the local stack, a batch file through the API, AWQ int4 against fp32, the verdict.
 demo: $(STAMP)
-	$(VENV)/bin/servelab generate --config configs/fp32.yaml --max-new-tokens 24 \
-		"The capital of France is" "Water boils at a temperature of"
-	$(VENV)/bin/servelab generate --config configs/bf16.yaml --chat --max-new-tokens 48 "What is the capital of France?"
-	$(VENV)/bin/servelab bench engine --configs configs/fp32.yaml,configs/bf16.yaml --batch-sizes 1,4,16 --new-tokens 16 --rounds 1 --threads 1
-	$(VENV)/bin/servelab bench queue --config configs/bf16.yaml --requests 16 --new-tokens 8 --rounds 1 --threads 1
+	$(SL) up --configs configs/smollm2.yaml
+	$(SL) keys create --tenant demo > .state/demo.key
+	SERVELAB_API_KEY=$$(cat .state/demo.key) $(SL) submit examples/batch.jsonl --config smollm2
+	$(SL) quantize --config configs/awq-int4-fast.yaml
+	$(SL) compare plans/demo.yaml
+	@echo
+	@echo "The stack is still up: API http://127.0.0.1:8000/v1 (key in .state/demo.key), model 'smollm2'."
+	@echo "Dashboard: $(SL) dashboard   then open http://127.0.0.1:8501"
+	@echo "Stop everything: make stop"
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -31,7 +37,7 @@ bench: $(STAMP)
 	$(VENV)/bin/servelab bench engine --configs configs/fp32.yaml,configs/bf16.yaml --threads 1
 
 stop:
-	$(VENV)/bin/servelab down
+	@if [ -x $(SL) ]; then $(SL) down; fi
 
 clean: stop
 	rm -rf $(VENV) .cache .state

@@ -206,11 +206,44 @@ def migrate() -> None:
 
 
 @app.command()
-def down() -> None:
-    """Stop the embedded Redis and PostgreSQL this folder's state dir started."""
-    from servelab.embedded import stop_embedded
+def up(
+    configs: Annotated[str, typer.Option(help="comma-separated serving configs, one gpu-worker each")]
+    = "configs/smollm2.yaml",
+    port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
+) -> None:
+    """Start the local stack in the background: Redis and PostgreSQL (embedded unless URLs are set), the
+    schema, the api, the jobs-worker, beat and a gpu-worker per config. `servelab down` stops it."""
+    from servelab.runtime import connect
+    from servelab.stack import StackError, start_stack
 
-    for server in stop_embedded(Settings()):
+    paths = [Path(p.strip()) for p in configs.split(",") if p.strip()]
+    for path in paths:
+        _load_config(path)
+    settings = Settings()
+    runtime = connect(settings)
+    runtime.close()
+    env = {"SERVELAB_REDIS_URL": runtime.urls.redis_url, "SERVELAB_DATABASE_URL": runtime.urls.database_url,
+           "SERVELAB_KEY_PREFIX": settings.key_prefix, "SERVELAB_CACHE_DIR": str(Path(settings.cache_dir).resolve()),
+           "SERVELAB_STATE_DIR": str(Path(settings.state_dir).resolve())}
+    try:
+        processes = start_stack(settings, env=env, config_paths=paths, api_port=port)
+    except StackError as exc:
+        _fail(str(exc))
+    for p in processes:
+        typer.echo(f"{p.name:<24} pid {p.pid:<8} log {p.log}")
+    typer.echo(f"API: http://127.0.0.1:{port}/v1 (OpenAI-compatible; model = a config name)")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local stack (`servelab up`) and the embedded Redis and PostgreSQL of this state folder."""
+    from servelab.embedded import stop_embedded
+    from servelab.stack import stop_stack
+
+    settings = Settings()
+    for process in stop_stack(settings):
+        typer.echo(f"stopped {process.name} (pid {process.pid})")
+    for server in stop_embedded(settings):
         typer.echo(f"stopped embedded {server.kind} (pid {server.pid})")
 
 

@@ -279,4 +279,8 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
     log.warning("worker %s serving %s (%s) on %s", name, config.name, config.weights, engine.device)
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        with session_scope(runtime.sessions) as session:
+            store.unregister_worker(session, name=name)  # NOTE: only a clean stop; a crash leaves a stale heartbeat

@@ -15,7 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import select
@@ -34,6 +34,7 @@ from servelab.store.models import StreamKind, WorkerRow
 REPO = Path(__file__).resolve().parents[2]
 WORKER_START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 3600.0
+LIVE_WORKER_S = 20.0  # a worker whose heartbeat is this recent is live (workers beat every 5 s)
 
 
 class RunError(RuntimeError):
@@ -114,7 +115,18 @@ def replay(workload: Workload, *, runtime: Runtime, streams: RequestStreams) -> 
 
 
 def start_worker(config: ServingConfig, config_path: Path, runtime: Runtime) -> WorkerProcess:
-    """A fresh worker process for the config; use it as a context manager (it stops on exit)."""
+    """A fresh worker process for the config; use it as a context manager (it stops on exit).
+
+    NOTE: a run measures its own worker only: another live worker on the config's streams would take
+    part of the workload, so the run is refused rather than measured wrong.
+    """
+    with session_scope(runtime.sessions) as session:
+        live = session.scalars(select(WorkerRow.name).where(
+            WorkerRow.serving_config_name == config.name,
+            WorkerRow.heartbeat_at > datetime.now(UTC) - timedelta(seconds=LIVE_WORKER_S))).all()
+    if live:
+        raise RunError(f"worker {live[0]} already serves config {config.name!r}: a run must own its config's "
+                       "streams; stop that worker (servelab down) or give the run's config another name")
     return WorkerProcess(config_path, runtime, f"lab-{config.name}-{uuid.uuid4().hex[:8]}")
 
 

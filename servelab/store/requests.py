@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -174,6 +174,10 @@ def register_worker(session: Session, *, name: str, serving_config_name: str, co
     values = dict(name=name, serving_config_name=serving_config_name, config_hash=config_hash,
                   hardware=hardware, software=software, started_at=func.now(), heartbeat_at=func.now())
     session.execute(insert(WorkerRow).values(**values).on_conflict_do_update(index_elements=["name"], set_=values))
+
+
+def unregister_worker(session: Session, *, name: str) -> None:
+    session.execute(delete(WorkerRow).where(WorkerRow.name == name))
 
 
 def heartbeat(session: Session, *, name: str) -> None:

@@ -87,3 +87,16 @@ def test_a_plan_runs_every_config_and_stores_a_full_verdict(tmp_path, tiny_folde
         assert len(stored.baseline_run_ids) == 2 and len(stored.candidate_run_ids) == 4
         runs = session.scalars(select(RunRow).where(RunRow.id.in_(stored.baseline_run_ids))).all()
         assert all(r.quality and len(r.quality["correct"]) == 8 for r in runs)
+
+
+def test_a_run_is_refused_while_another_worker_serves_its_config(tmp_path, tiny_folder, runtime) -> None:
+    from servelab.lab.runner import RunError
+    from servelab.store.requests import register_worker
+
+    config_path = tiny_config(tmp_path, tiny_folder, f"busy-{uuid.uuid4().hex[:6]}")
+    config = ServingConfig.from_yaml(config_path)
+    with session_scope(runtime.sessions) as session:
+        register_worker(session, name=f"prod-{config.name}", serving_config_name=config.name,
+                        config_hash=config.config_hash, hardware={}, software={})
+    with pytest.raises(RunError, match=f"already serves config '{config.name}'"):
+        start_worker(config, config_path, runtime)
