@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 
 from servelab.config import ServingConfig
 from servelab.engine import measure
+from servelab.engine.kvcache import cache_bytes_per_element, new_cache
 from servelab.engine.loader import LoadedModel, apply_threads, load_model
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
@@ -43,7 +44,7 @@ class _Batch:
     """The tensors that travel between decode steps; rows[i] owns row i of every tensor."""
 
     rows: list[_Row]
-    cache: DynamicCache
+    cache: Cache
     attention_mask: torch.Tensor  # (B, T_cache + 1 after the step's token is appended)
     positions: torch.Tensor  # (B,) position of each row's last token
     peak_cache_tokens: int = 0
@@ -60,7 +61,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_bytes = measure.weight_bytes(self.model)
-        self.kv_bytes_per_element = torch.finfo(loaded.dtype).bits // 8
+        self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
 
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
@@ -145,7 +146,7 @@ class Engine:
             attention_mask[i, width - len(row.prompt_ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model.config, self.loaded.shape.num_layers, self.config.kv_cache_dtype, self.loaded.dtype)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,

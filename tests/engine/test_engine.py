@@ -192,3 +192,17 @@ def test_engine_on_cuda_matches_naive(tiny_folder, settings) -> None:
     for request, completion in zip(requests, result.completions):
         expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
         assert list(completion.token_ids) == expected
+
+
+def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Engine, tiny_folder, settings) -> None:
+    from tests.engine.conftest import make_config
+
+    engine = Engine.from_config(make_config(str(tiny_folder), kv_cache_dtype="bf16"), settings)
+    requests = [_greedy("the cat sat on the mat " * 3, 6, "a"), _greedy("blue", 12, "b")]
+    result = engine.generate(requests)
+    full = tiny_engine.generate(requests).memory  # the same batch with the fp32 cache
+    assert engine.kv_bytes_per_element == 2 and tiny_engine.kv_bytes_per_element == 4
+    assert result.memory.kv_cache_bytes * 2 == full.kv_cache_bytes
+    assert result.memory.kv_cache_allocated_bytes == result.memory.kv_cache_bytes  # bf16 tensors really stored
+    assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
+    assert result.timings.num_rows_per_step[-1] == 1
