@@ -94,6 +94,7 @@ def _result_record(serving: ServingConfig, engine, result) -> dict:
         "config": serving.model_dump(mode="json"),
         "config_hash": serving.config_hash,
         "device": str(engine.device),
+        "kernel": engine.kernel,
         "completions": [
             {**{k: v for k, v in c.__dict__.items() if k not in ("token_ids", "token_times_ms")},
              "finish_reason": c.finish_reason.value, "num_generated_tokens": c.num_generated_tokens,
@@ -272,7 +273,8 @@ def run(
         _fail(str(exc))
     finally:
         runtime.close()
-    typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint})")
+    typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint}), "
+               f"kernel {outcome.kernel}")
     typer.echo(_format_summary(outcome.summary))
 
 
@@ -350,7 +352,8 @@ def bench_engine(
         typer.echo(json.dumps({"bandwidth_gbs": bandwidth, "threads": torch.get_num_threads(),
                                "rows": [r.as_dict() for r in rows]}, indent=2))
     else:
-        typer.echo(format_engine_table(rows, bandwidth_gbs=bandwidth))
+        typer.echo(format_engine_table(rows, bandwidth_gbs=bandwidth,
+                                       kernels={e.config.name: e.kernel for e in engines}))
 
 
 @bench_app.command("queue")

@@ -270,6 +270,7 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     with session_scope(runtime.sessions) as session:
         store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
                               hardware={**describe_hardware().as_dict(), "device": str(engine.device),
+                                        "kernel": engine.kernel,
                                         "bandwidth_gbs": round(measure_bandwidth_gbs(engine.device), 1)},
                               software=software_versions())
         store.save_serving_config(session, config=config)

@@ -63,6 +63,15 @@ class Engine:
         self.weight_bytes = measure.weight_bytes(self.model)
         self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
 
+    @property
+    def kernel(self) -> str:
+        """The linear-layer kernel serving the weights, reported with every run."""
+        if self.config.weights == "awq-int4":
+            from servelab.engine.awq import kernel_name
+
+            return kernel_name(self.model)
+        return f"dense {self.loaded.dtype} (torch.nn.Linear)"
+
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)

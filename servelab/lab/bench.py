@@ -109,7 +109,7 @@ def bench_engines(
     return rows
 
 
-def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float) -> str:
+def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float, kernels: dict[str, str]) -> str:
     lines = [
         f"memory bandwidth (measured): {bandwidth_gbs:.1f} GB/s; threads: {rows[0].num_threads if rows else '-'}",
         f"{'config':<12} {'weights':<9} {'batch':>5} {'tok/s':>9} {'HF tok/s':>9} {'ratio':>6} "
@@ -122,6 +122,7 @@ def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float) -> 
             f"{r.fraction_of_roofline:>6.0%}"
         )
     lines.append("roofline: batch x bandwidth / weight bytes (every decode step reads all weights once)")
+    lines += [f"kernel {name}: {kernel}" for name, kernel in kernels.items()]
     return "\n".join(lines)
 
 

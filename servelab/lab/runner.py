@@ -47,6 +47,7 @@ class RunOutcome:
     summary: RunSummary
     request_ids: tuple[str, ...]
     worker_name: str
+    kernel: str
 
 
 class WorkerProcess:
@@ -151,6 +152,7 @@ def run_workload(*, workload: Workload, config: ServingConfig, worker: WorkerPro
     sent = replay(workload, runtime=runtime, streams=streams)
     finished_at = datetime.now(UTC)
     request_ids = [rid for rid, _, _ in sent]
+    hardware = worker.hardware()
     with session_scope(runtime.sessions) as session:
         summary = summarise_run(store.request_samples(session, request_ids=request_ids),
                                 store.batch_samples(session, request_ids=request_ids),
@@ -158,8 +160,8 @@ def run_workload(*, workload: Workload, config: ServingConfig, worker: WorkerPro
         run_id = store.record_run(
             session, config=config.model_dump(mode="json"), config_hash=config.config_hash,
             workload_name=workload.name, workload_fingerprint=workload.fingerprint,
-            workload=workload.spec.model_dump(mode="json"), hardware=worker.hardware(), software=software_versions(),
+            workload=workload.spec.model_dump(mode="json"), hardware=hardware, software=software_versions(),
             worker_name=worker.name, started_at=started_at, finished_at=finished_at,
             summary=summary.as_dict(), sent=sent, plan_name=plan_name, repeat_index=repeat_index,
         )
-    return RunOutcome(run_id, summary, tuple(request_ids), worker.name)
+    return RunOutcome(run_id, summary, tuple(request_ids), worker.name, hardware.get("kernel", "unknown"))

@@ -246,6 +246,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
     for request, completion in zip(requests, result.completions):
         expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
         assert list(completion.token_ids) == expected, request.prompt
+    assert engine.kernel == "TorchAtenAwqLinear"  # reported with every run
 
 
 def test_kernel_override_selects_the_torch_kernel(quantized, tiny_base: Path, awq_settings: Settings) -> None:
