@@ -6,6 +6,7 @@ Knows the servelab commands that make runs, comparisons and sweeps. Does not run
 from __future__ import annotations
 
 import streamlit as st
+from sqlalchemy.exc import SQLAlchemyError
 
 COMPARE = "servelab compare plans/precision.yaml"
 RUN = "servelab run -c configs/bf16.yaml -w workloads/smoke.yaml"
@@ -30,3 +31,16 @@ def database_unreadable(error: Exception) -> None:
     st.error(f"The database cannot be read: {type(error).__name__}: {str(error).splitlines()[0]}")
     st.caption("A new database has no tables until it is migrated (any servelab command that serves does it):")
     st.code(MIGRATE, language="bash")
+
+
+def runs_or_explain(read_runs):
+    """The run listing, or None after saying why there is none (database unreadable, no runs yet)."""
+    try:
+        listing = read_runs()
+    except SQLAlchemyError as exc:
+        database_unreadable(exc)
+        return None
+    if not listing:
+        no_runs()
+        return None
+    return listing

@@ -119,15 +119,20 @@ class ServingConfig(_Frozen):
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServingConfig:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if isinstance(data, dict) and "name" not in data:
-            data = {"name": path.stem, **data}
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml_mapping(path, "config", ConfigError), source=str(path))
+
+
+def read_yaml_mapping(path: Path, kind: str, error: type[ValueError]) -> dict[str, Any]:
+    """A YAML file holding one mapping, its `name` defaulting to the file's stem; bad files raise `error`."""
+    if not path.is_file():
+        raise error(f"{path}: no such {kind} file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    return {"name": path.stem, **data}
 
 
 def describe_validation_error(exc: ValidationError) -> str:

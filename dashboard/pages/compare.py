@@ -13,7 +13,6 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 import streamlit as st
-from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard import charts, hints, reads
 from servelab.lab.metrics import latency_values
@@ -234,13 +233,8 @@ def _share(figure) -> str:
 
 def main() -> None:
     st.title("Compare serving configs")
-    try:
-        listing = reads.runs()
-    except SQLAlchemyError as exc:
-        hints.database_unreadable(exc)
-        return
-    if not listing:
-        hints.no_runs()
+    listing = hints.runs_or_explain(reads.runs)
+    if listing is None:
         return
     if len(listing) == 1:
         hints.one_run(listing[0].serving_config_name, listing[0].workload_name)

@@ -11,7 +11,6 @@ from collections import defaultdict
 
 import pandas as pd
 import streamlit as st
-from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard import charts, hints, reads
 from servelab.store.queries import BatchPoint, RunListing, kv_bytes_per_token
@@ -59,13 +58,8 @@ def fitted(points: list[BatchPoint]) -> dict[str, tuple[float, list[BatchPoint]]
 
 def main() -> None:
     st.title("KV cache")
-    try:
-        listing = reads.runs()
-    except SQLAlchemyError as exc:
-        hints.database_unreadable(exc)
-        return
-    if not listing:
-        hints.no_runs()
+    listing = hints.runs_or_explain(reads.runs)
+    if listing is None:
         return
     run_ids, shown = pick(listing)
     if not run_ids:

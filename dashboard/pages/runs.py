@@ -11,7 +11,6 @@ from urllib.parse import urlencode
 
 import pandas as pd
 import streamlit as st
-from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard import hints, reads
 from servelab.store.queries import RunListing
@@ -34,13 +33,8 @@ def url_filter(name: str, options: list[str], label: str) -> list[str]:
 
 def main() -> None:
     st.title("Runs")
-    try:
-        listing = reads.runs()
-    except SQLAlchemyError as exc:
-        hints.database_unreadable(exc)
-        return
-    if not listing:
-        hints.no_runs()
+    listing = hints.runs_or_explain(reads.runs)
+    if listing is None:
         return
     columns = st.columns(4)
     with columns[0]:

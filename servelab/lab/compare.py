@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from servelab.config import ConfigError, ServingConfig, describe_validation_error
+from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
 from servelab.lab.runner import run_workload, start_worker, warm_up
 from servelab.lab.verdict import Limits, QualityOutcome, RunSet, Verdict, compare
 from servelab.lab.workload import Workload, load_workload
@@ -54,16 +53,9 @@ class Plan:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    if not path.is_file():
-        raise PlanError(f"{path}: no such plan file")
+    data = read_yaml_mapping(path, "plan", PlanError)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise PlanError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise PlanError(f"{path}: expected a mapping of fields")
-    try:
-        spec = PlanSpec.model_validate({"name": path.stem, **data})
+        spec = PlanSpec.model_validate(data)
     except ValidationError as exc:
         raise PlanError(f"{path}: {describe_validation_error(exc)}") from None
     try:

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from servelab.config import describe_validation_error
+from servelab.config import describe_validation_error, read_yaml_mapping
 
 BUILTIN_SETS = {"chat": Path(__file__).parent / "prompts" / "chat.jsonl"}
 
@@ -96,15 +95,7 @@ class Workload:
 
 def load_workload(path: str | Path) -> Workload:
     path = Path(path)
-    if not path.is_file():
-        raise WorkloadError(f"{path}: no such workload file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise WorkloadError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise WorkloadError(f"{path}: expected a mapping of fields")
-    data = {"name": path.stem, **data}
+    data = read_yaml_mapping(path, "workload", WorkloadError)
     try:
         spec = WorkloadSpec.model_validate(data)
     except ValidationError as exc:
