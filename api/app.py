@@ -1,0 +1,45 @@
+"""The api process: the FastAPI app, built from a Runtime and ServiceSettings; never imports torch.
+
+`create_app` wires the routers, errors, the body-size limit and the thread limit (waiting routes hold a
+thread each); `build` is the uvicorn factory, reading Settings once: `uvicorn --factory api.app:build`.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+from fastapi import FastAPI
+
+from api import batches, generation, operations
+from api.deps import ApiState
+from api.errors import BodySizeLimit, install_error_handlers
+from servelab.runtime import Runtime, connect
+from servelab.settings import ServiceSettings
+
+MAX_THREADS = 256  # NOTE: each waiting completion call holds one thread while it blocks on Redis
+
+
+def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bool = False) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = MAX_THREADS
+        yield
+        if close_runtime:
+            runtime.close()
+
+    app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan,
+                  description="LLM generation through a queue: requests, OpenAI-compatible completions, batches.")
+    app.state.servelab = ApiState(runtime, settings)
+    for module in (generation, batches, operations):
+        app.include_router(module.router)
+    install_error_handlers(app)
+    # NOTE: multipart framing around an upload is small; 64 KiB of slack keeps a file at the limit acceptable.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       max_upload_bytes=settings.max_file_bytes + 65_536)
+    return app
+
+
+def build() -> FastAPI:
+    settings = ServiceSettings()
+    return create_app(connect(settings), settings, close_runtime=True)

@@ -1,0 +1,105 @@
+"""OpenAI-style errors and the request-size limit of the API.
+
+Knows the error body every client of this API reads ({"error": {"message", "type", "param", "code"}}) and
+turns validation failures, missing resources and oversized bodies into it. Does not know the routes.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from servelab.config import describe_validation_error
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable",
+         504: "timeout"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # NOTE: 400, not FastAPI's 422: OpenAI clients expect 400 for a bad parameter.
+        errors = exc.errors()
+        param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
+        return error_response(400, describe_validation_error(_AsValidationError(errors)), code="invalid_request",
+                              param=param or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+
+class _AsValidationError:
+    """Just enough of pydantic's ValidationError for describe_validation_error."""
+
+    def __init__(self, errors) -> None:
+        self._errors = [{**e, "loc": tuple(e["loc"][1:]) or e["loc"]} for e in errors]
+
+    def errors(self):
+        return self._errors
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """Refuse request bodies over a size before the app reads them (Content-Length), or as they stream in."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, max_upload_bytes: int, upload_path: str = "/v1/files"):
+        self.app, self.max_bytes, self.max_upload_bytes, self.upload_path = app, max_bytes, max_upload_bytes, upload_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_upload_bytes if scope["path"] == self.upload_path else self.max_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _too_large(limit)(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge:
+            if not started:
+                await _too_large(limit)(scope, receive, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"the request body is larger than {limit} bytes; send less per request",
+                          code="request_too_large")

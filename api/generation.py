@@ -1,0 +1,190 @@
+"""Routes that generate: POST /v1/requests (202 with an id) and GET /v1/requests/{id} (?wait=S), and the
+OpenAI-compatible POST /v1/completions and POST /v1/chat/completions, which enqueue and wait.
+
+Thin: bodies are checked by servelab.jobs.bodies, rows written by the store, ids added to the serving
+config's stream after the commit. Waits block a worker thread, never the event loop.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from api.deps import ApiState, State, Tenant
+from api.errors import ApiError
+from servelab.config import describe_validation_error
+from servelab.engine.outputs import FinishReason
+from servelab.jobs.bodies import (
+    Answer,
+    ChatCompletionBody,
+    CompletionBody,
+    Rejection,
+    Submission,
+    chat_completion_object,
+    completion_object,
+    to_submission,
+)
+from servelab.queue.streams import wait_done
+from servelab.store.api_requests import QueueFull, RequestView, admit_request, get_request_view
+from servelab.store.db import session_scope
+from servelab.store.models import RequestStatus, StreamKind
+
+router = APIRouter()
+STATUS_OF_REJECTION = {"invalid": 400, "unknown_model": 404, "too_large": 413}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=10_000_000)
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="default: the config's limit")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=4)
+
+
+class RequestIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    config: str = Field(min_length=1, max_length=256, description="the serving config name")
+    prompt: str | None = Field(default=None, max_length=10_000_000)
+    messages: list[Message] | None = Field(default=None, min_length=1, max_length=1_000)
+    sampling: Sampling = Sampling()
+    priority: int = Field(default=0, ge=-100, le=100, description="stored with the request")
+    stream: Literal["interactive", "bulk"] = "interactive"
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> RequestIn:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+    def as_body(self) -> CompletionBody | ChatCompletionBody:
+        """The same checks as the OpenAI routes, through the OpenAI body models."""
+        s = self.sampling
+        common = dict(model=self.config, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                      top_k=s.top_k, seed=s.seed, stop=s.stop)
+        if self.messages is not None:
+            return ChatCompletionBody(messages=[m.model_dump() for m in self.messages], **common)
+        return CompletionBody(prompt=self.prompt, **common)
+
+
+class RequestAccepted(BaseModel):
+    id: str
+    object: Literal["request"] = "request"
+    status: RequestStatus
+    model: str
+
+
+class RequestOut(BaseModel):
+    id: str
+    object: Literal["request"] = "request"
+    status: RequestStatus
+    model: str
+    priority: int
+    created_at: datetime
+    started_at: datetime | None
+    first_token_at: datetime | None
+    finished_at: datetime | None
+    finish_reason: FinishReason | None
+    error: str | None
+    result: dict[str, Any] | None = Field(description="text, num_prompt_tokens, num_generated_tokens")
+    timings: dict[str, float | None] | None = Field(description="queue_ms, ttft_ms, tpot_ms, e2e_ms")
+
+    @classmethod
+    def of(cls, v: RequestView) -> RequestOut:
+        result = None if v.text is None else {"text": v.text, "num_prompt_tokens": v.num_prompt_tokens,
+                                              "num_generated_tokens": v.num_generated_tokens}
+        return cls(id=v.id, status=v.status, model=v.serving_config_name, priority=v.priority,
+                   created_at=v.enqueued_at, started_at=v.started_at, first_token_at=v.first_token_at,
+                   finished_at=v.finished_at, finish_reason=v.finish_reason, error=v.error, result=result,
+                   timings=v.timings_ms)
+
+
+def check(state: ApiState, body: CompletionBody | ChatCompletionBody) -> Submission:
+    try:
+        return to_submission(body, catalog=state.catalog(), max_prompt_chars=state.settings.max_prompt_chars)
+    except Rejection as exc:
+        raise ApiError(STATUS_OF_REJECTION[exc.kind], str(exc), code=exc.code, param=exc.param) from None
+
+
+def submit(state: ApiState, tenant: str, submission: Submission, *, kind: StreamKind = StreamKind.INTERACTIVE,
+           priority: int = 0) -> str:
+    try:
+        with session_scope(state.runtime.sessions) as session:
+            request_id = admit_request(
+                session, tenant=tenant, max_queued=state.settings.max_queued_requests,
+                serving_config_name=submission.serving_config_name, kind=kind, prompt=submission.prompt,
+                messages=submission.messages, sampling=submission.sampling, priority=priority)
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), code="too_many_queued_requests") from None
+    state.streams(submission.serving_config_name).enqueue(request_id, kind)  # NOTE: after the commit
+    return request_id
+
+
+def view(state: ApiState, tenant: str, request_id: str) -> RequestView:
+    with session_scope(state.runtime.sessions) as session:
+        found = get_request_view(session, request_id=request_id, tenant=tenant)
+    if found is None:
+        raise ApiError(404, f"no request {request_id!r}", code="request_not_found", param="id")
+    return found
+
+
+def wait_for(state: ApiState, tenant: str, request_id: str, timeout_s: float) -> RequestView:
+    found = view(state, tenant, request_id)
+    if not found.status.is_terminal and timeout_s > 0:
+        wait_done(state.runtime.redis, prefix=state.settings.key_prefix, request_id=request_id, timeout_s=timeout_s)
+        found = view(state, tenant, request_id)
+    return found
+
+
+@router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
+def create_request(body: RequestIn, state: State, tenant: Tenant) -> RequestAccepted:
+    """Queue a request and answer at once with its id; read it with GET /v1/requests/{id}."""
+    try:
+        as_body = body.as_body()
+    except ValidationError as exc:  # NOTE: the OpenAI body's checks are stricter in places (e.g. top_p)
+        raise ApiError(400, describe_validation_error(exc), code="invalid_request") from None
+    submission = check(state, as_body)
+    request_id = submit(state, tenant, submission, kind=StreamKind(body.stream), priority=body.priority)
+    return RequestAccepted(id=request_id, status=RequestStatus.QUEUED, model=submission.serving_config_name)
+
+
+@router.get("/v1/requests/{request_id}", response_model=RequestOut, tags=["requests"])
+def read_request(request_id: str, state: State, tenant: Tenant,
+                 wait: float = Query(default=0.0, ge=0.0, le=3600.0, description="seconds to wait for the result")
+                 ) -> RequestOut:
+    """Status, result and timings; with ?wait=S, waits up to S seconds (capped by the server) for the end."""
+    return RequestOut.of(wait_for(state, tenant, request_id, min(wait, state.settings.max_wait_s)))
+
+
+def _answer(state: ApiState, tenant: str, submission: Submission) -> Answer:
+    request_id = submit(state, tenant, submission)
+    done = wait_for(state, tenant, request_id, state.settings.max_wait_s)
+    if done.status is RequestStatus.SUCCEEDED and done.text is not None:
+        return Answer(done.id, done.serving_config_name, int(done.finished_at.timestamp()), done.text,
+                      done.finish_reason or FinishReason.STOP, done.num_prompt_tokens, done.num_generated_tokens)
+    if done.status.is_terminal:
+        raise ApiError(400, done.error or f"the request ended {done.status.value}", code="request_failed")
+    raise ApiError(504, f"request {request_id} is still {done.status.value} after {state.settings.max_wait_s} s; "
+                   f"read it later with GET /v1/requests/{request_id}", code="timeout")
+
+
+@router.post("/v1/completions", tags=["openai"])
+def create_completion(body: CompletionBody, state: State, tenant: Tenant) -> dict[str, Any]:
+    """OpenAI completions: queued like any request, answered when done (model = serving config name)."""
+    return completion_object(_answer(state, tenant, check(state, body)))
+
+
+@router.post("/v1/chat/completions", tags=["openai"])
+def create_chat_completion(body: ChatCompletionBody, state: State, tenant: Tenant) -> dict[str, Any]:
+    """OpenAI chat completions: queued like any request, answered when done (model = serving config name)."""
+    return chat_completion_object(_answer(state, tenant, check(state, body)))

@@ -1,0 +1,191 @@
+"""OpenAI request bodies (completions, chat completions) and the response objects built from a result.
+
+Knows the OpenAI field names and defaults, and turns a body into what the queue stores (prompt or
+messages, sampling) after checking it against the named config's limits: one Rejection per bad body,
+naming the field and the fix. Shared by the API and batch-file ingest, so both accept the same bodies.
+Does not know HTTP status codes or tokenizers (the worker counts tokens exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from servelab.config import ServingConfig
+from servelab.engine.outputs import FinishReason
+from servelab.jobs.catalog import Catalog, UnknownModel
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4
+
+
+class Rejection(ValueError):
+    """A body that cannot be queued. kind: 'invalid' (400), 'unknown_model' (404), 'too_large' (413)."""
+
+    def __init__(self, message: str, *, kind: str = "invalid", code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.kind, self.code, self.param = kind, code, param
+
+
+class _Body(BaseModel):
+    # NOTE: extra fields are ignored, not refused: OpenAI clients send options (user, logit_bias, ...) that
+    # change nothing here; the ones that would (n > 1, stream) are refused explicitly below.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256, description="a serving config name")
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000, description="not OpenAI; 0 is off")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    stream: bool | None = Field(default=False, description="streaming is not supported")
+
+    @field_validator("stream")
+    @classmethod
+    def _no_streaming(cls, value: bool | None) -> bool:
+        if value:
+            raise ValueError("streaming is not supported; send stream: false and wait for the whole answer")
+        return False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def sampling(self, max_new_tokens: int) -> dict[str, Any]:
+        return {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop or [])}
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] = Field(description="one prompt (a list of exactly one string is accepted)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError(f"give one prompt per request, got {len(value)}; send one request per prompt")
+            return value[0]
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class MessageBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionBody(_Body):
+    messages: list[MessageBody] = Field(min_length=1, max_length=1_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A checked body, as the request row stores it."""
+
+    serving_config_name: str
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    sampling: dict[str, Any]
+
+
+def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog, max_prompt_chars: int
+                  ) -> Submission:
+    try:
+        config = catalog.get(body.model)
+    except UnknownModel as exc:
+        raise Rejection(str(exc), kind="unknown_model", code="model_not_found", param="model") from None
+    if isinstance(body, ChatCompletionBody):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        num_chars = sum(len(m["content"]) for m in messages)
+        requested = body.max_completion_tokens or body.max_tokens
+        prompt = None
+    else:
+        messages, prompt = None, body.prompt
+        num_chars = len(prompt)
+        requested = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, config.decoding.max_new_tokens)
+    if num_chars > max_prompt_chars:
+        raise Rejection(f"the prompt has {num_chars} characters; at most {max_prompt_chars} are accepted",
+                        kind="too_large", code="prompt_too_large", param="messages" if messages else "prompt")
+    return Submission(config.name, prompt, messages, body.sampling(_max_new_tokens(requested, config)))
+
+
+def _max_new_tokens(requested: int | None, config: ServingConfig) -> int:
+    limit = config.decoding.max_new_tokens
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise Rejection(f"max_tokens is {requested}; model {config.name!r} generates at most {limit} tokens",
+                        param="max_tokens")
+    return requested
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished request as the OpenAI response objects need it."""
+
+    request_id: str
+    model: str
+    created: int  # unix seconds
+    text: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens}
+
+
+def _finish_reason(reason: FinishReason) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def completion_object(answer: Answer) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{answer.request_id}", "object": "text_completion", "created": answer.created,
+        "model": answer.model, "usage": answer.usage(),
+        "choices": [{"index": 0, "text": answer.text, "logprobs": None,
+                     "finish_reason": _finish_reason(answer.finish_reason)}],
+    }
+
+
+def chat_completion_object(answer: Answer) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{answer.request_id}", "object": "chat.completion", "created": answer.created,
+        "model": answer.model, "usage": answer.usage(),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
+                     "finish_reason": _finish_reason(answer.finish_reason)}],
+    }
+
+
+def response_object(endpoint: str, answer: Answer) -> dict[str, Any]:
+    assert endpoint in ENDPOINTS, f"unknown endpoint {endpoint!r}"
+    return chat_completion_object(answer) if endpoint == CHAT_COMPLETIONS else completion_object(answer)
+
+
+def body_model(endpoint: str) -> type[CompletionBody] | type[ChatCompletionBody]:
+    assert endpoint in ENDPOINTS, f"unknown endpoint {endpoint!r}"
+    return ChatCompletionBody if endpoint == CHAT_COMPLETIONS else CompletionBody

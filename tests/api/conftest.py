@@ -1,0 +1,66 @@
+"""The API on the jobs tests' stack: an in-process client, and the real api process on a free port."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from tests.conftest import REPO
+from tests.jobs.conftest import (  # noqa: F401 (fixtures)
+    Stack,
+    bundled_folder,
+    jobs_worker,
+    make_served,
+    make_stack,
+    service_env,
+    settings,
+    stack,
+    tiny_engine,
+    tiny_folder,
+)
+
+
+def client_for(stack: Stack, key: str | None = None) -> TestClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return TestClient(create_app(stack.runtime, stack.settings), headers=headers, raise_server_exceptions=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served_api(jobs_worker: Stack) -> Iterator[str]:
+    """The real api process (uvicorn --factory api.app:build) on a free port, configured only through SERVELAB_*
+    variables, beside an in-thread GPU worker and jobs-worker; -> its base URL.
+
+    NOTE: a subprocess, so the test goes through the real entry point and its Settings.
+    """
+    port = _free_port()
+    env = service_env(jobs_worker.settings)
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:build", "--host", "127.0.0.1",
+                                "--port", str(port), "--log-level", "warning"], cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "the api process exited"
+            assert time.monotonic() < deadline, "the api process did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=15)

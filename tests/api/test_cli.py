@@ -1,0 +1,56 @@
+"""The `servelab keys create`, `submit` and `results` commands against a running API, jobs-worker and worker."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from servelab.cli import app
+from servelab.store import keys
+from servelab.store.db import session_scope
+from servelab.store.models import ApiKeyRow
+from tests.jobs.conftest import line
+
+
+def test_keys_create_prints_a_key_that_is_stored_only_hashed(stack) -> None:
+    env = {"SERVELAB_DATABASE_URL": stack.settings.database_url, "SERVELAB_REDIS_URL": stack.settings.redis_url}
+    result = CliRunner().invoke(app, ["keys", "create", "--tenant", "initech"], env=env)
+    assert result.exit_code == 0, result.output
+    key = result.output.strip()
+    with session_scope(stack.runtime.sessions) as session:
+        assert keys.tenant_of_key(session, key) == "initech"
+        assert session.scalar(select(ApiKeyRow.key_hash).where(ApiKeyRow.tenant == "initech")) \
+            == keys.hash_key(key) != key
+
+
+def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api, jobs_worker, tmp_path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([line(f"s{i}", "whatever") for i in range(12)] + ["{oops"]) + "\n")
+    options = ["--api-url", served_api.removesuffix("/v1"), "--api-key", jobs_worker.key("acme")]
+    submitted = CliRunner().invoke(app, ["submit", str(source), "--config", jobs_worker.model, *options])
+    assert submitted.exit_code == 0, submitted.output
+    batch_id = submitted.output.splitlines()[0]
+    assert "completed: 12 completed, 1 failed of 13" in submitted.output
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    fetched = CliRunner().invoke(app, ["results", batch_id, "-o", str(out), "--errors", str(errors), *options])
+    assert fetched.exit_code == 0, fetched.output
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(f"s{i}" for i in range(12))
+    assert [json.loads(x)["error"]["code"] for x in errors.read_text().splitlines()] == ["invalid_json"]
+
+
+def test_submit_no_wait_returns_the_batch_id_at_once(served_api, jobs_worker, tmp_path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(line("a", jobs_worker.model) + "\n")
+    options = ["--api-url", served_api.removesuffix("/v1"), "--api-key", jobs_worker.key("acme")]
+    submitted = CliRunner().invoke(app, ["submit", str(source), "--no-wait", *options])
+    assert submitted.exit_code == 0 and submitted.output.strip().startswith("batch_")
+
+
+def test_a_wrong_key_is_one_clear_line_and_exit_code_2(served_api, tmp_path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(line("a", "fp32") + "\n")
+    result = CliRunner().invoke(app, ["submit", str(source), "--api-url", served_api.removesuffix("/v1"),
+                                      "--api-key", "sl-wrong"])
+    assert result.exit_code == 2 and "401" in result.output and "not valid" in result.output

@@ -1,0 +1,61 @@
+"""The official openai package, unchanged, against servelab under uvicorn: completions, chat, files, batches."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import openai
+import pytest
+
+from tests.jobs.conftest import line
+
+
+@pytest.fixture
+def client(served_api, jobs_worker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served_api, api_key=jobs_worker.key("acme"), max_retries=0, timeout=60)
+
+
+def test_completions_create_answers_with_text_and_usage(client, jobs_worker) -> None:
+    answer = client.completions.create(model=jobs_worker.model, prompt="The cat", max_tokens=5, temperature=0)
+    assert answer.object == "text_completion" and answer.model == jobs_worker.model
+    assert answer.choices[0].finish_reason in ("stop", "length") and isinstance(answer.choices[0].text, str)
+    assert answer.usage.completion_tokens >= 1 and answer.usage.prompt_tokens >= 1
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_chat_completions_create_answers_as_the_assistant(client, jobs_worker) -> None:
+    answer = client.chat.completions.create(model=jobs_worker.model, max_tokens=4, temperature=0, seed=1,
+                                            messages=[{"role": "user", "content": "Say hi"}])
+    assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens >= 1
+
+
+def test_unknown_model_is_a_not_found_error_listing_known_models(client, jobs_worker) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert jobs_worker.model in info.value.message and "fp32" in info.value.message
+
+
+def test_models_list_shows_configs_with_a_live_worker(client, jobs_worker) -> None:
+    assert jobs_worker.model in [m.id for m in client.models.list()]
+
+
+def test_batches_create_retrieve_and_files_content(client, jobs_worker) -> None:
+    lines = [line(f"c{i}", jobs_worker.model) for i in range(20)] + ["not json"]
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
+                                  metadata={"run": "test"})
+    assert batch.status == "validating" and batch.metadata == {"run": "test"}
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.3)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (21, 20, 1)
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"c{i}" for i in range(20))
+    assert all(o["response"]["body"]["object"] == "text_completion" for o in output)
+    errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(e["line"], e["error"]["code"]) for e in errors] == [(21, "invalid_json")]
+    assert batch.id in [b.id for b in client.batches.list()]

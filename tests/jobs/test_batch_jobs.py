@@ -1,0 +1,174 @@
+"""Bulk jobs end to end: a real Celery worker and a tiny-model GPU worker on real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from servelab.queue.batcher import BatchPolicy
+from servelab.serving import FaultPolicy, ServingWorker
+from servelab.store import batch_jobs as jobs
+from servelab.store import files
+from servelab.store.db import session_scope
+from servelab.store.models import BatchStatus
+from tests.jobs.conftest import control_plane, line, make_job, mixed_file, register, wait_until
+
+
+def job_now(stack, job_id):
+    with session_scope(stack.runtime.sessions) as session:
+        return jobs.get_job(session, job_id=job_id)
+
+
+def counts_now(stack, job_id) -> jobs.RequestCounts:
+    with session_scope(stack.runtime.sessions) as session:
+        return jobs.count_requests(session, job=jobs.get_job(session, job_id=job_id))
+
+
+def state_of(stack, job_id):
+    """What a failed wait reports: the job, its counts, the worker and the streams."""
+    def describe() -> str:
+        job = job_now(stack, job_id)
+        alive = stack.served.thread.is_alive() if stack.served and stack.served.thread else None
+        depth = stack.served.streams.depth() if stack.served else None
+        return (f"job {job.status.value} ingested={job.is_ingested} lines={job.num_lines} "
+                f"counts={counts_now(stack, job_id)} worker_alive={alive} depth={depth}")
+    return describe
+
+
+def wait_for_status(stack, job_id, *, timeout_s: float = 240.0):
+    return wait_until(lambda: (j := job_now(stack, job_id)).status.is_terminal and j, timeout_s=timeout_s,
+                      state=state_of(stack, job_id))
+
+
+def read_jsonl(stack, file_id: str | None, tenant: str = "acme") -> list[dict]:
+    if file_id is None:
+        return []
+    with session_scope(stack.runtime.sessions) as session:
+        content = files.read_content(session, file_id=file_id, tenant=tenant)
+    return [json.loads(x) for x in content.decode().splitlines()]
+
+
+def assert_every_line_answered_once(output: list[dict], errors: list[dict], num_lines: int) -> None:
+    keys = [o["custom_id"] for o in output] + [e["custom_id"] or f"line-{e['line']}" for e in errors]
+    assert len(output) + len(errors) == num_lines
+    assert len(set(o["custom_id"] for o in output)) == len(output), "an output line appears twice"
+    assert len(keys) == num_lines
+
+
+def test_thousand_line_file_with_bad_lines_completes_with_every_line_answered_once(jobs_worker) -> None:
+    stack = jobs_worker
+    content, good, bad = mixed_file(stack.model, 1_000)
+    job = make_job(stack, content)
+    done = wait_for_status(stack, job.id)
+    assert done.status is BatchStatus.COMPLETED
+    output, errors = read_jsonl(stack, done.output_file_id), read_jsonl(stack, done.error_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(good)
+    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["usage"]["completion_tokens"] >= 1
+               for o in output)
+    assert {e["line"]: e["error"]["code"] for e in errors} == bad
+    assert done.request_counts == {"total": 1_000, "completed": len(good), "failed": len(bad)}
+    for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
+        assert done.timestamps[stamp] is not None
+
+
+def test_cancel_mid_job_keeps_finished_results_and_ends_cancelled(make_stack) -> None:
+    stack = make_stack(policy=BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000),
+                       max_job_in_flight=40)
+    with control_plane(stack):
+        job = make_job(stack, "\n".join(line(f"r{i}", stack.model, max_tokens=8) for i in range(240)).encode())
+        wait_until(lambda: counts_now(stack, job.id).completed >= 20, state=state_of(stack, job.id))
+        with session_scope(stack.runtime.sessions) as session:
+            from datetime import UTC, datetime
+
+            from servelab.jobs.lifecycle import cancel_job
+            assert cancel_job(session, job_id=job.id, tenant="acme", now=datetime.now(UTC)).status \
+                is BatchStatus.CANCELLING
+        done = wait_for_status(stack, job.id)
+    assert done.status is BatchStatus.CANCELLED and done.timestamps["cancelled_at"] is not None
+    output, errors = read_jsonl(stack, done.output_file_id), read_jsonl(stack, done.error_file_id)
+    assert len(output) >= 20 and len(output) < 240, "cancelled mid-job: some, not all, were served"
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert_every_line_answered_once(output, errors, 240)
+
+
+def test_job_past_its_window_ends_expired_with_its_finished_results(make_stack) -> None:
+    stack = make_stack(max_job_in_flight=40)
+    with control_plane(stack):
+        job = make_job(stack, "\n".join(line(f"r{i}", stack.model) for i in range(150)).encode(),
+                       window=timedelta(seconds=6))
+        wait_until(lambda: counts_now(stack, job.id).completed >= 10, state=state_of(stack, job.id))
+        stack.served.worker.stop.set()  # nothing more is served: the window will end first
+        done = wait_for_status(stack, job.id)
+    assert done.status is BatchStatus.EXPIRED and done.timestamps["expired_at"] is not None
+    output, errors = read_jsonl(stack, done.output_file_id), read_jsonl(stack, done.error_file_id)
+    assert len(output) >= 10 and all(o["response"]["status_code"] == 200 for o in output)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert_every_line_answered_once(output, errors, 150)
+
+
+class CrashingEngine:
+    """The tiny engine, except that its n-th batch kills the serving thread mid-batch, as a kill -9 would."""
+
+    def __init__(self, engine, *, crash_on: int) -> None:
+        self._engine, self._left = engine, crash_on
+
+    def generate(self, requests):
+        self._left -= 1
+        if self._left == 0:
+            raise SystemExit("killed mid-batch")
+        return self._engine.generate(requests)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kill is on purpose
+def test_worker_killed_during_a_batch_job_still_answers_every_line_once(make_stack, tiny_engine) -> None:
+    faults = FaultPolicy(renew_every_s=0.2, claim_idle_ms=1_000)
+    stack = make_stack(with_worker=False, max_job_in_flight=60)
+    from tests.queue.conftest import Served
+    from servelab.store.db import session_factory
+
+    policy = BatchPolicy(max_batch_size=8, max_wait_ms=5, max_batch_tokens=100_000)
+    streams = stack_streams(stack)
+    first = ServingWorker(engine=CrashingEngine(tiny_engine, crash_on=5), streams=streams,
+                          sessions=session_factory(stack.runtime.db), name=f"w-{uuid.uuid4().hex[:6]}",
+                          policy=policy, faults=faults)
+    stack.served = Served(first, streams, first.sessions)
+    register(stack.served, tiny_engine)
+    stack.served.start()
+    restarted, thread = None, None
+    try:
+        with control_plane(stack):
+            job = make_job(stack, "\n".join(line(f"r{i}", stack.model) for i in range(120)).encode())
+            wait_until(lambda: not stack.served.thread.is_alive(), timeout_s=60)
+            first.stop.set()  # its claim keeper stops too: the process is gone
+            assert job_now(stack, job.id).status is BatchStatus.IN_PROGRESS
+            # NOTE: restarted under the same consumer name, it takes back the entries it held first
+            restarted = ServingWorker(engine=tiny_engine, streams=streams, sessions=first.sessions, name=first.name,
+                                      policy=policy, faults=faults)
+            thread = threading.Thread(target=restarted.run, daemon=True)
+            thread.start()
+            done = wait_for_status(stack, job.id)
+    finally:
+        first.stop.set()
+        if restarted is not None:
+            restarted.stop.set()
+            thread.join(timeout=10)
+    assert done.status is BatchStatus.COMPLETED
+    output, errors = read_jsonl(stack, done.output_file_id), read_jsonl(stack, done.error_file_id)
+    assert errors == [] and sorted(o["custom_id"] for o in output) == sorted(f"r{i}" for i in range(120))
+    with session_scope(stack.runtime.sessions) as session:
+        attempts = [r for r in jobs.iter_job_requests(session, job_id=job.id)]
+    assert len(attempts) == 120
+
+
+def stack_streams(stack):
+    from servelab.queue.streams import RequestStreams
+
+    return RequestStreams(stack.runtime.redis, prefix=stack.settings.key_prefix,
+                          config_name=f"tiny-{uuid.uuid4().hex[:8]}")
