@@ -27,6 +27,7 @@ from servelab.engine.engine import Engine
 from servelab.engine.outputs import BatchResult
 from servelab.engine.requests import ChatMessage, GenerationRequest, RequestError, SamplingParams
 from servelab.queue.batcher import BatchPolicy, Candidate
+from servelab.queue.reaper import reenqueue_lost
 from servelab.lab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import Entry, RequestStreams, notify_done
 from servelab.runtime import Runtime
@@ -222,19 +223,12 @@ class ServingWorker:
                 log.warning("claim keeper: %s", exc)
 
     def reap_lost(self) -> int:
-        """Re-add unfinished requests whose stream entry is gone (e.g. Redis restarted empty)."""
-        now = datetime.now(UTC)
-        grace = timedelta(milliseconds=self.faults.claim_idle_ms)
-        with session_scope(self.sessions) as session:
-            ids = store.find_lost_candidates(session, serving_config_name=self.streams.config_name,
-                                             queued_before=now - grace, started_before=now - 2 * grace)
-            lost = [i for i, present in zip(ids, self.streams.is_enqueued(ids)) if not present]
-            kinds = store.stream_of(session, lost)
-        for request_id in lost:
-            self.streams.enqueue(request_id, kinds[request_id])
+        """Re-add unfinished requests of this config whose stream entry is gone (e.g. Redis restarted empty)."""
+        lost = reenqueue_lost(sessions=self.sessions, streams=self.streams, now=datetime.now(UTC),
+                              grace=timedelta(milliseconds=self.faults.claim_idle_ms))
         if lost:
-            log.warning("re-enqueued %d request(s) whose stream entry was lost", len(lost))
-        return len(lost)
+            log.warning("re-enqueued %d request(s) whose stream entry was lost", lost)
+        return lost
 
 
 def to_generation_request(row: store.StoredRequest) -> GenerationRequest:
