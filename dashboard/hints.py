@@ -10,7 +10,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 COMPARE = "servelab compare plans/precision.yaml"
 RUN = "servelab run -c configs/bf16.yaml -w workloads/smoke.yaml"
-SWEEP = "servelab sweep --help"
+SWEEP = "servelab sweep --configs configs/fp32.yaml,configs/awq-int4.yaml --batch-sizes 1,2,4,8,16,32"
 MIGRATE = "alembic upgrade head"
 
 

@@ -378,9 +378,9 @@ def list_sweeps(session: Session, *, limit: int = 50) -> list[SweepListing]:
 def sweep_points(report: dict[str, Any]) -> list[SweepPoint]:
     """The report's points, whichever of the expected key names it uses; points without a batch size are skipped.
 
-    NOTE: servelab/lab/sweep.py (SweepReport.as_dict) did not exist when this was written: the shape read here
-    is the one agreed (points with config, weights, batch_size, decode_tokens_per_s, tpot_ms and both rooflines
-    in tokens/s), read leniently so a renamed key degrades to a missing value, not a crash.
+    NOTE: the shape is servelab/lab/roofline.py's SweepReport.as_dict() (points with config, weights,
+    batch_size, decode_tokens_per_s, tpot_ms and both rooflines in tokens/s); it is read leniently so that
+    a stored report of an older shape degrades to missing values, not a crash.
     """
     points = []
     for p in report.get("points") or []:

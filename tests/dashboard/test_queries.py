@@ -127,3 +127,20 @@ def test_sweep_reports_are_read_leniently() -> None:
     assert queries.sweep_crossovers(report) == [queries.Crossover("bf16 stops paying", 8.0)]
     assert queries.sweep_crossovers({"crossovers": {"compute bound": 16}}) == [queries.Crossover("compute bound", 16)]
     assert queries.sweep_points({}) == []
+
+
+def test_a_real_sweep_report_is_read_back_point_for_point() -> None:
+    from servelab.lab.roofline import DecodeCost, Machine, SweepReport, sweep_point
+    from servelab.store.queries import sweep_crossovers, sweep_points
+
+    cost = DecodeCost(weight_bytes=1000, num_matmul_params=500, num_layers=2, attention_width=64, kv_bytes_per_token=8)
+    machine = Machine(bandwidth_gbs=10.0, peak_flops_per_s=1e10)
+    points = [sweep_point(config="fp32", weights="fp32", batch_size=b, num_prompt_tokens=8, num_new_tokens=4,
+                          decode_tokens_per_s=10.0 * b, tpot_ms=100.0, tokens_per_s=9.0 * b, cost=cost, machine=machine)
+              for b in (1, 4)]
+    report = SweepReport(10.0, {"fp32": 1e10}, 1, "cpu", tuple(points), {"bf16 vs fp32": 4}, "fp32").as_dict()
+    read = sweep_points(report)
+    assert [(p.config, p.batch_size, p.decode_tokens_per_s) for p in read] == [("fp32", 1, 10.0), ("fp32", 4, 40.0)]
+    assert read[0].bandwidth_roofline_tokens_per_s == points[0].bandwidth_roofline_tokens_per_s
+    assert read[1].compute_roofline_tokens_per_s == points[1].compute_roofline_tokens_per_s
+    assert [c.batch_size for c in sweep_crossovers(report)] == [4]
