@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
 from servelab.lab.runner import run_workload, start_worker, warm_up
-from servelab.lab.verdict import Limits, QualityOutcome, RunSet, Verdict, compare
+from servelab.lab.verdict import Limits, RunSet, Verdict, compare
 from servelab.lab.workload import Workload, load_workload
 from servelab.runtime import Runtime
+from servelab.store import queries
 from servelab.store import runs as store
 from servelab.store.db import session_scope
 
@@ -140,23 +141,7 @@ def quality_record(result) -> dict[str, Any]:
 
 def load_run_set(runtime: Runtime, run_ids: list[str]) -> RunSet:
     with session_scope(runtime.sessions) as session:
-        runs = store.load_runs(session, run_ids=run_ids)
-        names = {r.serving_config_name for r in runs}
-        prints = {r.workload_fingerprint for r in runs}
-        if len(names) != 1 or len(prints) != 1:
-            raise ValueError(f"the runs of one side must share a config and a workload, got {names} / {prints}")
-        request_ids = [rid for r in runs for rid, _ in store.run_request_ids(session, run_id=r.id)]
-        samples = store.request_samples(session, request_ids=request_ids)
-        texts = store.result_texts(session, run_id=runs[0].id)
-    quality = runs[0].quality
-    return RunSet(
-        name=runs[0].serving_config_name, run_ids=tuple(run_ids), config=runs[0].config,
-        workload_fingerprint=runs[0].workload_fingerprint, hardware=runs[0].hardware,
-        summaries=tuple(r.summary for r in runs), samples=tuple(samples), texts=texts,
-        quality=None if quality is None else QualityOutcome(
-            tuple(quality["passage_ids"]), tuple(quality["correct"]), tuple(quality["nll"]),
-            tuple(quality["num_target_tokens"])),
-    )
+        return queries.load_run_set(session, run_ids=run_ids)
 
 
 def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:

@@ -229,10 +229,9 @@ def _setting_text(value: Any) -> str:
 
 
 def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
-    """The repeats of one config on one workload, as servelab.lab.compare builds them, without torch.
+    """The repeats of one config on one workload: what the verdict judges (the lab and the dashboard alike).
 
-    NOTE: the same figures as compare.load_run_set (which imports the runner, hence torch), with the samples
-    read in one query over run_requests instead of one per run.
+    NOTE: torch-free, so the dashboard can use it; the samples are read in one query over run_requests.
     """
     ids = [uuid.UUID(i) for i in run_ids]
     rows = session.execute(
