@@ -11,7 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 PROCESS_PACKAGES = ("api", "worker", "dashboard")
 # NOTE: policy modules take time as an argument and import no I/O or tensor library.
 PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/engine/requests.py",
-                "servelab/engine/outputs.py")
+                "servelab/engine/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
+                "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
+                "servelab/lab/roofline.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 
