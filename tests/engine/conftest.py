@@ -27,14 +27,13 @@ def bundled_folder(settings: Settings) -> str:
     return resolve_model_folder("bundled:smollm2-135m-instruct", settings)
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory, bundled_folder: str) -> Path:
+def save_tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int = 64,
+                    intermediate_size: int = 128) -> Path:
     """A 2-layer Llama with random weights and the bundled tokenizer (its 49,152-token vocabulary)."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(bundled_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2,  # NOTE: spread-out logits, so greedy picks are not float-noise ties
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
@@ -43,6 +42,11 @@ def tiny_folder(tmp_path_factory, bundled_folder: str) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, bundled_folder: str) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), bundled_folder)
 
 
 def make_config(model: str, **overrides) -> ServingConfig:

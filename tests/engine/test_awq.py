@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from servelab.config import ServingConfig
 from servelab.engine import awq
@@ -22,26 +22,12 @@ from servelab.engine.engine import Engine
 from servelab.engine.measure import weight_bytes
 from servelab.engine.requests import GenerationRequest, SamplingParams
 from servelab.settings import Settings
+from tests.engine.conftest import save_tiny_llama
 from tests.engine.naive import naive_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="needs gptqmodel==7.6.0")
 
 PROMPTS = ["The capital of France is", "A man is sitting on a roof. He", "Seven blue houses stood by the river"]
-
-
-def _tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int, intermediate_size: int) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2,  # NOTE: spread-out logits, so greedy picks are not float-noise ties
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _awq_config(model: str | Path, **awq) -> ServingConfig:
@@ -59,7 +45,7 @@ def awq_settings(tmp_path_factory) -> Settings:
 
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory, bundled_folder: str) -> Path:
-    return _tiny_llama(tmp_path_factory.mktemp("tiny-base"), bundled_folder, hidden_size=128, intermediate_size=256)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-base"), bundled_folder, hidden_size=128, intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +271,7 @@ def test_missing_weights_file_names_the_file(quantized, tiny_config: ServingConf
 @pytest.fixture
 def narrow_config(tmp_path: Path, bundled_folder: str) -> ServingConfig:
     """Another base model (hidden 64) whose cache slot can be filled with the wrong checkpoint."""
-    return _awq_config(_tiny_llama(tmp_path / "narrow", bundled_folder, hidden_size=64, intermediate_size=128))
+    return _awq_config(save_tiny_llama(tmp_path / "narrow", bundled_folder, hidden_size=64, intermediate_size=128))
 
 
 def test_checkpoint_of_another_model_names_the_file(quantized, narrow_config: ServingConfig, tmp_path: Path) -> None:
