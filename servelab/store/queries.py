@@ -264,19 +264,25 @@ def quality_outcome(quality: dict[str, Any] | None) -> QualityOutcome | None:
 
 def request_samples(session: Session, *, run_ids: list[str]) -> list[RequestSample]:
     """Every request the runs sent, pooled, timed as the client saw it (from submission), in SQL."""
+    sent = select(RunRequestRow.request_id).where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
+    return samples_where(session, RequestRow.id.in_(sent))
+
+
+def samples_where(session: Session, condition) -> list[RequestSample]:
+    """RequestSamples of the requests matching `condition`: the one place a request becomes a sample."""
     r, m = RequestRow, RequestMetricsRow
     rows = session.execute(
         select(r.id, r.status, r.enqueued_at, r.finished_at, ResultRow.num_generated_tokens, m.queue_ms,
                _ms_between(r.enqueued_at, r.first_token_at), m.tpot_ms, _ms_between(r.enqueued_at, r.finished_at),
                m.itl_ms)
-        .join(RunRequestRow, RunRequestRow.request_id == r.id)
         .outerjoin(m, m.request_id == r.id)
         .outerjoin(ResultRow, ResultRow.request_id == r.id)
-        .where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
-        .order_by(RunRequestRow.run_id, RunRequestRow.item_index)
+        .where(condition)
+        .order_by(r.enqueued_at, r.id)
     ).all()
     return [RequestSample(str(i), status is RequestStatus.SUCCEEDED, submitted, finished, tokens or 0, queue_ms,
-                          ttft, tpot, e2el, tuple(itl or ()))
+                          None if ttft is None else float(ttft), tpot, None if e2el is None else float(e2el),
+                          tuple(itl or ()))
             for i, status, submitted, finished, tokens, queue_ms, ttft, tpot, e2el, itl in rows]
 
 
