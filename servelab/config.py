@@ -69,6 +69,10 @@ class ServingConfig(_Frozen):
     kv_cache_dtype: KVCacheDtype = "auto"
     device: str = "auto"
     num_threads: int | None = Field(default=None, ge=1, le=256)
+    decoder: Literal["auto", "transformers"] = Field(
+        default="auto", description="auto: servelab's decoder where it covers the model, else transformers'")
+    linear_kernel: Literal["auto", "servelab", "onednn", "torch"] = Field(
+        default="auto", description="matmul kernel of servelab's decoder on CPU; auto: the fastest this CPU runs")
     batching: BatchingConfig = BatchingConfig()
     decoding: DecodingConfig = DecodingConfig()
     awq: AWQConfig | None = None

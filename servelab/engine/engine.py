@@ -10,20 +10,23 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import Cache
-
 from servelab.config import ServingConfig
 from servelab.engine import measure
-from servelab.engine.kvcache import cache_bytes_per_element, new_cache
+from servelab.engine.decoder import build_decoder
+from servelab.engine.kvcache import KVCache, cache_bytes_per_element
 from servelab.engine.loader import LoadedModel, apply_threads, load_model
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
 from servelab.engine.requests import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, sample_next
 from servelab.settings import Settings
+
+
+LINEAR_KERNEL_NAMES = {"servelab": "servelab AVX-512 kernel", "onednn": "oneDNN pre-packed", "torch": "torch F.linear"}
 
 
 @dataclass
@@ -44,7 +47,7 @@ class _Batch:
     """The tensors that travel between decode steps; rows[i] owns row i of every tensor."""
 
     rows: list[_Row]
-    cache: Cache
+    cache: KVCache
     attention_mask: torch.Tensor  # (B, T_cache + 1 after the step's token is appended)
     positions: torch.Tensor  # (B,) position of each row's last token
     peak_cache_tokens: int = 0
@@ -52,7 +55,7 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: ServingConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: ServingConfig, *, cache_dir: Path = Path(".cache")) -> None:
         self.loaded = loaded
         self.config = config
         self.model = loaded.model
@@ -62,20 +65,26 @@ class Engine:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_bytes = measure.weight_bytes(self.model)
         self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
+        self.decoder = build_decoder(self.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
+                                     dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
+                                     cache_dir=cache_dir)
 
     @property
     def kernel(self) -> str:
-        """The linear-layer kernel serving the weights, reported with every run."""
+        """The decoder and the linear-layer kernel serving the weights, reported with every run."""
         if self.config.weights == "awq-int4":
             from servelab.engine.awq import kernel_name
 
-            return kernel_name(self.model)
-        return f"dense {self.loaded.dtype} (torch.nn.Linear)"
+            linear = kernel_name(self.model)
+        else:
+            kernel = self.decoder.kernel.name if self.decoder.name == "servelab" else "torch"
+            linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {LINEAR_KERNEL_NAMES[kernel]}"
+        return f"{self.decoder.name} decoder, {linear}"
 
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)
-        return cls(load_model(config, settings), config)
+        return cls(load_model(config, settings), config, cache_dir=settings.cache_dir)
 
     # --- admission: text -> token ids, every limit checked per request ---
 
@@ -155,25 +164,22 @@ class Engine:
             attention_mask[i, width - len(row.prompt_ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        cache = new_cache(self.model.config, self.loaded.shape.num_layers, self.config.kv_cache_dtype, self.loaded.dtype)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=True, logits_to_keep=1,
-        )
+        # NOTE: a row's last sampled token is never fed back, so this capacity always suffices.
+        capacity = width + max(r.request.params.max_new_tokens for r in rows)
+        cache = self.decoder.new_cache(len(rows), capacity)
+        logits = self.decoder.forward(input_ids, attention_mask, position_ids, cache)
         batch = _Batch(rows, cache, attention_mask, position_ids[:, -1])
         self._track_cache(batch)
-        return batch, out.logits[:, -1, :]  # (B, V)
+        return batch, logits  # (B, V)
 
     def _decode_step(self, batch: _Batch, next_ids: torch.Tensor) -> torch.Tensor:
         ones = batch.attention_mask.new_ones((len(batch.rows), 1))
         batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)  # (B, T + 1)
         batch.positions = batch.positions + 1
-        out = self.model(
-            input_ids=next_ids.view(-1, 1).to(self.device), attention_mask=batch.attention_mask,
-            position_ids=batch.positions.view(-1, 1), cache=batch.cache, use_cache=True,
-        )
+        logits = self.decoder.forward(next_ids.view(-1, 1).to(self.device), batch.attention_mask,
+                                      batch.positions.view(-1, 1), batch.cache)
         self._track_cache(batch)
-        return out.logits[:, -1, :]  # (B, V)
+        return logits  # (B, V)
 
     # --- bookkeeping ---
 
@@ -203,22 +209,20 @@ class Engine:
         if not batch.rows:
             return next_ids[:0]
         keep_dev = keep.to(self.device)
-        batch.cache.batch_select_indices(keep_dev)
+        batch.cache.select_rows(keep_dev)
         batch.attention_mask = batch.attention_mask[keep_dev]
         batch.positions = batch.positions[keep_dev]
         num_pad_columns = int(batch.attention_mask.any(dim=0).int().argmax())  # leading columns no row uses
         if num_pad_columns:
             batch.attention_mask = batch.attention_mask[:, num_pad_columns:]
-            for layer in batch.cache.layers:
-                layer.keys = layer.keys[:, :, num_pad_columns:, :]  # (B, H_kv, T, D)
-                layer.values = layer.values[:, :, num_pad_columns:, :]
+            batch.cache.drop_leading_columns(num_pad_columns)
         return next_ids[keep_dev]
 
     def _track_cache(self, batch: _Batch) -> None:
-        num_tokens = len(batch.rows) * batch.cache.get_seq_length()
+        num_tokens = len(batch.rows) * batch.cache.num_columns
         if num_tokens > batch.peak_cache_tokens:
             batch.peak_cache_tokens = num_tokens
-            batch.peak_cache_allocated_bytes = measure.cache_allocated_bytes(batch.cache)
+        batch.peak_cache_allocated_bytes = max(batch.peak_cache_allocated_bytes, batch.cache.allocated_bytes)
 
     def _complete(self, row: _Row, started: float) -> Completion:
         text = row.text

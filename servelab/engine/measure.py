@@ -1,6 +1,6 @@
 """Measures memory from real tensors and the process: weights, the KV cache, peak working memory.
 
-Knows how to read tensor storage (shared storage counted once), a transformers cache's tensors,
+Knows how to read tensor storage (shared storage counted once),
 CUDA's allocator peaks and Linux's resident high-water mark (reset through /proc/self/clear_refs).
 """
 
@@ -22,20 +22,6 @@ def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return tensor_storage_bytes([*model.parameters(), *model.buffers()])
-
-
-def cache_tensors(past_key_values) -> list[torch.Tensor]:
-    tensors = []
-    for layer in past_key_values.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                tensors.append(t)
-    return tensors
-
-
-def cache_allocated_bytes(past_key_values) -> int:
-    return sum(t.numel() * t.element_size() for t in cache_tensors(past_key_values))
 
 
 class PeakMemory:

@@ -63,3 +63,15 @@ def tiny_engine(tiny_folder: Path, settings: Settings) -> Engine:
 @pytest.fixture(scope="session")
 def bundled_engine(settings: Settings) -> Engine:
     return Engine.from_config(make_config("bundled:smollm2-135m-instruct"), settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_transformers_engine(tiny_folder: Path, settings: Settings) -> Engine:
+    """The same tiny model served through transformers' forward and dynamic cache."""
+    return Engine.from_config(make_config(str(tiny_folder), decoder="transformers"), settings)
+
+
+@pytest.fixture(params=["servelab", "transformers"])
+def either_engine(request, tiny_engine: Engine, tiny_transformers_engine: Engine) -> Engine:
+    """Each decoder in turn: both must serve identically."""
+    return tiny_engine if request.param == "servelab" else tiny_transformers_engine

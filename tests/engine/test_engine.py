@@ -23,19 +23,25 @@ def _greedy(prompt: str, max_new_tokens: int, request_id: str | None = None, **p
                              params=SamplingParams(max_new_tokens=max_new_tokens, **params))
 
 
+def test_the_tiny_llama_is_served_by_servelabs_decoder(tiny_engine: Engine, tiny_transformers_engine: Engine) -> None:
+    assert tiny_engine.decoder.name == "servelab" and tiny_engine.kernel.startswith("servelab decoder")
+    assert tiny_transformers_engine.decoder.name == "transformers"
+
+
 @pytest.mark.parametrize("mix_seed", range(12))
-def test_batched_cached_decoding_equals_naive_uncached(tiny_engine: Engine, mix_seed: int) -> None:
+def test_batched_cached_decoding_equals_naive_uncached(either_engine: Engine, mix_seed: int) -> None:
     rng = random.Random(mix_seed)
     batch_size = rng.choice([1, 2, 3, 5, 8])
     requests = [
         _greedy(_random_prompt(rng, rng.randint(1, 40)), rng.randint(1, 24), request_id=f"r{i}")
         for i in range(batch_size)
     ]
-    result = tiny_engine.generate(requests)
+    result = either_engine.generate(requests)
     for request, completion in zip(requests, result.completions):
-        prompt_ids = tiny_engine.encode(request)
-        expected = naive_greedy(tiny_engine.model, prompt_ids, request.params.max_new_tokens,
-                                tiny_engine.eos_token_ids)
+        prompt_ids = either_engine.encode(request)
+        # NOTE: the reference is transformers' forward without cache or padding, never servelab's decoder.
+        expected = naive_greedy(either_engine.model, prompt_ids, request.params.max_new_tokens,
+                                either_engine.eos_token_ids)
         assert list(completion.token_ids) == expected, (request.prompt, completion.token_ids, expected)
         assert completion.num_prompt_tokens == len(prompt_ids)
 
@@ -49,23 +55,34 @@ def test_finished_rows_leave_the_batch(tiny_engine: Engine) -> None:
     assert result.completions[1].token_ids == alone.token_ids  # a batch-mate leaving changes nothing
 
 
-def test_kv_cache_bytes_double_with_retained_tokens(tiny_engine: Engine) -> None:
+def _allocated_tokens(engine: Engine, num_rows: int, num_retained: int, capacity: int) -> int:
+    """Tokens the cache tensors hold room for: servelab's static cache reserves the batch's capacity up
+    front (prompt width + largest max_new_tokens per row); transformers' cache grows to what is retained."""
+    return num_rows * capacity if engine.decoder.name == "servelab" else num_retained
+
+
+def test_kv_cache_bytes_double_with_retained_tokens(either_engine: Engine) -> None:
     short_prompt = " ".join(["cat"] * 20)
     long_prompt = " ".join(["cat"] * 40)
-    short, long = (tiny_engine.generate([_greedy(p, 1)]).memory for p in (short_prompt, long_prompt))
-    num_short = len(tiny_engine.encode(_greedy(short_prompt, 1)))
-    assert len(tiny_engine.encode(_greedy(long_prompt, 1))) == 2 * num_short
-    shape = tiny_engine.loaded.shape
+    short, long = (either_engine.generate([_greedy(p, 1)]).memory for p in (short_prompt, long_prompt))
+    num_short = len(either_engine.encode(_greedy(short_prompt, 1)))
+    assert len(either_engine.encode(_greedy(long_prompt, 1))) == 2 * num_short
+    shape = either_engine.loaded.shape
     assert short.kv_cache_bytes == shape.kv_cache_bytes(num_short, 4) == 2 * 2 * 2 * 16 * 4 * num_short
-    assert short.kv_cache_allocated_bytes == short.kv_cache_bytes  # the formula matches real tensors
-    assert long.kv_cache_allocated_bytes == long.kv_cache_bytes == 2 * short.kv_cache_bytes
+    assert long.kv_cache_bytes == 2 * short.kv_cache_bytes
+    for memory, num_prompt in ((short, num_short), (long, 2 * num_short)):  # the formula matches real tensors
+        tokens = _allocated_tokens(either_engine, 1, num_prompt, num_prompt + 1)
+        assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
 
 
-def test_kv_cache_counts_padding_of_the_batch(tiny_engine: Engine) -> None:
+def test_kv_cache_counts_padding_of_the_batch(either_engine: Engine) -> None:
     requests = [_greedy("cat " * 30, 1, "a"), _greedy("cat", 1, "b")]
-    memory = tiny_engine.generate(requests).memory
-    width = len(tiny_engine.encode(requests[0]))
-    assert memory.kv_cache_allocated_bytes == memory.kv_cache_bytes == tiny_engine.loaded.shape.kv_cache_bytes(2 * width, 4)
+    memory = either_engine.generate(requests).memory
+    width = len(either_engine.encode(requests[0]))
+    shape = either_engine.loaded.shape
+    assert memory.kv_cache_bytes == shape.kv_cache_bytes(2 * width, 4)
+    tokens = _allocated_tokens(either_engine, 2, 2 * width, width + 1)
+    assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
 
 
 def test_weight_bytes_count_tied_embeddings_once(tiny_engine: Engine) -> None:
@@ -203,6 +220,7 @@ def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Eng
     full = tiny_engine.generate(requests).memory  # the same batch with the fp32 cache
     assert engine.kv_bytes_per_element == 2 and tiny_engine.kv_bytes_per_element == 4
     assert result.memory.kv_cache_bytes * 2 == full.kv_cache_bytes
-    assert result.memory.kv_cache_allocated_bytes == result.memory.kv_cache_bytes  # bf16 tensors really stored
+    width = len(engine.encode(requests[0]))  # bf16 tensors really stored: 2 bytes per element
+    assert result.memory.kv_cache_allocated_bytes == engine.loaded.shape.kv_cache_bytes(2 * (width + 12), 2)
     assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
     assert result.timings.num_rows_per_step[-1] == 1

@@ -1,0 +1,209 @@
+"""The model's forward pass for the engine: servelab's own Llama decoder, or transformers' forward.
+
+Both map (token ids, padding mask, positions, KV cache) to the last position's logits; engine.py
+drives them the same way and never sees which one runs.
+
+`LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
+grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and gate/up are one matmul
+each, dense weights are pre-packed once for oneDNN on CPU (MKL's fp32 GEMV and torch's default bf16
+path read memory at about half the speed), keys and values are written in place into a cache allocated
+once per batch, and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
+slower for one query over a long cache). It keeps its own copy of the packed weights: transformers'
+model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
+
+`TransformersDecoder` runs transformers' forward with its dynamic cache: any architecture, and what
+`LlamaDecoder` does not cover (rope scaling, other activations; see `unsupported_reason`).
+Does not know requests, sampling or stop conditions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from servelab.engine.kvcache import CACHE_DTYPES, KVCache, StaticKVCache, TransformersKVCache, new_cache
+from servelab.engine.linear import LinearKernel, choose_linear_kernel
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Decoder(Protocol):
+    name: str
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """input_ids, position_ids (B, T); attention_mask (B, cached + T) -> logits (B, V) of the last position."""
+        ...
+
+
+def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                  linear_kernel: str, cache_dir: Path) -> Decoder:
+    """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it."""
+    if choice == "auto" and unsupported_reason(model) is None:
+        kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir)
+        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel)
+    return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why LlamaDecoder cannot run this model exactly, or None when it can."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"architecture {config.model_type!r} (servelab's decoder covers 'llama')"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type != "default":
+        return f"rope type {rope_type!r}"
+    return None
+
+
+class TransformersDecoder:
+    """transformers' own forward over its dynamic cache."""
+
+    name = "transformers"
+
+    def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype) -> None:
+        self.model, self.kv_cache_dtype, self.dtype = model, kv_cache_dtype, dtype
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        config = self.model.config
+        return TransformersKVCache(new_cache(config, config.num_hidden_layers, self.kv_cache_dtype, self.dtype))
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: TransformersKVCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+
+def fused_projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Projection:
+    """One matmul for several projections of the same input (q/k/v, gate/up); outputs side by side."""
+    if all(type(m) is torch.nn.Linear for m in modules):
+        weight = torch.cat([m.weight for m in modules])  # (sum N_i, K)
+        has_bias = any(m.bias is not None for m in modules)
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]) \
+            if has_bias else None
+        return kernel.make(weight, bias)
+    # NOTE: quantised layers (AWQ) keep their own kernels; each runs, the outputs are joined.
+    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+
+
+def projection(module: torch.nn.Module, kernel: LinearKernel) -> Projection:
+    if type(module) is torch.nn.Linear:
+        return kernel.make(module.weight, module.bias)
+    return module
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    mlp_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+
+class LlamaDecoder:
+    """servelab's Llama forward: fused projections, packed weights, a pre-allocated cache."""
+
+    name = "servelab"
+
+    def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                 kernel: LinearKernel) -> None:
+        config = model.config
+        self.kernel = kernel
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.dtype, self.device = dtype, device
+        self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
+        body = model.model
+        self.embed = body.embed_tokens.weight  # (V, C), shared with transformers' model
+        self.final_norm = body.norm.weight
+        self.lm_head = projection(model.lm_head, kernel)
+        self.layers = [
+            _Layer(
+                attn_norm=layer.input_layernorm.weight,
+                qkv=fused_projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel),
+                o=projection(layer.self_attn.o_proj, kernel),
+                mlp_norm=layer.post_attention_layernorm.weight,
+                gate_up=fused_projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel),
+                down=projection(layer.mlp.down_proj, kernel),
+            )
+            for layer in body.layers
+        ]
+        rotary = body.rotary_emb
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (P, D), as transformers' rotary embedding lays it out
+        self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)
+        self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return StaticKVCache(num_layers=len(self.layers), batch_size=batch_size, num_kv_heads=self.num_kv_heads,
+                             capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
+                             compute_dtype=self.dtype, device=self.device)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
+        B, T = input_ids.shape
+        H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.embedding(input_ids, self.embed)  # (B, T, C)
+        cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
+        mask = _attention_mask(attention_mask, T)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(_rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D)
+            qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
+            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
+            keys, values = cache.append(i, k, qkv[:, :, H + H_kv:].transpose(1, 2))  # (B, H_kv, S, D)
+            h = h + layer.o(self._attend(q, keys, values, mask))  # attention out: (B, T, H x D)
+            gate, up = layer.gate_up(_rms_norm(h, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        cache.advance(T)
+        return self.lm_head(_rms_norm(h[:, -1, :], self.final_norm, self.eps))  # (B, V)
+
+    def _attend(self, q, keys, values, mask) -> torch.Tensor:
+        B, H, T, D = q.shape
+        if T > 1:  # prefill: SDPA, each kv head serving its group of query heads
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2).reshape(B, T, H * D)
+        # NOTE: one query per row: the query heads of a group share one matmul against their kv head's keys.
+        group = q.view(B, self.num_kv_heads, H // self.num_kv_heads, D)  # (B, H_kv, G, D)
+        scores = torch.matmul(group, keys.transpose(-1, -2)) * D ** -0.5  # (B, H_kv, G, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values).reshape(B, 1, H * D)
+
+
+def _attention_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
+    """(B, S) 1/0 -> bool (B, 1, T, S) over the cached columns and these T; None when nothing is hidden."""
+    S = attention_mask.shape[1]
+    if T == 1:
+        return None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+    query_pos = torch.arange(S - T, S, device=attention_mask.device)[:, None]  # (T, 1)
+    key_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
+    visible = (key_pos <= query_pos)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    # NOTE: a padding query sees itself, so no row of scores is all -inf (softmax would give NaN, and NaN
+    # values under a zero weight would still poison real rows). Real queries never see padding.
+    return visible | (key_pos == query_pos)[None, None]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalised in fp32, cast back, then scaled by the weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (B, T, heads, D) with cos / sin (B, T, 1, D), halves rotated as transformers does."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
