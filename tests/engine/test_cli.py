@@ -26,10 +26,10 @@ def test_generate_json_reports_completions_timings_and_memory(tmp_path: Path, ti
     record = json.loads(result.stdout)
     assert [c["num_generated_tokens"] for c in record["completions"]] == [5, 5]
     assert record["completions"][0]["finish_reason"] == "length"
-    assert record["memory"]["kv_cache_bytes"] == record["memory"]["kv_cache_allocated_bytes"] > 0
+    assert 0 < record["memory"]["kv_cache_bytes"] <= record["memory"]["kv_cache_allocated_bytes"]
     assert record["timings"]["num_rows_per_step"] == [2, 2, 2, 2, 2]
     assert record["config"]["name"] == "tiny"
-    assert record["kernel"] == "dense torch.float32 (torch.nn.Linear)"
+    assert record["kernel"] == "servelab decoder, dense float32, servelab AVX-512 kernel"
 
 
 def test_generate_reports_a_bad_prompt_and_serves_the_rest(tmp_path: Path, tiny_folder: Path) -> None:

@@ -53,7 +53,7 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert run.config == config.model_dump(mode="json") and run.config_hash == config.config_hash
     assert run.workload_fingerprint == workload.fingerprint
     assert run.hardware["bandwidth_gbs"] > 0 and run.hardware["cpu"] and "torch" in run.software
-    assert run.hardware["kernel"] == outcome.kernel == "dense torch.float32 (torch.nn.Linear)"
+    assert run.hardware["kernel"] == outcome.kernel == "servelab decoder, dense float32, servelab AVX-512 kernel"
     assert len(sent) == 6 and configs == {config.name}
     summary = run.summary
     assert summary["num_succeeded"] == 6
