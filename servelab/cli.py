@@ -356,50 +356,103 @@ def bench_engine(
                                        kernels={e.config.name: e.kernel for e in engines}))
 
 
+@bench_app.command("steps")
+def bench_steps_command(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,16,64",
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads for every step")] = 1,
+) -> None:
+    """Each step of the engine's speed work on one config, side by side: tokens/s, gain, roofline."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.linear import LinearKernelError
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.bench import STEPS, bench_steps, format_steps_table
+    from servelab.lab.hardware import measure_bandwidth_gbs
+
+    serving = _load_config(config)
+    sizes = _parse_ints(batch_sizes, "--batch-sizes")
+    settings = Settings(num_threads=threads)
+    engines, skipped = {}, []
+    for step, overrides in STEPS:
+        try:
+            engines[step] = Engine.from_config(serving.model_copy(update={**overrides, "num_threads": threads}), settings)
+        except LinearKernelError as exc:
+            skipped.append(f"{step}: not measured here: {exc}")
+        except ModelLoadError as exc:
+            _fail(str(exc))
+    bandwidth = measure_bandwidth_gbs(next(iter(engines.values())).device)
+    rows = bench_steps(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
+                       num_rounds=rounds, bandwidth_gbs=bandwidth, progress=lambda m: typer.echo(m, err=True))
+    header = (f"config {serving.name} ({serving.weights}), threads {engine_threads()}, memory bandwidth (measured) "
+              f"{bandwidth:.1f} GB/s, {prompt_tokens} prompt + {new_tokens} new tokens, median of {rounds} rounds")
+    typer.echo(format_steps_table(rows, header=header))
+    for line in skipped:
+        typer.echo(line)
+
+
 @bench_app.command("queue")
 def bench_queue(
-    config: ConfigOption = Path("configs/fp32.yaml"),
+    configs: Annotated[list[Path], typer.Option("--config", "-c", help="serving config YAML; repeat to compare "
+                                                "configs side by side (ratios to the first)")] = [Path("configs/fp32.yaml")],
     requests: Annotated[int, typer.Option(help="requests in the burst")] = 32,
     prompt_tokens: int = 32,
     new_tokens: int = 16,
     rounds: Annotated[int, typer.Option(help="in-process / queue pairs, back to back")] = 2,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: the config's)")] = None,
 ) -> None:
-    """The same burst served by the engine in-process and through the full queue path; the ratio."""
+    """The same burst served by the engine in-process and through the full queue path; the ratios."""
     import threading
     import uuid
 
     from servelab.engine.engine import Engine
-    from servelab.lab.bench import bench_requests, format_queue_table, time_in_process, time_queue_path
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.bench import (bench_requests, format_queue_comparison, format_queue_table, time_in_process,
+                                    time_queue_path)
     from servelab.queue.batcher import BatchPolicy
     from servelab.queue.streams import RequestStreams
     from servelab.runtime import connect
     from servelab.serving import FaultPolicy, ServingWorker
 
-    serving = _load_config(config)
+    serving = [_load_config(c) for c in configs]
     if threads:
-        serving = serving.model_copy(update={"num_threads": threads})
+        serving = [c.model_copy(update={"num_threads": threads}) for c in serving]
     settings = Settings()
     runtime = connect(settings)
-    engine = Engine.from_config(serving, settings)
-    streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
-    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
-                           policy=BatchPolicy.from_config(serving.batching), faults=FaultPolicy.from_settings(settings))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    burst = bench_requests(engine, requests, prompt_tokens, new_tokens)
-    time_in_process(engine, burst[:2], serving.batching.max_batch_size)  # warm-up
-    pairs = []
+    workers, threads_ = [], []
+    for config in serving:
+        try:
+            engine = Engine.from_config(config, settings)
+        except ModelLoadError as exc:
+            _fail(str(exc))
+        streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
+        worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
+                               policy=BatchPolicy.from_config(config.batching), faults=FaultPolicy.from_settings(settings))
+        workers.append(worker)
+        threads_.append(threading.Thread(target=worker.run, daemon=True))
+        threads_[-1].start()
+    burst = bench_requests(workers[0].engine, requests, prompt_tokens, new_tokens)
+    for worker in workers:
+        time_in_process(worker.engine, burst[:2], worker.engine.config.batching.max_batch_size)  # warm-up
+    pairs: list[list] = [[] for _ in workers]
     for round_idx in range(rounds):
-        typer.echo(f"round {round_idx + 1}/{rounds}", err=True)
-        pairs.append((time_in_process(engine, burst, serving.batching.max_batch_size), time_queue_path(worker, burst)))
-    worker.stop.set()
-    thread.join(timeout=30)
+        for worker, config_pairs in zip(workers, pairs):  # NOTE: configs interleaved, round after round
+            typer.echo(f"round {round_idx + 1}/{rounds}: {worker.engine.config.name}", err=True)
+            config_pairs.append((time_in_process(worker.engine, burst, worker.engine.config.batching.max_batch_size),
+                                 time_queue_path(worker, burst)))
+    for worker, thread in zip(workers, threads_):
+        worker.stop.set()
+        thread.join(timeout=30)
     runtime.close()
-    typer.echo(f"config {serving.name} ({serving.weights}), max_batch_size {serving.batching.max_batch_size}, "
-               f"max_wait_ms {serving.batching.max_wait_ms}, threads {engine_threads()}; burst of {requests} requests, "
-               f"{prompt_tokens} prompt + {new_tokens} new tokens each")
-    typer.echo(format_queue_table(pairs))
+    for config, worker, config_pairs in zip(serving, workers, pairs):
+        typer.echo(f"config {config.name} ({config.weights}, {worker.engine.kernel}), max_batch_size "
+                   f"{config.batching.max_batch_size}, max_wait_ms {config.batching.max_wait_ms}, threads "
+                   f"{engine_threads()}; burst of {requests} requests, {prompt_tokens} prompt + {new_tokens} new tokens each")
+        typer.echo(format_queue_table(config_pairs))
+    if len(workers) > 1:
+        typer.echo(format_queue_comparison([c.name for c in serving], pairs))
 
 
 def engine_threads() -> int:

@@ -126,6 +126,62 @@ def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float, ker
     return "\n".join(lines)
 
 
+# Each step of the engine's speed work, as settings of one serving config; `servelab bench steps` measures
+# them side by side so the README's gains come from one run (servelab/engine/decoder.py, linear.py).
+STEPS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("transformers forward, dynamic cache", {"decoder": "transformers"}),
+    ("servelab decoder, torch F.linear", {"decoder": "auto", "linear_kernel": "torch"}),
+    ("+ oneDNN pre-packed weights", {"decoder": "auto", "linear_kernel": "onednn"}),
+    ("+ servelab AVX-512 kernel", {"decoder": "auto", "linear_kernel": "servelab"}),
+)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: str
+    batch_size: int
+    tokens_per_s: float  # output tokens over prefill + decode
+    decode_tokens_per_s: float
+    roofline_tokens_per_s: float  # batch x bandwidth / weight bytes
+
+
+def bench_steps(
+    engines: dict[str, Engine], *, batch_sizes: list[int], num_prompt_tokens: int, num_new_tokens: int,
+    num_rounds: int, bandwidth_gbs: float, progress=lambda message: None,
+) -> list[StepRow]:
+    """Interleaved rounds over (batch size, step); medians. Every engine serves the same config but one setting."""
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for engine in engines.values():
+        time_engine(engine, bench_requests(engine, 2, 8, 2))  # warm-up
+    for round_idx in range(num_rounds):
+        for batch_size in batch_sizes:
+            for step, engine in engines.items():
+                progress(f"round {round_idx + 1}/{num_rounds}: batch {batch_size}: {step}")
+                requests = bench_requests(engine, batch_size, num_prompt_tokens, num_new_tokens)
+                samples.setdefault((step, batch_size), []).append(time_engine(engine, requests))
+    rows = []
+    for (step, batch_size), runs in samples.items():
+        tokens, decode = (statistics.median(column) for column in zip(*runs))
+        roofline = batch_size * bandwidth_gbs * 1e9 / engines[step].weight_bytes
+        rows.append(StepRow(step, batch_size, tokens, decode, roofline))
+    return rows
+
+
+def format_steps_table(rows: list[StepRow], *, header: str) -> str:
+    lines = [header, f"{'batch':>5} {'step':<38} {'tok/s':>8} {'decode':>8} {'x prev':>7} {'x first':>7} {'of roof':>7}"]
+    for batch_size in dict.fromkeys(r.batch_size for r in rows):
+        batch_rows = [r for r in rows if r.batch_size == batch_size]
+        for i, r in enumerate(batch_rows):
+            prev, first = batch_rows[max(i - 1, 0)], batch_rows[0]
+            lines.append(f"{r.batch_size:>5} {r.step:<38} {r.tokens_per_s:>8.1f} {r.decode_tokens_per_s:>8.1f} "
+                         f"{r.decode_tokens_per_s / prev.decode_tokens_per_s:>6.2f}x "
+                         f"{r.decode_tokens_per_s / first.decode_tokens_per_s:>6.2f}x "
+                         f"{r.decode_tokens_per_s / r.roofline_tokens_per_s:>6.0%}")
+    lines.append("x prev / x first: decode tok/s against the step above / the first step; "
+                 "of roof: decode tok/s over batch x bandwidth / weight bytes")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class PathTiming:
     """One serving path over the same burst of requests: throughput and client-observed latency."""
@@ -186,4 +242,19 @@ def format_queue_table(rows: list[tuple[PathTiming, PathTiming]]) -> str:
                      f"{queued.latency_percentile_ms(50) / direct.latency_percentile_ms(50):>7.2f}x "
                      f"{queued.latency_percentile_ms(99) / direct.latency_percentile_ms(99):>7.2f}x")
     lines.append("ratio = queue / in-process: tok/s below 1x and latency above 1x are the cost of the queue")
+    return "\n".join(lines)
+
+
+def format_queue_comparison(names: list[str], pairs: list[list[tuple[PathTiming, PathTiming]]]) -> str:
+    """Queue-path throughput and p50 latency of every config against the first, median over rounds."""
+    def median_of(config_pairs, what):
+        return statistics.median(what(queued) for _, queued in config_pairs)
+
+    base_tps = median_of(pairs[0], lambda t: t.tokens_per_s)
+    base_p50 = median_of(pairs[0], lambda t: t.latency_percentile_ms(50))
+    lines = [f"through the queue, against {names[0]} (median of rounds):",
+             f"{'config':<24} {'tok/s':>8} {'x':>7} {'p50 ms':>8} {'x':>7}"]
+    for name, config_pairs in zip(names, pairs):
+        tps, p50 = median_of(config_pairs, lambda t: t.tokens_per_s), median_of(config_pairs, lambda t: t.latency_percentile_ms(50))
+        lines.append(f"{name:<24} {tps:>8.1f} {tps / base_tps:>6.2f}x {p50:>8.0f} {p50 / base_p50:>6.2f}x")
     return "\n".join(lines)

@@ -10,12 +10,14 @@ from servelab.cli import app
 
 
 def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder: Path, service_settings) -> None:
-    config = tmp_path / "tiny.yaml"
-    config.write_text(f"model: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n  max_wait_ms: 50\n"
-                      "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
+    config, baseline = tmp_path / "tiny.yaml", tmp_path / "tiny-transformers.yaml"
+    body = (f"model: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n  max_wait_ms: 50\n"
+            "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
+    config.write_text(f"name: tiny\n{body}")
+    baseline.write_text(f"name: tiny-transformers\ndecoder: transformers\n{body}")
     env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
            "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
-    result = CliRunner().invoke(app, ["bench", "queue", "--config", str(config), "--requests", "6",
+    result = CliRunner().invoke(app, ["bench", "queue", "--config", str(baseline), "--config", str(config), "--requests", "6",
                                       "--prompt-tokens", "8", "--new-tokens", "3", "--rounds", "1"], env=env)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -24,3 +26,7 @@ def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder
     assert direct[1] == queued[1] == "6"
     assert float(direct[2]) > 0 and float(queued[2]) > 0
     assert any(line.startswith("ratio") and line.count("x") == 3 for line in lines)
+    assert sum(line.startswith("queue ") for line in lines) == 2  # one table per config
+    compared = {line.split()[0]: line.split() for line in lines[lines.index(next(
+        line for line in lines if line.startswith("through the queue"))) + 2:]}
+    assert compared["tiny-transformers"][2] == "1.00x" and float(compared["tiny"][1]) > 0
