@@ -8,7 +8,7 @@ grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and ga
 each, dense weights are pre-packed once for oneDNN on CPU (MKL's fp32 GEMV and torch's default bf16
 path read memory at about half the speed), keys and values are written in place into a cache allocated
 once per batch, and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
-slower for one query over a long cache). It keeps its own copy of the packed weights: transformers'
+slower for one query over a long cache; with the servelab kernels, one fused kernel). It keeps its own copy of the packed weights: transformers'
 model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
 
 `TransformersDecoder` runs transformers' forward with its dynamic cache: any architecture, and what
@@ -140,6 +140,12 @@ class LlamaDecoder:
             )
             for layer in body.layers
         ]
+        blocked = kernel.blocked.module if kernel.blocked is not None else None
+        fits = (self.head_dim % 16 == 0 and self.num_heads // self.num_kv_heads <= 16
+                and {self.dtype, self.cache_dtype} <= {torch.float32, torch.bfloat16})
+        self.decode_attention = blocked.decode_attention if blocked is not None and fits else None
+        norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
+        self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         rotary = body.rotary_emb
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
@@ -150,7 +156,7 @@ class LlamaDecoder:
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return StaticKVCache(num_layers=len(self.layers), batch_size=batch_size, num_kv_heads=self.num_kv_heads,
                              capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
-                             compute_dtype=self.dtype, device=self.device)
+                             device=self.device)
 
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         B, T = input_ids.shape
@@ -159,35 +165,39 @@ class LlamaDecoder:
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D)
+            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D)
             qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
             keys, values = cache.append(i, k, qkv[:, :, H + H_kv:].transpose(1, 2))  # (B, H_kv, S, D)
             h = h + layer.o(self._attend(q, keys, values, mask))  # attention out: (B, T, H x D)
-            gate, up = layer.gate_up(_rms_norm(h, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            gate, up = layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         cache.advance(T)
-        return self.lm_head(_rms_norm(h[:, -1, :], self.final_norm, self.eps))  # (B, V)
+        return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
         B, H, T, D = q.shape
         if T > 1:  # prefill: SDPA, each kv head serving its group of query heads
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=True)
             return out.transpose(1, 2).reshape(B, T, H * D)
+        if self.decode_attention is not None:  # servelab's kernel: one pass over the cache per kv head
+            return self.decode_attention(q[:, :, 0], keys, values, mask, D ** -0.5).view(B, 1, H * D)
         # NOTE: one query per row: the query heads of a group share one matmul against their kv head's keys.
         group = q.view(B, self.num_kv_heads, H // self.num_kv_heads, D)  # (B, H_kv, G, D)
-        scores = torch.matmul(group, keys.transpose(-1, -2)) * D ** -0.5  # (B, H_kv, G, S)
+        scores = torch.matmul(group, keys.transpose(-1, -2).to(q.dtype)) * D ** -0.5  # (B, H_kv, G, S)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.matmul(probs, values).reshape(B, 1, H * D)
+            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values.to(q.dtype)).reshape(B, 1, H * D)
 
 
 def _attention_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
-    """(B, S) 1/0 -> bool (B, 1, T, S) over the cached columns and these T; None when nothing is hidden."""
+    """(B, S) 1/0 over the cached columns and these T -> None when nothing is hidden; for one new token
+    (decode) bool (B, S); for T tokens (prefill) bool (B, 1, T, S), causal."""
     S = attention_mask.shape[1]
     if T == 1:
-        return None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        return None if bool(attention_mask.all()) else attention_mask.bool()
     query_pos = torch.arange(S - T, S, device=attention_mask.device)[:, None]  # (T, 1)
     key_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
     visible = (key_pos <= query_pos)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)

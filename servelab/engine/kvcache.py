@@ -72,24 +72,22 @@ class StaticKVCache:
     """(B, H_kv, capacity, D) keys and values per layer; columns [start, end) hold tokens."""
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.compute_dtype = compute_dtype
         self.start = self.end = 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write T new columns (B, H_kv, T, D) after the held ones; -> every held column plus these."""
+        """Write T new columns (B, H_kv, T, D) after the held ones; -> every held column plus these, as
+        views in the storage dtype."""
         stop = self.end + keys.shape[2]
         if stop > self.keys[layer].shape[2]:
             raise RuntimeError(f"KV cache capacity {self.keys[layer].shape[2]} exceeded ({stop} columns)")
         self.keys[layer][:, :, self.end:stop] = keys
         self.values[layer][:, :, self.end:stop] = values
-        held_keys, held_values = self.keys[layer][:, :, self.start:stop], self.values[layer][:, :, self.start:stop]
-        if held_keys.dtype == self.compute_dtype:
-            return held_keys, held_values
-        return held_keys.to(self.compute_dtype), held_values.to(self.compute_dtype)
+        # NOTE: views in the storage dtype; attention reads them in the compute dtype (decoder.py)
+        return self.keys[layer][:, :, self.start:stop], self.values[layer][:, :, self.start:stop]
 
     def advance(self, num_columns: int) -> None:
         """After every layer has appended: the new columns are held."""

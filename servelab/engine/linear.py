@@ -1,7 +1,7 @@
 """Dense matmuls for servelab's decoder: which kernel serves a weight, and the weight in its layout.
 
 Kernels, fastest first on an AVX-512 CPU (`servelab bench steps` measures each): 'servelab' (its own
-kernel, kernels/linear_avx512.cpp: weights in 16-output blocks read as one stream, near the memory
+kernel, kernels/avx512.cpp: weights in 16-output blocks read as one stream, near the memory
 bandwidth at small batch), 'onednn' (oneDNN's matmul on weights pre-packed once) and 'torch'
 (F.linear: MKL on CPU, cuBLAS on GPU). 'auto' takes the first that serves the device and dtype; a kernel
 named explicitly that cannot serve them is an error that says why. Does not know models.

@@ -101,6 +101,41 @@ def test_blocked_kernel_bf16_rounds_like_onednn_and_odd_k_goes_to_onednn(setting
     assert isinstance(kernel.make(torch.randn(64, 95, dtype=torch.bfloat16), None), OneDNNLinear)
 
 
+@pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_decode_attention_kernel_equals_softmax_attention(q_dtype, kv_dtype, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir).module
+    torch.manual_seed(0)
+    B, H, H_kv, S, D = 3, 6, 2, 37, 32
+    cache_keys, cache_values = torch.randn(B, H_kv, S + 9, D).to(kv_dtype), torch.randn(B, H_kv, S + 9, D).to(kv_dtype)
+    keys, values = cache_keys[:, :, 4:4 + S], cache_values[:, :, 4:4 + S]  # a view into a larger cache, as served
+    q = torch.randn(B, H, D).to(q_dtype)
+    mask = torch.rand(B, S) > 0.3
+    mask[:, -1] = True
+    for m in (mask, None):
+        scores = (q.float().view(B, H_kv, H // H_kv, D) @ keys.float().transpose(-1, -2)) / D ** 0.5
+        if m is not None:
+            scores = scores.masked_fill(~m[:, None, None, :], float("-inf"))
+        expected = (scores.softmax(-1) @ values.float()).reshape(B, H, D)
+        out = kernel.decode_attention(q, keys, values, m, D ** -0.5)
+        assert out.dtype == q_dtype
+        torch.testing.assert_close(out.float(), expected, atol=1e-5 if q_dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_equals_transformers_rms_norm(dtype, tiny_models, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir).module
+    norm = tiny_models[dtype].model.norm  # transformers' LlamaRMSNorm with the tiny model's weight
+    torch.manual_seed(0)
+    x = (torch.randn(7, 5, norm.weight.numel()) * 3).to(dtype)
+    with torch.inference_mode():
+        expected = norm(x)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.0, "rtol": 0.008}
+    torch.testing.assert_close(kernel.rms_norm(x, norm.weight.detach(), norm.variance_epsilon), expected, **tolerance)
+
+
 def test_a_kernel_that_cannot_serve_says_why(settings) -> None:
     with pytest.raises(LinearKernelError, match="unknown linear kernel 'mkl'"):
         choose_linear_kernel("mkl", device=CPU, dtype=torch.float32, cache_dir=settings.cache_dir)
@@ -115,11 +150,11 @@ def test_a_kernel_that_cannot_serve_says_why(settings) -> None:
 
 def test_static_cache_holds_columns_rows_and_its_capacity() -> None:
     cache = StaticKVCache(num_layers=1, batch_size=3, num_kv_heads=2, capacity=4, head_dim=8,
-                          dtype=torch.bfloat16, compute_dtype=torch.float32, device=CPU)
+                          dtype=torch.bfloat16, device=CPU)
     keys = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 2, 3, 8)  # row i holds the value i
     held_keys, _ = cache.append(0, keys, keys)
     cache.advance(3)
-    assert held_keys.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
+    assert held_keys.dtype == cache.keys[0].dtype == torch.bfloat16  # stored narrower, read as stored
     assert cache.num_columns == 3 and cache.allocated_bytes == 2 * 3 * 2 * 4 * 8 * 2
     cache.select_rows(torch.tensor([2, 0]))
     cache.drop_leading_columns(1)

@@ -1,4 +1,4 @@
-"""servelab's CPU matmul kernel for decoding (linear_avx512.cpp), compiled once per machine and cached.
+"""servelab's CPU kernels for decoding (avx512.cpp: matmul, decode attention), compiled once per CPU and cached.
 
 Knows when the kernel can run (an AVX-512 CPU; bf16 also needs AVX-512 BF16), how to build it with
 torch's extension builder into the cache (keyed by the source, torch's version and the CPU's flags,
@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("linear_avx512.cpp")
+SOURCE = Path(__file__).with_name("avx512.cpp")
 BLOCK = 16  # outputs per weight block: the kernel needs N to be a multiple of it
 
 
