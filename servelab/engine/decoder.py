@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine.kvcache import CACHE_DTYPES, KVCache, StaticKVCache, TransformersKVCache, new_cache
-from servelab.engine.linear import LinearKernel, choose_linear_kernel
+from servelab.engine.linear import Int4Linear, LinearKernel, choose_linear_kernel
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -90,14 +90,16 @@ def fused_projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Pr
         bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]) \
             if has_bias else None
         return kernel.make(weight, bias)
-    # NOTE: quantised layers (AWQ) keep their own kernels; each runs, the outputs are joined.
+    if Int4Linear.covers(modules):
+        return Int4Linear(modules)
+    # NOTE: other quantised layers keep their own kernels; each runs, the outputs are joined.
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)
 
 
 def projection(module: torch.nn.Module, kernel: LinearKernel) -> Projection:
     if type(module) is torch.nn.Linear:
         return kernel.make(module.weight, module.bias)
-    return module
+    return Int4Linear([module]) if Int4Linear.covers([module]) else module
 
 
 @dataclass

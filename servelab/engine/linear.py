@@ -116,3 +116,25 @@ class BlockedLinear:
         y = self.kernel.linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)  # (M, N padded)
         y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
+
+
+class Int4Linear:
+    """int4 weights (AWQ, after gptqmodel's CPU transform) through ATen's int4 CPU matmul, several
+    projections of one input as one call: their packed rows and scales are joined along the outputs."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.group_size = modules[0].group_size
+        self.weight = torch.cat([m.qweight for m in modules])  # (N, K / 2) uint8, one row per output
+        self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in modules], dim=1)  # (K / group, N, 2)
+        self.out_features = sum(m.out_features for m in modules)
+
+    @staticmethod
+    def covers(modules: list[torch.nn.Module]) -> bool:
+        """gptqmodel's ATen AWQ layers already switched to the CPU int4 layout (the load runs one forward)."""
+        return all(getattr(m, "linear_mode", None) == "inference" and hasattr(m, "scales_and_zeros")
+                   and getattr(m, "bias", None) is None and m.group_size == modules[0].group_size for m in modules)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # NOTE: the int4 kernel computes in bf16
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from servelab.config import ServingConfig
 from servelab.engine import awq
 from servelab.engine.engine import Engine
+from servelab.engine.linear import Int4Linear
 from servelab.engine.measure import weight_bytes
 from servelab.engine.requests import GenerationRequest, SamplingParams
 from servelab.settings import Settings
@@ -232,7 +233,14 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
     for request, completion in zip(requests, result.completions):
         expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
         assert list(completion.token_ids) == expected, request.prompt
-    assert engine.kernel == "TorchAtenAwqLinear"  # reported with every run
+    assert engine.kernel == "servelab decoder, TorchAtenAwqLinear"  # reported with every run
+    attention = engine.model.model.layers[0].self_attn
+    fused = engine.decoder.layers[0].qkv  # q/k/v int4 rows and scales joined: one int4 matmul
+    assert isinstance(fused, Int4Linear)
+    x = torch.randn(3, attention.q_proj.in_features)
+    with torch.inference_mode():
+        separate = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)
+        torch.testing.assert_close(fused(x), separate, atol=0, rtol=0)
 
 
 def test_kernel_override_selects_the_torch_kernel(quantized, tiny_base: Path, awq_settings: Settings) -> None:
