@@ -33,8 +33,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The engine's speed steps side by side (README, "Performance"); the peer engines: bench/peers/README.md.
 bench: $(STAMP)
-	$(VENV)/bin/servelab bench engine --configs configs/fp32.yaml,configs/bf16.yaml --threads 1
+	$(SL) bench steps --config configs/fp32.yaml --threads 1
+	$(SL) bench steps --config configs/bf16.yaml --threads 1
 
 stop:
 	@if [ -x $(SL) ]; then $(SL) down; fi
