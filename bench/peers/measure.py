@@ -63,17 +63,6 @@ def median_cell(samples: Sequence[Sample], agreement: int | None) -> Cell:
     )
 
 
-def leading_agreement(reference: Sequence[int], candidate: Sequence[int]) -> int:
-    """How many leading tokens are equal: greedy paths that part once never meet again, so this is the
-    honest measure of agreement between precisions and kernels."""
-    count = 0
-    for a, b in zip(reference, candidate):
-        if a != b:
-            break
-        count += 1
-    return count
-
-
 def ratio(value: float | None, baseline: float | None) -> float | None:
     if value is None or not baseline:
         return None

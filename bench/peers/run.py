@@ -17,12 +17,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.peers.machine import MachineFacts, awq_checkpoint, bundled_folder, measure_machine, prompt_ids
-from bench.peers.measure import Cell, Sample, leading_agreement, median_cell, rooflines, schedule
+from bench.peers.measure import Cell, Sample, median_cell, rooflines, schedule
 from bench.peers.options import OptionError, Options, parse_options
 from bench.peers.peers import LOGS, PEERS, ROOT, Unavailable
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request
 from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
+from servelab.lab.stats import common_prefix_length
 
 LOAD_TIMEOUT_S = 1200  # vLLM compiles its model on load: minutes on a busy 2-core machine
 CALL_TIMEOUT_S = 900
@@ -78,7 +79,7 @@ def assemble(options: Options, precision: str, slots: dict[Key, Slot], ready: di
         for engine in options.engines:
             key = (precision, batch_size, engine)
             if samples[key]:
-                agreement = min((leading_agreement(a, b) for a, b in
+                agreement = min((common_prefix_length(a, b) for a, b in
                                  zip(firsts[(precision, batch_size, "servelab")], firsts[key])), default=None)
                 cells[(batch_size, engine)] = median_cell(samples[key], agreement)
             else:

