@@ -82,24 +82,19 @@ class TransformersDecoder:
         return out.logits[:, -1, :]
 
 
-def fused_projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Projection:
-    """One matmul for several projections of the same input (q/k/v, gate/up); outputs side by side."""
+def projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Projection:
+    """One matmul for one projection, or for several of the same input (q/k/v, gate/up), outputs side by side."""
     if all(type(m) is torch.nn.Linear for m in modules):
-        weight = torch.cat([m.weight for m in modules])  # (sum N_i, K)
-        has_bias = any(m.bias is not None for m in modules)
-        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]) \
-            if has_bias else None
+        weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight  # (sum N_i, K)
+        biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
+        bias = torch.cat(biases) if any(m.bias is not None for m in modules) else None
         return kernel.make(weight, bias)
     if Int4Linear.covers(modules):
         return Int4Linear(modules)
+    if len(modules) == 1:
+        return modules[0]
     # NOTE: other quantised layers keep their own kernels; each runs, the outputs are joined.
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)
-
-
-def projection(module: torch.nn.Module, kernel: LinearKernel) -> Projection:
-    if type(module) is torch.nn.Linear:
-        return kernel.make(module.weight, module.bias)
-    return Int4Linear([module]) if Int4Linear.covers([module]) else module
 
 
 @dataclass
@@ -130,15 +125,15 @@ class LlamaDecoder:
         body = model.model
         self.embed = body.embed_tokens.weight  # (V, C), shared with transformers' model
         self.final_norm = body.norm.weight
-        self.lm_head = projection(model.lm_head, kernel)
+        self.lm_head = projection([model.lm_head], kernel)
         self.layers = [
             _Layer(
                 attn_norm=layer.input_layernorm.weight,
-                qkv=fused_projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel),
-                o=projection(layer.self_attn.o_proj, kernel),
+                qkv=projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel),
+                o=projection([layer.self_attn.o_proj], kernel),
                 mlp_norm=layer.post_attention_layernorm.weight,
-                gate_up=fused_projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel),
-                down=projection(layer.mlp.down_proj, kernel),
+                gate_up=projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel),
+                down=projection([layer.mlp.down_proj], kernel),
             )
             for layer in body.layers
         ]

@@ -51,13 +51,13 @@ class LinearKernel:
     blocked: BlockedKernel | None = None
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        weight = weight.detach()
-        bias = bias.detach().clone() if bias is not None else None
+        # NOTE: torch's kernel reads the weights where they are; the others lay out their own copy
+        weight, bias = weight.detach(), bias.detach() if bias is not None else None
         if self.name == "servelab" and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0):
             return BlockedLinear(self.blocked, weight, bias)
         if self.name in ("servelab", "onednn"):  # NOTE: bf16 with an odd K: oneDNN serves that weight
             return OneDNNLinear(weight, bias)
-        return TorchLinear(weight.clone(), bias)
+        return TorchLinear(weight, bias)
 
 
 def choose_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> LinearKernel:
