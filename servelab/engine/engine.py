@@ -221,8 +221,9 @@ class Engine:
     def _track_cache(self, batch: _Batch) -> None:
         num_tokens = len(batch.rows) * batch.cache.num_columns
         if num_tokens > batch.peak_cache_tokens:
+            # NOTE: allocation peaks with the tokens (transformers' cache) or is largest at prefill (servelab's)
             batch.peak_cache_tokens = num_tokens
-        batch.peak_cache_allocated_bytes = max(batch.peak_cache_allocated_bytes, batch.cache.allocated_bytes)
+            batch.peak_cache_allocated_bytes = max(batch.peak_cache_allocated_bytes, batch.cache.allocated_bytes)
 
     def _complete(self, row: _Row, started: float) -> Completion:
         text = row.text
