@@ -421,7 +421,7 @@ def bench_queue(
         serving = [c.model_copy(update={"num_threads": threads}) for c in serving]
     settings = Settings()
     runtime = connect(settings)
-    workers, threads_ = [], []
+    workers, serving_threads = [], []
     for config in serving:
         try:
             engine = Engine.from_config(config, settings)
@@ -431,8 +431,8 @@ def bench_queue(
         worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
                                policy=BatchPolicy.from_config(config.batching), faults=FaultPolicy.from_settings(settings))
         workers.append(worker)
-        threads_.append(threading.Thread(target=worker.run, daemon=True))
-        threads_[-1].start()
+        serving_threads.append(threading.Thread(target=worker.run, daemon=True))
+        serving_threads[-1].start()
     burst = bench_requests(workers[0].engine, requests, prompt_tokens, new_tokens)
     for worker in workers:
         time_in_process(worker.engine, burst[:2], worker.engine.config.batching.max_batch_size)  # warm-up
@@ -442,7 +442,7 @@ def bench_queue(
             typer.echo(f"round {round_idx + 1}/{rounds}: {worker.engine.config.name}", err=True)
             config_pairs.append((time_in_process(worker.engine, burst, worker.engine.config.batching.max_batch_size),
                                  time_queue_path(worker, burst)))
-    for worker, thread in zip(workers, threads_):
+    for worker, thread in zip(workers, serving_threads):
         worker.stop.set()
         thread.join(timeout=30)
     runtime.close()

@@ -87,7 +87,7 @@ def test_blocked_kernel_equals_f_linear_with_padding_and_bias(num_rows: int, set
     weight, bias = torch.randn(50, 24), torch.randn(50)  # 50 outputs: padded to 64 inside, cut off again
     linear = kernel.make(weight, bias)
     assert isinstance(linear, BlockedLinear)
-    x = torch.randn(2, num_rows, 24)[:, ::1]
+    x = torch.randn(num_rows, 2, 24).transpose(0, 1)  # (2, rows, 24), not contiguous
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
