@@ -389,6 +389,7 @@ def bench_steps_command(
     header = (f"config {serving.name} ({serving.weights}), threads {engine_threads()}, memory bandwidth (measured) "
               f"{bandwidth:.1f} GB/s, {prompt_tokens} prompt + {new_tokens} new tokens, median of {rounds} rounds")
     typer.echo(format_steps_table(rows, header=header))
+    typer.echo("\n".join(f"kernel of {step!r}: {engine.kernel}" for step, engine in engines.items()))
     for line in skipped:
         typer.echo(line)
 

@@ -71,8 +71,9 @@ class ServingConfig(_Frozen):
     num_threads: int | None = Field(default=None, ge=1, le=256)
     decoder: Literal["auto", "transformers"] = Field(
         default="auto", description="auto: servelab's decoder where it covers the model, else transformers'")
-    linear_kernel: Literal["auto", "servelab", "onednn", "torch"] = Field(
-        default="auto", description="matmul kernel of servelab's decoder on CPU; auto: the fastest this CPU runs")
+    linear_kernel: Literal["auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch"] = Field(
+        default="auto", description="matmul kernel of servelab's decoder on CPU; auto: measured on this CPU, "
+                                    "the fastest at each batch size")
     batching: BatchingConfig = BatchingConfig()
     decoding: DecodingConfig = DecodingConfig()
     awq: AWQConfig | None = None

@@ -5,8 +5,7 @@ drives them the same way and never sees which one runs.
 
 `LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
 grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and gate/up are one matmul
-each, dense weights are pre-packed once for oneDNN on CPU (MKL's fp32 GEMV and torch's default bf16
-path read memory at about half the speed), keys and values are written in place into a cache allocated
+each, dense weights are laid out once for the matmul kernel that serves them (linear.py), keys and values are written in place into a cache allocated
 once per batch, and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
 slower for one query over a long cache; with the servelab kernels, one fused kernel). It keeps its own copy of the packed weights: transformers'
 model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
@@ -46,7 +45,9 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
                   linear_kernel: str, cache_dir: Path) -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it."""
     if choice == "auto" and unsupported_reason(model) is None:
-        kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir)
+        C, I = model.config.hidden_size, model.config.intermediate_size
+        kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
+                                      shapes=((2 * I, C), (C, I)))  # gate/up and down: most of the bytes
         return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel)
     return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 

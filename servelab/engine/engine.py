@@ -18,15 +18,13 @@ from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.decoder import build_decoder
 from servelab.engine.kvcache import KVCache, cache_bytes_per_element
-from servelab.engine.loader import LoadedModel, apply_threads, load_model
+from servelab.engine.linear import LABELS, LinearKernelError, linear_kernel_reason
+from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
 from servelab.engine.requests import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, sample_next
 from servelab.settings import Settings
-
-
-LINEAR_KERNEL_NAMES = {"servelab": "servelab AVX-512 kernel", "onednn": "oneDNN pre-packed", "torch": "torch F.linear"}
 
 
 @dataclass
@@ -77,13 +75,14 @@ class Engine:
 
             linear = kernel_name(self.model)
         else:
-            kernel = self.decoder.kernel.name if self.decoder.name == "servelab" else "torch"
-            linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {LINEAR_KERNEL_NAMES[kernel]}"
+            kernel = self.decoder.kernel.label if self.decoder.name == "servelab" else LABELS["torch"]
+            linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {kernel}"
         return f"{self.decoder.name} decoder, {linear}"
 
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)
+        check_linear_kernel(config, settings)
         return cls(load_model(config, settings), config, cache_dir=settings.cache_dir)
 
     # --- admission: text -> token ids, every limit checked per request ---
@@ -259,3 +258,19 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
     if loaded.tokenizer.eos_token_id is not None:
         ids.add(loaded.tokenizer.eos_token_id)
     return ids
+
+
+def check_linear_kernel(config: ServingConfig, settings: Settings) -> None:
+    """A linear kernel named in the config that cannot run on this machine is refused before the model loads."""
+    if config.decoder != "auto" or config.linear_kernel == "auto":
+        return
+    device = resolve_device(config.device)
+    if config.weights == "awq-int4":
+        from servelab.engine.awq import serving_dtype
+
+        dtype = serving_dtype(device)  # the dtype around the int4 layers: the output layer's
+    else:
+        dtype = DTYPES[config.weights]
+    reason = linear_kernel_reason(config.linear_kernel, device=device, dtype=dtype, cache_dir=settings.cache_dir)
+    if reason is not None:
+        raise LinearKernelError(f"{config.name}: linear_kernel {config.linear_kernel!r} cannot run here: {reason}")

@@ -1,28 +1,55 @@
 """Dense matmuls for servelab's decoder: which kernel serves a weight, and the weight in its layout.
 
-Kernels, fastest first on an AVX-512 CPU (`servelab bench steps` measures each): 'servelab' (its own
-kernel, kernels/avx512.cpp: weights in 16-output blocks read as one stream, near the memory
-bandwidth at small batch), 'onednn' (oneDNN's matmul on weights pre-packed once) and 'torch'
-(F.linear: MKL on CPU, cuBLAS on GPU). 'auto' takes the first that serves the device and dtype; a kernel
-named explicitly that cannot serve them is an error that says why. Does not know models.
+Kernels: 'servelab' (its own, kernels/blocked.cpp: weights in 16-output blocks read as one stream; the
+widest build this CPU runs, or a build named: 'servelab-avx512', 'servelab-avx2'), 'onednn' (oneDNN's
+matmul on weights pre-packed once) and 'torch' (F.linear: MKL or oneDNN on CPU, cuBLAS on GPU). Which
+is fastest depends on the CPU (vendor, AVX-512, AMX, native bf16), the dtype and the number of rows, and
+no flag says it: measured here, MKL's fp32 GEMV beats servelab's kernel at one row on an Intel Xeon and
+loses to it by 2x on an AMD EPYC; AMX makes oneDNN's bf16 the fastest at 16+ rows. So 'auto' runs every
+kernel this CPU can run on the model's own matrix shapes at 1, 16 and 64 rows (about a second), keeps
+the result in the cache per CPU, threads, dtype and shapes, and serves each batch with the kernel that
+won at its size. A kernel named explicitly that cannot run here is refused with the reason, before any
+model is loaded (`linear_kernel_reason`). Does not know models.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import statistics
+import time
+from bisect import bisect_left
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.kernels import BLOCK, BlockedKernel, load_blocked_kernel
-from servelab.engine.loader import ModelLoadError
+from servelab.engine.kernels import BLOCK, BlockedKernel, cpu_flags, load_blocked_kernel
+from servelab.engine.loader import ModelLoadError, file_lock
 
-LINEAR_KERNELS = ("auto", "servelab", "onednn", "torch")
+LINEAR_KERNELS = ("auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch")
+MEASURED_ROWS = (1, 16, 64)  # 'auto' measures at these row counts ...
+ROW_LIMITS = (4, 32, None)  # ... and serves up to this many rows with each one's winner
+LABELS = {"onednn": "oneDNN pre-packed", "torch": "torch F.linear"}
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 class LinearKernelError(ModelLoadError):
     """The configured linear kernel cannot serve this device or dtype (a config that cannot be served here)."""
+
+
+@lru_cache(maxsize=None)
+def _onednn_bf16_reason() -> str | None:
+    """oneDNN decides by itself whether it runs bf16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): ask it."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError as exc:
+        return f"oneDNN runs no bf16 on this CPU ({str(exc).splitlines()[0]})"
+    return None
 
 
 def onednn_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -32,51 +59,158 @@ def onednn_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"oneDNN packing covers fp32 and bf16 (dtype {dtype})"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return "this torch build has no oneDNN linear"
-    return None
+    return _onednn_bf16_reason() if dtype == torch.bfloat16 else None
 
 
-def servelab_reason(device: torch.device, dtype: torch.dtype, blocked: BlockedKernel) -> str | None:
+def _servelab_build(choice: str, device: torch.device, dtype: torch.dtype,
+                    cache_dir: Path) -> tuple[BlockedKernel | None, str | None]:
+    """-> (the build, None), or (None, why it cannot serve)."""
     if device.type != "cpu":
-        return f"servelab's kernel is for CPUs (device {device})"
-    if blocked.module is None:
-        return blocked.reason
-    if not blocked.supports(dtype):
-        return f"servelab's kernel has no {dtype} path on this CPU (fp32, and bf16 with AVX-512 BF16)"
+        return None, f"servelab's kernel is for CPUs (device {device})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"servelab's kernel covers fp32 and bf16 (dtype {dtype})"
+    blocked = load_blocked_kernel(cache_dir, choice.removeprefix("servelab-") if "-" in choice else None)
+    return (blocked, None) if blocked.module is not None else (None, blocked.reason)
+
+
+def linear_kernel_reason(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> str | None:
+    """Why the configured kernel cannot run here, or None; 'auto' always runs (torch's F.linear at worst)."""
+    if choice not in LINEAR_KERNELS:
+        return f"unknown linear kernel {choice!r}; allowed: {', '.join(LINEAR_KERNELS)}"
+    if choice.startswith("servelab"):
+        return _servelab_build(choice, device, dtype, cache_dir)[1]
+    if choice == "onednn":
+        return onednn_reason(device, dtype)
     return None
 
 
 @dataclass(frozen=True)
 class LinearKernel:
-    name: str  # 'servelab' | 'onednn' | 'torch'
-    blocked: BlockedKernel | None = None
+    """What serves the dense weights: one kernel, or ('auto') the measured best per number of rows."""
 
-    def make(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    name: str  # 'servelab' | 'onednn' | 'torch' | 'auto'
+    blocked: BlockedKernel | None = None  # servelab's build, when one serves (its attention and norm too)
+    by_rows: tuple[tuple[int | None, str], ...] = ()  # auto: (up to this many rows or None, kernel), ascending
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(k for _, k in self.by_rows)) if self.by_rows else (self.name,)
+
+    @property
+    def label(self) -> str:
+        if not self.by_rows:
+            return self._label(self.name)
+        if len(self.kernels) == 1:
+            return f"{self._label(self.kernels[0])} (auto, measured)"
+        parts, low = [], 1
+        for rows, kernel in _merged(self.by_rows):
+            span = f"{low}+" if rows is None else f"{low}-{rows}"
+            parts.append(f"{span} rows {self._label(kernel)}")
+            low = (rows or 0) + 1
+        return "auto, measured: " + ", ".join(parts)
+
+    def _label(self, name: str) -> str:
+        return self.blocked.label if name == "servelab" and self.blocked else LABELS.get(name, name)
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         # NOTE: torch's kernel reads the weights where they are; the others lay out their own copy
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
-        if self.name == "servelab" and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0):
+        if not self.by_rows:
+            return self._make_one(self.name, weight, bias)
+        linears = {kernel: self._make_one(kernel, weight, bias) for kernel in self.kernels}
+        if len(linears) == 1:
+            return next(iter(linears.values()))
+        merged = _merged(self.by_rows)
+        return RowDispatchLinear([rows for rows, _ in merged[:-1]], [linears[k] for _, k in merged])
+
+    def _make_one(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if name == "servelab" and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0):
             return BlockedLinear(self.blocked, weight, bias)
-        if self.name in ("servelab", "onednn"):  # NOTE: bf16 with an odd K: oneDNN serves that weight
-            return OneDNNLinear(weight, bias)
+        if name in ("servelab", "onednn") and onednn_reason(weight.device, weight.dtype) is None:
+            return OneDNNLinear(weight, bias)  # NOTE: bf16 with an odd K: oneDNN serves that weight
         return TorchLinear(weight, bias)
 
 
-def choose_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> LinearKernel:
-    if choice not in LINEAR_KERNELS:
-        raise LinearKernelError(f"unknown linear kernel {choice!r}; allowed: {', '.join(LINEAR_KERNELS)}")
-    if choice in ("auto", "servelab") and device.type == "cpu":
-        blocked = load_blocked_kernel(cache_dir)
-        reason = servelab_reason(device, dtype, blocked)
-        if reason is None:
-            return LinearKernel("servelab", blocked)
-        if choice == "servelab":
-            raise LinearKernelError(f"linear_kernel 'servelab' cannot run here: {reason}")
-    if choice in ("auto", "onednn"):
-        reason = onednn_reason(device, dtype)
-        if reason is None:
-            return LinearKernel("onednn")
-        if choice == "onednn":
-            raise LinearKernelError(f"linear_kernel 'onednn' cannot run here: {reason}")
-    return LinearKernel("torch")
+def _merged(by_rows: tuple[tuple[int | None, str], ...]) -> list[tuple[int | None, str]]:
+    """Adjacent row ranges served by the same kernel, as one."""
+    out: list[tuple[int | None, str]] = []
+    for rows, kernel in by_rows:
+        if out and out[-1][1] == kernel:
+            out[-1] = (rows, kernel)
+        else:
+            out.append((rows, kernel))
+    return out
+
+
+def choose_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path,
+                         shapes: tuple[tuple[int, int], ...] = ((1536, 576), (576, 1536))) -> LinearKernel:
+    """The kernel for this config; 'auto' measures (or reads the cached measurement for) `shapes`, (N, K)."""
+    reason = linear_kernel_reason(choice, device=device, dtype=dtype, cache_dir=cache_dir)
+    if reason is not None:
+        if choice not in LINEAR_KERNELS:
+            raise LinearKernelError(reason)
+        raise LinearKernelError(f"linear_kernel {choice!r} cannot run here: {reason}")
+    blocked, _ = _servelab_build("servelab", device, dtype, cache_dir) if choice == "auto" else (None, None)
+    if choice.startswith("servelab"):
+        return LinearKernel("servelab", _servelab_build(choice, device, dtype, cache_dir)[0])
+    if choice != "auto":
+        return LinearKernel(choice)
+    candidates = [k for k, ok in (("servelab", blocked is not None),
+                                  ("onednn", onednn_reason(device, dtype) is None), ("torch", True)) if ok]
+    if len(candidates) == 1:
+        return LinearKernel(candidates[0], blocked)
+    probe = LinearKernel("auto", blocked)
+    winners = _measured_winners(probe, candidates, dtype=dtype, shapes=shapes, cache_dir=cache_dir)
+    return LinearKernel("auto", blocked, tuple(zip(ROW_LIMITS, winners)))
+
+
+def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torch.dtype,
+                      shapes: tuple[tuple[int, int], ...], cache_dir: Path) -> list[str]:
+    """The fastest candidate at each of MEASURED_ROWS, from the cache or measured now and cached."""
+    what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(dtype), "shapes": [list(s) for s in shapes], "candidates": candidates,
+            "isa": probe.blocked.isa.name if probe.blocked else None, "rows": list(MEASURED_ROWS)}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / "kernels" / "choices" / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.with_suffix(".lock")):
+        if path.is_file():
+            return json.loads(path.read_text())["winners"]
+        timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes)
+        winners = [min(candidates, key=lambda k: timings[k][i]) for i in range(len(MEASURED_ROWS))]
+        path.write_text(json.dumps({"winners": winners, "seconds": timings, **what}, indent=1))
+    return winners
+
+
+@torch.inference_mode()
+def measure_kernels(probe: LinearKernel, candidates: list[str], *, dtype: torch.dtype,
+                    shapes: tuple[tuple[int, int], ...], num_rounds: int = 5) -> dict[str, list[float]]:
+    """Median seconds of each kernel over all `shapes` at each of MEASURED_ROWS, interleaved round by round."""
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, dtype=dtype) * 0.05 for n, k in shapes]
+    linears = {name: [probe._make_one(name, w, None) for w in weights] for name in candidates}
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in MEASURED_ROWS] for name in candidates}
+    for i, rows in enumerate(MEASURED_ROWS):
+        inputs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
+        for round_idx in range(num_rounds + 1):  # the first round warms up
+            for name in candidates:
+                started = time.perf_counter()
+                for linear, x in zip(linears[name], inputs):
+                    linear(x)
+                if round_idx:
+                    samples[name][i].append(time.perf_counter() - started)
+    return {name: [statistics.median(s) for s in per_rows] for name, per_rows in samples.items()}
+
+
+class RowDispatchLinear:
+    """'auto' with different winners: a batch of M rows goes to the kernel measured fastest at its size."""
+
+    def __init__(self, max_rows: list[int], linears: list[Linear]) -> None:
+        assert len(linears) == len(max_rows) + 1, "one kernel per row range; the last has no upper limit"
+        self.max_rows, self.linears = max_rows, linears
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linears[bisect_left(self.max_rows, x.numel() // x.shape[-1])](x)
 
 
 class TorchLinear:

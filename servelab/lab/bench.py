@@ -132,7 +132,9 @@ STEPS: tuple[tuple[str, dict[str, str]], ...] = (
     ("transformers forward, dynamic cache", {"decoder": "transformers"}),
     ("servelab decoder, torch F.linear", {"decoder": "auto", "linear_kernel": "torch"}),
     ("+ oneDNN pre-packed weights", {"decoder": "auto", "linear_kernel": "onednn"}),
-    ("+ servelab AVX-512 kernel", {"decoder": "auto", "linear_kernel": "servelab"}),
+    ("+ servelab AVX2 kernels", {"decoder": "auto", "linear_kernel": "servelab-avx2"}),
+    ("+ servelab AVX-512 kernels", {"decoder": "auto", "linear_kernel": "servelab-avx512"}),
+    ("auto (measured per batch size)", {"decoder": "auto", "linear_kernel": "auto"}),
 )
 
 

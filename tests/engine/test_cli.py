@@ -8,6 +8,9 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from servelab.cli import app
+from tests.engine.kernel_labels import auto_kernel_label
+
+REPO = Path(__file__).resolve().parents[2]
 
 runner = CliRunner()
 
@@ -29,7 +32,7 @@ def test_generate_json_reports_completions_timings_and_memory(tmp_path: Path, ti
     assert 0 < record["memory"]["kv_cache_bytes"] <= record["memory"]["kv_cache_allocated_bytes"]
     assert record["timings"]["num_rows_per_step"] == [2, 2, 2, 2, 2]
     assert record["config"]["name"] == "tiny"
-    assert record["kernel"] == "servelab decoder, dense float32, servelab AVX-512 kernel"
+    assert record["kernel"] == f"servelab decoder, dense float32, {auto_kernel_label(REPO / '.cache')}"
 
 
 def test_generate_reports_a_bad_prompt_and_serves_the_rest(tmp_path: Path, tiny_folder: Path) -> None:

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from servelab.engine.decoder import LlamaDecoder, build_decoder, unsupported_reason
-from servelab.engine.kernels import cpu_flags, load_blocked_kernel
+from servelab.engine.kernels import ISAS, best_isa, isa_reason, load_blocked_kernel
 from servelab.engine.kvcache import StaticKVCache
-from servelab.engine.linear import BlockedLinear, LinearKernelError, OneDNNLinear, choose_linear_kernel
+from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
+                                    TorchLinear, choose_linear_kernel, linear_kernel_reason)
 
 CPU = torch.device("cpu")
-HAS_AVX512 = "avx512f" in cpu_flags()
-KERNELS = [
-    pytest.param("servelab", marks=pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")),
-    "onednn",
-    "torch",
-]
+CACHE = Path(__file__).resolve().parents[2] / ".cache"
+
+
+def runnable(kernel: str, dtype: torch.dtype = torch.float32):
+    """A kernel as a test parameter, skipped with the reason where this CPU cannot run it."""
+    reason = linear_kernel_reason(kernel, device=CPU, dtype=dtype, cache_dir=CACHE)
+    return pytest.param(kernel, marks=pytest.mark.skipif(reason is not None, reason=f"{kernel}: {reason}"))
+
+
+KERNELS = ["servelab-avx512", "servelab-avx2", "onednn", "torch", "auto"]
+BUILDS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa_reason(isa) is not None, reason=f"{isa_reason(isa)}"))
+          for isa in ISAS]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +59,14 @@ def _decode_logits(decoder, rows: list[list[int]], num_steps: int) -> tuple[list
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [runnable(k) for k in KERNELS])
 def test_decoder_logits_equal_transformers_unpadded_uncached(tiny_models, kernel: str, settings) -> None:
     model = tiny_models[torch.float32]
     decoder = build_decoder(model, choice="auto", kv_cache_dtype="auto", dtype=torch.float32, device=CPU,
                             linear_kernel=kernel, cache_dir=settings.cache_dir)
-    assert isinstance(decoder, LlamaDecoder) and decoder.kernel.name == kernel
+    assert isinstance(decoder, LlamaDecoder) and decoder.kernel.name == kernel.split("-")[0]
+    if kernel.startswith("servelab-"):
+        assert decoder.kernel.blocked.isa.name == kernel.removeprefix("servelab-")
     rows = [[5, 17, 923, 4001, 88, 12], [77], [301, 302, 303]]
     steps, sequences = _decode_logits(decoder, rows, num_steps=4)
     for step, logits in enumerate(steps):
@@ -64,7 +77,7 @@ def test_decoder_logits_equal_transformers_unpadded_uncached(tiny_models, kernel
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [runnable(k, torch.bfloat16) for k in KERNELS])
 def test_bf16_decoder_tracks_transformers_bf16(tiny_models, kernel: str, settings) -> None:
     model = tiny_models[torch.bfloat16]
     decoder = build_decoder(model, choice="auto", kv_cache_dtype="auto", dtype=torch.bfloat16, device=CPU,
@@ -79,33 +92,48 @@ def test_bf16_decoder_tracks_transformers_bf16(tiny_models, kernel: str, setting
             assert error < 0.03, (step, i, float(error))
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 37])
-def test_blocked_kernel_equals_f_linear_with_padding_and_bias(num_rows: int, settings) -> None:
-    kernel = choose_linear_kernel("servelab", device=CPU, dtype=torch.float32, cache_dir=settings.cache_dir)
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9, 37])
+def test_blocked_kernel_equals_f_linear_with_padding_and_bias(build: str, num_rows: int, settings) -> None:
+    kernel = choose_linear_kernel(f"servelab-{build}", device=CPU, dtype=torch.float32, cache_dir=settings.cache_dir)
     torch.manual_seed(num_rows)
-    weight, bias = torch.randn(50, 24), torch.randn(50)  # 50 outputs: padded to 64 inside, cut off again
+    weight, bias = torch.randn(90, 24), torch.randn(90)  # 90 outputs: 6 blocks, padded to 96 inside, cut off again
     linear = kernel.make(weight, bias)
     assert isinstance(linear, BlockedLinear)
     x = torch.randn(num_rows, 2, 24).transpose(0, 1)  # (2, rows, 24), not contiguous
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the bf16 path needs AVX-512 BF16")
-def test_blocked_kernel_bf16_rounds_like_onednn_and_odd_k_goes_to_onednn(settings) -> None:
-    kernel = choose_linear_kernel("servelab", device=CPU, dtype=torch.bfloat16, cache_dir=settings.cache_dir)
-    torch.manual_seed(0)
-    weight, x = torch.randn(64, 96, dtype=torch.bfloat16), torch.randn(5, 96, dtype=torch.bfloat16)
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 9])
+def test_blocked_kernel_bf16_rounds_the_exact_product_once(build: str, num_rows: int, settings) -> None:
+    """AVX-512 BF16 (vdpbf16ps) or bf16 weights converted to fp32 in registers: within one bf16 rounding."""
+    kernel = choose_linear_kernel(f"servelab-{build}", device=CPU, dtype=torch.bfloat16, cache_dir=settings.cache_dir)
+    torch.manual_seed(num_rows)
+    weight, x = torch.randn(80, 96, dtype=torch.bfloat16), torch.randn(num_rows, 96, dtype=torch.bfloat16)
     exact = x.float() @ weight.float().T  # fp32 accumulation, then one rounding to bf16
-    torch.testing.assert_close(kernel.make(weight, None)(x), exact.bfloat16(), atol=0, rtol=0.008)
-    assert isinstance(kernel.make(torch.randn(64, 95, dtype=torch.bfloat16), None), OneDNNLinear)
+    out = kernel.make(weight, None)(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, exact.bfloat16(), atol=0, rtol=0.008)
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")
+def test_bf16_with_an_odd_k_is_served_by_another_kernel(settings) -> None:
+    if best_isa() is None:
+        pytest.skip("servelab's kernel cannot run on this CPU")
+    kernel = choose_linear_kernel("servelab", device=CPU, dtype=torch.bfloat16, cache_dir=settings.cache_dir)
+    weight = torch.randn(64, 95, dtype=torch.bfloat16)
+    linear = kernel.make(weight, None)
+    onednn_runs = linear_kernel_reason("onednn", device=CPU, dtype=torch.bfloat16, cache_dir=settings.cache_dir) is None
+    assert isinstance(linear, OneDNNLinear if onednn_runs else TorchLinear)
+    x = torch.randn(3, 95, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x).float(), (x.float() @ weight.float().T), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
-def test_decode_attention_kernel_equals_softmax_attention(q_dtype, kv_dtype, settings) -> None:
-    kernel = load_blocked_kernel(settings.cache_dir).module
+def test_decode_attention_kernel_equals_softmax_attention(build, q_dtype, kv_dtype, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
     torch.manual_seed(0)
     B, H, H_kv, S, D = 3, 6, 2, 37, 32
     cache_keys, cache_values = torch.randn(B, H_kv, S + 9, D).to(kv_dtype), torch.randn(B, H_kv, S + 9, D).to(kv_dtype)
@@ -123,10 +151,10 @@ def test_decode_attention_kernel_equals_softmax_attention(q_dtype, kv_dtype, set
         torch.testing.assert_close(out.float(), expected, atol=1e-5 if q_dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="servelab's kernel needs AVX-512")
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_kernel_equals_transformers_rms_norm(dtype, tiny_models, settings) -> None:
-    kernel = load_blocked_kernel(settings.cache_dir).module
+def test_rms_norm_kernel_equals_transformers_rms_norm(build, dtype, tiny_models, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
     norm = tiny_models[dtype].model.norm  # transformers' LlamaRMSNorm with the tiny model's weight
     torch.manual_seed(0)
     x = (torch.randn(7, 5, norm.weight.numel()) * 3).to(dtype)
@@ -141,11 +169,61 @@ def test_a_kernel_that_cannot_serve_says_why(settings) -> None:
         choose_linear_kernel("mkl", device=CPU, dtype=torch.float32, cache_dir=settings.cache_dir)
     with pytest.raises(LinearKernelError, match="oneDNN packing covers fp32 and bf16"):
         choose_linear_kernel("onednn", device=CPU, dtype=torch.float16, cache_dir=settings.cache_dir)
+    with pytest.raises(LinearKernelError, match="servelab's kernel covers fp32 and bf16"):
+        choose_linear_kernel("servelab", device=CPU, dtype=torch.float16, cache_dir=settings.cache_dir)
     assert choose_linear_kernel("auto", device=CPU, dtype=torch.float16, cache_dir=settings.cache_dir).name == "torch"
-    if not HAS_AVX512:
-        with pytest.raises(LinearKernelError, match="no AVX-512"):
-            choose_linear_kernel("servelab", device=CPU, dtype=torch.float32, cache_dir=settings.cache_dir)
-        assert load_blocked_kernel(settings.cache_dir).module is None
+    avx2_only = {"avx2", "fma", "f16c", "sse4_2"}
+    assert isa_reason(ISAS[0], avx2_only) == "this CPU has no AVX-512 (avx512bw, avx512dq, avx512f, avx512vl missing)"
+    assert isa_reason(ISAS[1], {"sse4_2"}) == "this CPU has no AVX2 (avx2, f16c, fma missing)"
+    for isa in ISAS:  # what this CPU cannot run is refused with that reason
+        if (reason := isa_reason(isa)) is not None:
+            with pytest.raises(LinearKernelError, match=f"'servelab-{isa.name}' cannot run here: {re.escape(reason)}"):
+                choose_linear_kernel(f"servelab-{isa.name}", device=CPU, dtype=torch.float32,
+                                     cache_dir=settings.cache_dir)
+
+
+def test_an_explicit_kernel_that_cannot_run_is_refused_before_the_model_loads(tmp_path, settings) -> None:
+    from servelab.engine.engine import Engine
+    from tests.engine.conftest import make_config
+
+    missing_model = str(tmp_path / "no-such-model")  # loading it would fail with another error
+    with pytest.raises(LinearKernelError, match="linear_kernel 'onednn' cannot run here: oneDNN packing covers"):
+        Engine.from_config(make_config(missing_model, weights="fp16", linear_kernel="onednn"), settings)
+
+
+def test_auto_serves_each_batch_size_with_the_kernel_measured_fastest_there(tmp_path) -> None:
+    shapes = ((48, 32), (32, 48))
+    kernel = choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
+    [cached] = list((tmp_path / "kernels" / "choices").glob("*.json"))
+    record = json.loads(cached.read_text())
+    assert kernel.name == "auto" and [k for _, k in kernel.by_rows] == record["winners"]
+    for i, winner in enumerate(record["winners"]):  # the winner is the fastest measured at that row count
+        assert record["seconds"][winner][i] == min(times[i] for times in record["seconds"].values())
+    assert set(record["candidates"]) >= {"torch"} and kernel.label.endswith(("(auto, measured)", "rows torch F.linear",
+                                                                           "rows oneDNN pre-packed", "kernel"))
+    # the second choice reads the cache: a doctored record is what it serves
+    cached.write_text(json.dumps({**record, "winners": ["torch", "torch", record["candidates"][0]]}))
+    again = choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
+    assert [k for _, k in again.by_rows] == ["torch", "torch", record["candidates"][0]]
+
+
+def test_row_dispatch_sends_each_batch_to_its_kernel() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    if (reason := linear_kernel_reason("onednn", device=CPU, dtype=torch.float32, cache_dir=CACHE)) is not None:
+        pytest.skip(reason)
+    kernel = LinearKernel("auto", None, ((4, "torch"), (32, "onednn"), (None, "onednn")))
+    linear = kernel.make(weight, bias)
+    assert isinstance(linear, RowDispatchLinear) and linear.max_rows == [4]
+    assert [type(x) for x in linear.linears] == [TorchLinear, OneDNNLinear]
+    calls = []
+    for i, inner in enumerate(linear.linears):
+        linear.linears[i] = (lambda f, i: lambda x: calls.append(i) or f(x))(inner, i)
+    for rows in (1, 4, 5, 64):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert calls == [0, 0, 1, 1]
+    assert kernel.label == "auto, measured: 1-4 rows torch F.linear, 5+ rows oneDNN pre-packed"
 
 
 def test_static_cache_holds_columns_rows_and_its_capacity() -> None:

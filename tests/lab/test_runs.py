@@ -15,6 +15,7 @@ from servelab.lab.workload import load_workload
 from servelab.runtime import connect
 from servelab.store.db import session_scope
 from servelab.store.models import ComparisonRow, RequestRow, ResultRow, RunRequestRow, RunRow
+from tests.engine.kernel_labels import auto_kernel_label
 
 
 @pytest.fixture
@@ -53,7 +54,8 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert run.config == config.model_dump(mode="json") and run.config_hash == config.config_hash
     assert run.workload_fingerprint == workload.fingerprint
     assert run.hardware["bandwidth_gbs"] > 0 and run.hardware["cpu"] and "torch" in run.software
-    assert run.hardware["kernel"] == outcome.kernel == "servelab decoder, dense float32, servelab AVX-512 kernel"
+    expected = f"servelab decoder, dense float32, {auto_kernel_label(runtime.settings.cache_dir)}"
+    assert run.hardware["kernel"] == outcome.kernel == expected
     assert len(sent) == 6 and configs == {config.name}
     summary = run.summary
     assert summary["num_succeeded"] == 6

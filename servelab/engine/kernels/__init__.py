@@ -1,9 +1,11 @@
-"""servelab's CPU kernels for decoding (avx512.cpp: matmul, decode attention), compiled once per CPU and cached.
+"""servelab's CPU kernels for decoding (blocked.cpp: matmul, decode attention, RMSNorm), built per instruction set.
 
-Knows when the kernel can run (an AVX-512 CPU; bf16 also needs AVX-512 BF16), how to build it with
-torch's extension builder into the cache (keyed by the source, torch's version and the CPU's flags,
-under a file lock so workers starting together build it once), and how to say why it is not used.
-Does not know models: decoder.py decides which weights it serves.
+Knows the two builds of the one source (AVX-512, and AVX2 + FMA), which of them this CPU can run (its flags,
+capped by the instruction set torch itself dispatches to, so ATEN_CPU_CAPABILITY=avx2 makes an AVX-512
+machine behave as an AVX2 one), how to build one with torch's extension builder into the cache (keyed by
+the source, torch's version, the build and the CPU's flags, under a file lock so workers starting together
+build it once), and how to say why a build is not used. Does not know models: decoder.py decides which
+weights it serves.
 """
 
 from __future__ import annotations
@@ -19,22 +21,45 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("avx512.cpp")
+SOURCE = Path(__file__).with_name("blocked.cpp")
 BLOCK = 16  # outputs per weight block: the kernel needs N to be a multiple of it
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str  # 'avx512' | 'avx2'
+    label: str  # as reports print it
+    required_flags: frozenset[str]
+    cflags: tuple[str, ...]
+
+
+# NOTE: best first. The AVX-512 build keeps -march=native (it also picks up AVX-512 BF16 where the CPU has
+# it); the AVX2 build names its instruction sets, so an AVX-512 machine builds and tests it too.
+ISAS = (
+    Isa("avx512", "AVX-512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}), ("-march=native",)),
+    Isa("avx2", "AVX2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c", "-mtune=native")),
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
 
 
 @dataclass(frozen=True)
 class BlockedKernel:
     module: ModuleType | None
     reason: str  # why it cannot be used, when module is None
+    isa: Isa | None = None
 
-    def supports(self, dtype: torch.dtype) -> bool:
-        if self.module is None:
-            return False
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.module.has_bf16())
+    @property
+    def label(self) -> str:
+        return f"servelab {self.isa.label} kernel" if self.isa else "servelab kernel"
+
+    def bf16_note(self) -> str:
+        """How bf16 weights run in this build."""
+        if self.module is not None and self.module.native_bf16():
+            return "bf16 with AVX-512 BF16"
+        return "bf16 weights converted to fp32 in registers"
 
 
-_loaded: dict[Path, BlockedKernel] = {}
+_loaded: dict[tuple[Path, str], BlockedKernel] = {}
 
 
 def cpu_flags() -> set[str]:
@@ -47,38 +72,67 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def load_blocked_kernel(cache_dir: Path) -> BlockedKernel:
-    """The compiled kernel, or why there is none; built on first use (about 30 s), then loaded from the cache."""
-    if cache_dir in _loaded:
-        return _loaded[cache_dir]
-    flags = cpu_flags()
-    if "avx512f" not in flags:
-        kernel = BlockedKernel(None, "this CPU has no AVX-512")
+def _torch_allows(isa: Isa) -> bool:
+    """torch's own dispatch level (it honours ATEN_CPU_CAPABILITY): servelab never goes above it."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if isa.name == "avx512":
+        return capability.startswith(("AVX512", "AMX"))
+    return capability.startswith(("AVX512", "AMX", "AVX2"))
+
+
+def isa_reason(isa: Isa, flags: set[str] | None = None) -> str | None:
+    """Why this CPU cannot run the build, or None when it can."""
+    missing = sorted(isa.required_flags - (cpu_flags() if flags is None else flags))
+    if missing:
+        return f"this CPU has no {isa.label} ({', '.join(missing)} missing)"
+    if not _torch_allows(isa):
+        return f"torch runs at {torch.backends.cpu.get_cpu_capability()} here (ATEN_CPU_CAPABILITY), below {isa.label}"
+    return None
+
+
+def best_isa() -> Isa | None:
+    """The widest build this CPU runs, or None."""
+    return next((isa for isa in ISAS if isa_reason(isa) is None), None)
+
+
+def load_blocked_kernel(cache_dir: Path, isa_name: str | None = None) -> BlockedKernel:
+    """The compiled kernel (the best build for this CPU, or the one named), or why there is none; built on
+    first use (about 30 s), then loaded from the cache."""
+    isa = next((i for i in ISAS if i.name == isa_name), None) if isa_name else best_isa()
+    key = (cache_dir, isa.name if isa else "none")
+    if key in _loaded:
+        return _loaded[key]
+    if isa is None:
+        kernel = BlockedKernel(None, f"unknown build {isa_name!r}" if isa_name else "this CPU has neither AVX-512 nor AVX2 + FMA")
+    elif (reason := isa_reason(isa)) is not None:
+        kernel = BlockedKernel(None, reason, isa)
     else:
-        kernel = _build(cache_dir, flags)
-    _loaded[cache_dir] = kernel
+        kernel = _build(cache_dir, isa)
+    _loaded[key] = kernel
     return kernel
 
 
-def _build(cache_dir: Path, flags: set[str]) -> BlockedKernel:
+def _build(cache_dir: Path, isa: Isa) -> BlockedKernel:
     from torch.utils.cpp_extension import load
 
     from servelab.engine.loader import file_lock
 
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(sorted(flags)).encode()
+        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(isa.cflags).encode()
+        + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]
-    build_dir = (cache_dir / "kernels" / key).resolve()
+    build_dir = (cache_dir / "kernels" / f"{isa.name}-{key}").resolve()
     build_dir.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
     try:
         with file_lock(build_dir / ".lock"):
-            module = load(name=f"servelab_linear_{key}", sources=[str(SOURCE)], build_directory=str(build_dir),
-                          extra_cflags=["-O3", "-march=native"], verbose=False)
-    except Exception as exc:  # NOTE: no compiler, no ninja, a broken toolchain: serve with oneDNN instead
-        log.warning("servelab's AVX-512 matmul kernel could not be built (%s); using oneDNN", exc)
-        return BlockedKernel(None, f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-    return BlockedKernel(module, "")
+            module = load(name=f"servelab_{isa.name}_{key}", sources=[str(SOURCE)], build_directory=str(build_dir),
+                          extra_cflags=["-O3", *isa.cflags], verbose=False)
+    except Exception as exc:  # NOTE: no compiler, no ninja, a broken toolchain: serve with another kernel
+        log.warning("servelab's %s kernel could not be built (%s)", isa.label, exc)
+        return BlockedKernel(None, f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", isa)
+    assert module.isa() == isa.name, f"built {module.isa()} for {isa.name}: check the compiler flags"
+    return BlockedKernel(module, "", isa)
 
 
 def _put_ninja_on_path() -> None:

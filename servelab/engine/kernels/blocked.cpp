@@ -1,13 +1,20 @@
-// servelab's CPU kernels for decoding on AVX-512: the matmul y = x W^T with W stored so that it is read
-// as one stream, and the attention of one new query per row over the KV cache.
+// servelab's CPU kernels for decoding: the matmul y = x W^T with W stored so that it is read as one
+// stream, the attention of one new query per row over the KV cache, and RMSNorm.
+//
+// One source, two builds (kernels/__init__.py): AVX-512 (-march=native on an AVX-512 CPU) and AVX2 + FMA
+// (-mavx2 -mfma, runs on both CPU kinds). Only the small vector layer below differs between them
+// (`Vec`: 16 fp32 lanes in a zmm, or 8 in a ymm, and the register tiling that fits 32 or 16 registers);
+// the weight layout, the loops and the arithmetic are shared, so both builds give the same results.
 //
 // Matmul.
 // Layout "blocked16": W (N, K) becomes (N/16, K, 16) in fp32, or (N/16, K/2, 16, 2) in bf16: each
 // 64-byte line holds one k (fp32) or two adjacent k (bf16) of 16 consecutive outputs. A block of 16
 // outputs is streamed once from memory and, while it sits in L1/L2, serves every row of x. At small
 // batch this runs near the memory bandwidth, where MKL's GEMV and oneDNN's packed matmul reach about
-// half of it on this CPU class. Accumulation is fp32 in both precisions (bf16: vdpbf16ps, the result
-// rounded to bf16 once, as oneDNN does).
+// half of it on these CPUs. Accumulation is fp32 in both precisions. bf16 weights: with AVX-512 BF16,
+// vdpbf16ps on bf16 activations; without it, each 32-bit lane of a line (two adjacent k of one output)
+// becomes two fp32 values by a shift and a mask, and the activations are fp32 (half the weight bytes of
+// fp32, fp32 arithmetic). Either way the result is rounded to bf16 once (round to nearest even).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,25 +27,121 @@
 namespace {
 
 constexpr int64_t kBlock = 16;
-constexpr int kMaxRows = 8;  // rows of x per pass over a block: 8 zmm accumulators
 
-// R rows of x times C adjacent blocks (16 C outputs): R x C accumulators, each weight line used R times.
-// (R x C > 16 only arises with R <= 4, C = 4.)
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 8;  // rows of x per pass over a span: 8 rows x 2 blocks of zmm accumulators
+inline int64_t span_for(int64_t M) { return M <= 4 ? 4 : 2; }  // 4 weight streams in flight at 1-4 rows
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vload(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// A line of bf16 pairs (lane j: k in the low half, k + 1 in the high half) -> the k and k + 1 fp32 vectors.
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void vstore(at::BFloat16* p, Vec v) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#endif
+}
+#else  // AVX2 + FMA: 16 ymm registers
+constexpr const char* kIsa = "avx2";
+constexpr int kLanes = 8;
+constexpr int kMaxRows = 4;  // 4 rows x 1 block = 8 accumulators
+inline int64_t span_for(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }  // 8 accumulators each
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline Vec vload(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void vstore(at::BFloat16* p, Vec v) {  // round to nearest even; NaN stays NaN
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  const __m256i halves = _mm256_srli_epi32(rounded, 16);  // 8 values in the low 16 bits of each lane
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+#endif
+
+constexpr int kVecs = kBlock / kLanes;  // vectors per 16-output block line
+
+// R rows of x times C adjacent blocks (16 C outputs): R x C x kVecs accumulators, each weight line used R times.
 template <int R, int C>
 void block_f32(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
-  __m512 acc[R][C];
+  Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K * kBlock + k * kBlock);
+    Vec wv[C][kVecs];
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) wv[c][v] = vload(w + c * K * kBlock + k * kBlock + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+      const Vec xv = vset1(x[r * K + k]);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vfma(wv[c][v], xv, acc[r][c][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * ldy + c * kBlock, acc[r][c]);
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
+}
+
+// bf16 weights converted to fp32 in registers, fp32 activations x, bf16 output y.
+template <int R, int C>
+void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, at::BFloat16* y, int64_t ldy) {
+  Vec acc[R][C][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    Vec even[C][kVecs], odd[C][kVecs];
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) vload_pairs(w + c * K * kBlock + p * 2 * kBlock + v * 2 * kLanes, even[c][v], odd[c][v]);
+    for (int r = 0; r < R; ++r) {
+      const Vec xe = vset1(x[r * K + 2 * p]), xo = vset1(x[r * K + 2 * p + 1]);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vfma(odd[c][v], xo, vfma(even[c][v], xe, acc[r][c][v]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
 }
 
 #ifdef __AVX512BF16__
@@ -63,7 +166,7 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, uint16_t* y, in
 }
 #endif
 
-// fn(rows, blocks) with both as compile-time constants: rows 1..8, blocks 1..4.
+// fn(rows, blocks) with both as compile-time constants: rows 1..kMaxRows, blocks 1..4.
 template <typename Fn>
 void dispatch(int rows, int blocks, Fn&& fn) {
   auto with_rows = [&](auto b) {
@@ -71,11 +174,15 @@ void dispatch(int rows, int blocks, Fn&& fn) {
       case 1: fn(std::integral_constant<int, 1>{}, b); break;
       case 2: fn(std::integral_constant<int, 2>{}, b); break;
       case 3: fn(std::integral_constant<int, 3>{}, b); break;
+#if defined(__AVX512F__)
       case 4: fn(std::integral_constant<int, 4>{}, b); break;
       case 5: fn(std::integral_constant<int, 5>{}, b); break;
       case 6: fn(std::integral_constant<int, 6>{}, b); break;
       case 7: fn(std::integral_constant<int, 7>{}, b); break;
       default: fn(std::integral_constant<int, 8>{}, b); break;
+#else
+      default: fn(std::integral_constant<int, 4>{}, b); break;
+#endif
     }
   };
   switch (blocks) {
@@ -86,12 +193,10 @@ void dispatch(int rows, int blocks, Fn&& fn) {
   }
 }
 
-// Every span of blocks once from memory; all rows of x against it while it is in cache. Few rows: spans of
-// 4 blocks (4 weight streams in flight, measured 5-15 % faster at 1-4 rows); more rows: spans of 2, so that
-// 8 rows x 2 blocks of accumulators fit the 32 registers.
-template <typename T, typename Kernel>
-void run_blocks(const T* W, const T* X, T* Y, int64_t M, int64_t K, int64_t num_blocks, Kernel&& kernel) {
-  const int64_t span = M <= 4 ? 4 : 2;
+// Every span of blocks once from memory; all rows of x against it while it is in cache.
+template <typename TW, typename TX, typename TY, typename Kernel>
+void run_blocks(const TW* W, const TX* X, TY* Y, int64_t M, int64_t K, int64_t num_blocks, Kernel&& kernel) {
+  const int64_t span = span_for(M);
   const int64_t num_spans = (num_blocks + span - 1) / span;
   at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
@@ -133,36 +238,25 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed) {
                });
     return y;
   }
-#ifdef __AVX512BF16__
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: fp32 or bf16 only");
-  run_blocks(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+  const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+#ifdef __AVX512BF16__
+  run_blocks(W, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, num_blocks,
              [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, uint16_t* yr) {
                block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
              });
-  return y;
 #else
-  TORCH_CHECK(false, "linear: this build has no AVX-512 bf16 path");
+  const auto xf = x.to(torch::kFloat32);  // (M, K): a few KB, converted once for every block
+  run_blocks(W, xf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), M, K, num_blocks,
+             [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr) {
+               block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+             });
 #endif
+  return y;
 }
 
 namespace {
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-#ifdef __AVX512BF16__
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int i = 0; i < 16; ++i) p[i] = at::BFloat16(tmp[i]);
-#endif
-}
 
 // One row, one kv head: the G query heads of its group against S cached keys and values, all in fp32.
 template <typename Q, typename KV>
@@ -175,9 +269,9 @@ void attend_group(const Q* q, int64_t q_head_stride, const KV* k, const KV* v, i
     float max_score = -INFINITY;
     for (int64_t s = 0; s < S; ++s) {
       if (mask && !mask[s]) { sc[s] = -INFINITY; continue; }
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(load16(qg + d), load16(k + s * s_stride + d), acc);
-      sc[s] = _mm512_reduce_add_ps(acc) * scale;
+      Vec acc = vzero();
+      for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(k + s * s_stride + d), acc);
+      sc[s] = vsum(acc) * scale;
       max_score = std::max(max_score, sc[s]);
     }
     float total = 0.f;
@@ -187,14 +281,14 @@ void attend_group(const Q* q, int64_t q_head_stride, const KV* k, const KV* v, i
     }
     for (int64_t s = 0; s < S; ++s) sc[s] /= total;
   }
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 acc[16];  // G <= 16 query heads per kv head
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += kLanes) {
+    Vec acc[16];  // G <= 16 query heads per kv head
+    for (int64_t g = 0; g < G; ++g) acc[g] = vzero();
     for (int64_t s = 0; s < S; ++s) {
-      const __m512 vv = load16(v + s * s_stride + d);
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * S + s]), vv, acc[g]);
+      const Vec vv = vload(v + s * s_stride + d);
+      for (int64_t g = 0; g < G; ++g) acc[g] = vfma(vset1(scores[g * S + s]), vv, acc[g]);
     }
-    for (int64_t g = 0; g < G; ++g) store16(out + g * out_head_stride + d, acc[g]);
+    for (int64_t g = 0; g < G; ++g) vstore(out + g * out_head_stride + d, acc[g]);
   }
 }
 
@@ -244,10 +338,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys
 
 namespace {
 
-inline __m512 round_to_bf16(__m512 v) {  // what storing to bf16 and loading back gives (round to nearest even)
-  alignas(64) at::BFloat16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
+inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
+  alignas(64) at::BFloat16 tmp[kLanes];
+  vstore(tmp, v);
+  return vload(tmp);
 }
 
 template <typename T>
@@ -259,16 +353,16 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = X + r * C;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; c += 16) {
-        const __m512 v = load16(xr + c);
-        squares = _mm512_fmadd_ps(v, v, squares);
+      Vec squares = vzero();
+      for (int64_t c = 0; c < C; c += kLanes) {
+        const Vec v = vload(xr + c);
+        squares = vfma(v, v, squares);
       }
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / C + static_cast<float>(eps)));
-      for (int64_t c = 0; c < C; c += 16) {
-        __m512 normed = _mm512_mul_ps(load16(xr + c), scale);
+      const Vec scale = vset1(1.0f / std::sqrt(vsum(squares) / C + static_cast<float>(eps)));
+      for (int64_t c = 0; c < C; c += kLanes) {
+        Vec normed = vmul(vload(xr + c), scale);
         if constexpr (std::is_same_v<T, at::BFloat16>) normed = round_to_bf16(normed);  // cast back, then scale
-        store16(Y + r * C + c, _mm512_mul_ps(load16(W + c), normed));
+        vstore(Y + r * C + c, vmul(vload(W + c), normed));
       }
     }
   });
@@ -288,7 +382,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-bool has_bf16() {
+bool native_bf16() {
 #ifdef __AVX512BF16__
   return true;
 #else
@@ -296,10 +390,13 @@ bool has_bf16() {
 #endif
 }
 
+std::string isa() { return kIsa; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W (N, K) -> the blocked16 layout");
   m.def("linear", &linear, "x (M, K) @ W^T with W in the blocked16 layout");
-  m.def("has_bf16", &has_bf16, "whether the bf16 path was compiled (AVX-512 BF16)");
+  m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
+  m.def("isa", &isa, "the instruction set this build was compiled for: avx512 or avx2");
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
 }
