@@ -99,6 +99,9 @@ inline void vstore(at::BFloat16* p, Vec v) {  // round to nearest even; NaN stay
 #endif
 
 constexpr int kVecs = kBlock / kLanes;  // vectors per 16-output block line
+// Each block's stream is prefetched 2 KB ahead (32 lines): measured +10-30 % at 4 rows and in bf16 on an
+// Intel Xeon (both builds), unchanged at 1 fp32 row. A prefetch past the end of the weights is harmless.
+constexpr int64_t kPrefetch = 32;
 
 // R rows of x times C adjacent blocks (16 C outputs): R x C x kVecs accumulators, each weight line used R times.
 template <int R, int C>
@@ -108,6 +111,7 @@ void block_f32(const float* w, const float* x, int64_t K, float* y, int64_t ldy)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
+    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (k + kPrefetch) * kBlock), _MM_HINT_T0);
     Vec wv[C][kVecs];
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) wv[c][v] = vload(w + c * K * kBlock + k * kBlock + v * kLanes);
@@ -130,6 +134,7 @@ void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, at::BFlo
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
   for (int64_t p = 0; p < K / 2; ++p) {
+    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (p + kPrefetch) * 2 * kBlock), _MM_HINT_T0);
     Vec even[C][kVecs], odd[C][kVecs];
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) vload_pairs(w + c * K * kBlock + p * 2 * kBlock + v * 2 * kLanes, even[c][v], odd[c][v]);
@@ -151,6 +156,7 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, uint16_t* y, in
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 2; ++p) {
+    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (p + kPrefetch) * 2 * kBlock), _MM_HINT_T0);
     __m512bh wv[C];
     for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K * kBlock + p * 2 * kBlock);
     for (int r = 0; r < R; ++r) {
