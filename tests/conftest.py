@@ -65,6 +65,10 @@ def pytest_configure(config: pytest.Config) -> None:
         ADMIN_URL = make_url(start_postgres(EMBEDDED_STATE_DIR).url).set(database="postgres").render_as_string(
             hide_password=False)
         _started_embedded.append(f"PostgreSQL at {ADMIN_URL}")
+    if _started_embedded:
+        # NOTE: a pytest run started from a test (tests/engine/test_cpu_kinds.py) inherits these, so it uses
+        # this run's servers and never stops them: only the run that started them does.
+        os.environ["SERVELAB_TEST_REDIS_URL"], os.environ["SERVELAB_TEST_DATABASE_ADMIN_URL"] = REDIS_URL, ADMIN_URL
 
 
 def pytest_report_header(config: pytest.Config) -> str:

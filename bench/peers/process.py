@@ -16,6 +16,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,6 +65,17 @@ class EngineProcess:
     def hold(self) -> None:
         """Stop the adapter and anything it started until `release`: an idle engine takes no CPU."""
         self._signal(signal.SIGSTOP)
+        # NOTE: the signal is delivered asynchronously; measuring the next engine must not start before the
+        # adapter has really stopped (on a busy machine that takes a moment).
+        deadline = time.monotonic() + 5.0
+        while self._proc.poll() is None and self._state() != "T" and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _state(self) -> str:
+        try:
+            return Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "?"
 
     def release(self) -> None:
         self._signal(signal.SIGCONT)

@@ -154,7 +154,7 @@ def test_a_held_adapter_is_stopped_until_released(tmp_path):
         process.wait_ready(30)
         process.hold()
         state = Path(f"/proc/{process._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        assert state == "T"  # stopped: it takes no CPU while other engines are measured
+        assert state == "T"  # stopped when hold returns: it takes no CPU while other engines are measured
         with process.running():
             assert process.call(Request(1, [1], 2), 30)["num_output_tokens"] == 2
         assert Path(f"/proc/{process._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
