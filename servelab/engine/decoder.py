@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine.kvcache import CACHE_DTYPES, KVCache, StaticKVCache, TransformersKVCache, new_cache
-from servelab.engine.linear import Int4Linear, LinearKernel, choose_linear_kernel
+from servelab.engine.linear import Int4Linear, LinearKernel, choose_linear_kernel, measured_shapes
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,9 +45,9 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
                   linear_kernel: str, cache_dir: Path) -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it."""
     if choice == "auto" and unsupported_reason(model) is None:
-        C, I = model.config.hidden_size, model.config.intermediate_size
+        dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
-                                      shapes=((2 * I, C), (C, I)))  # gate/up and down: most of the bytes
+                                      shapes=measured_shapes(dense) or ((64, 64),))
         return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel)
     return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 

@@ -6,9 +6,10 @@ matmul on weights pre-packed once) and 'torch' (F.linear: MKL or oneDNN on CPU, 
 is fastest depends on the CPU (vendor, AVX-512, AMX, native bf16), the dtype and the number of rows, and
 no flag says it: measured here, MKL's fp32 GEMV beats servelab's kernel at one row on an Intel Xeon and
 loses to it by 2x on an AMD EPYC; AMX makes oneDNN's bf16 the fastest at 16+ rows. So 'auto' runs every
-kernel this CPU can run on the model's own matrix shapes at 1, 16 and 64 rows (about a second), keeps
-the result in the cache per CPU, threads, dtype and shapes, and serves each batch with the kernel that
-won at its size. A kernel named explicitly that cannot run here is refused with the reason, before any
+kernel this CPU can run at 1, 16 and 64 rows on the model's own matrix shapes, as many bytes of them as
+a decode step reads (a few seconds; see `measured_shapes`: a set that fits in the CPU's cache measures
+the cache, not the memory), keeps the result in the cache per CPU, threads, dtype and shapes, and serves
+each batch with the kernel that won at its size. A kernel named explicitly that cannot run here is refused with the reason, before any
 model is loaded (`linear_kernel_reason`). Does not know models.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.kernels import BLOCK, BlockedKernel, cpu_flags, load_blocked_kernel
+from servelab.engine.kernels import BLOCK, BlockedKernel, cpu_flags, last_level_cache_bytes, load_blocked_kernel
 from servelab.engine.loader import ModelLoadError, file_lock
 
 LINEAR_KERNELS = ("auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch")
@@ -131,6 +131,20 @@ class LinearKernel:
         return TorchLinear(weight, bias)
 
 
+def measured_shapes(weights: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """The (N, K) of the dense weights a decode step reads, in order, up to as many bytes as the model has
+    or twice the CPU's largest cache, whichever is less (at most 1 GiB): the measurement then meets the
+    same caches and memory as a decode step does, and stays bounded for large models."""
+    llc = last_level_cache_bytes() or 128 << 20
+    limit, total, shapes = min(2 * llc, 1 << 30), 0, []
+    for w in weights:
+        if total >= limit:
+            break
+        shapes.append((w.shape[0], w.shape[1]))
+        total += w.numel() * w.element_size()
+    return tuple(shapes)
+
+
 def _merged(by_rows: tuple[tuple[int | None, str], ...]) -> list[tuple[int | None, str]]:
     """Adjacent row ranges served by the same kernel, as one."""
     out: list[tuple[int | None, str]] = []
@@ -184,8 +198,10 @@ def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torc
 
 @torch.inference_mode()
 def measure_kernels(probe: LinearKernel, candidates: list[str], *, dtype: torch.dtype,
-                    shapes: tuple[tuple[int, int], ...], num_rounds: int = 5) -> dict[str, list[float]]:
-    """Median seconds of each kernel over all `shapes` at each of MEASURED_ROWS, interleaved round by round."""
+                    shapes: tuple[tuple[int, int], ...], num_rounds: int = 3) -> dict[str, list[float]]:
+    """The fastest of `num_rounds` passes of each kernel over all `shapes` at each of MEASURED_ROWS, kernels
+    interleaved round by round. NOTE: the minimum, not the median: on a shared machine other load only
+    ever slows a pass down, so the fastest pass is the kernel's own speed."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k, dtype=dtype) * 0.05 for n, k in shapes]
     linears = {name: [probe._make_one(name, w, None) for w in weights] for name in candidates}
@@ -199,7 +215,7 @@ def measure_kernels(probe: LinearKernel, candidates: list[str], *, dtype: torch.
                     linear(x)
                 if round_idx:
                     samples[name][i].append(time.perf_counter() - started)
-    return {name: [statistics.median(s) for s in per_rows] for name, per_rows in samples.items()}
+    return {name: [min(s) for s in per_rows] for name, per_rows in samples.items()}
 
 
 class RowDispatchLinear:

@@ -32,7 +32,7 @@ def test_generate_json_reports_completions_timings_and_memory(tmp_path: Path, ti
     assert 0 < record["memory"]["kv_cache_bytes"] <= record["memory"]["kv_cache_allocated_bytes"]
     assert record["timings"]["num_rows_per_step"] == [2, 2, 2, 2, 2]
     assert record["config"]["name"] == "tiny"
-    assert record["kernel"] == f"servelab decoder, dense float32, {auto_kernel_label(REPO / '.cache')}"
+    assert record["kernel"] == f"servelab decoder, dense float32, {auto_kernel_label(REPO / '.cache', tiny_folder)}"
 
 
 def test_generate_reports_a_bad_prompt_and_serves_the_rest(tmp_path: Path, tiny_folder: Path) -> None:

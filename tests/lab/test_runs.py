@@ -54,7 +54,7 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert run.config == config.model_dump(mode="json") and run.config_hash == config.config_hash
     assert run.workload_fingerprint == workload.fingerprint
     assert run.hardware["bandwidth_gbs"] > 0 and run.hardware["cpu"] and "torch" in run.software
-    expected = f"servelab decoder, dense float32, {auto_kernel_label(runtime.settings.cache_dir)}"
+    expected = f"servelab decoder, dense float32, {auto_kernel_label(runtime.settings.cache_dir, tiny_folder)}"
     assert run.hardware["kernel"] == outcome.kernel == expected
     assert len(sent) == 6 and configs == {config.name}
     summary = run.summary

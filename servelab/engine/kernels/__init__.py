@@ -72,6 +72,19 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (Linux sysfs), or None where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=None)
+
+
 def _torch_allows(isa: Isa) -> bool:
     """torch's own dispatch level (it honours ATEN_CPU_CAPABILITY): servelab never goes above it."""
     capability = torch.backends.cpu.get_cpu_capability().upper()
