@@ -1,7 +1,7 @@
 """Routes that generate: POST /v1/requests (202 with an id) and GET /v1/requests/{id} (?wait=S), and the
 OpenAI-compatible POST /v1/completions and POST /v1/chat/completions, which enqueue and wait.
 
-Thin: bodies are checked by servelab.jobs.bodies, rows written by the store, ids added to the serving
+Thin: bodies are checked against servelab.request's bounds by servelab.jobs.bodies, rows written by the store, ids added to the serving
 config's stream after the commit. Waits block a worker thread, never the event loop.
 """
 
@@ -11,12 +11,12 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.deps import ApiState, State, Tenant
 from api.errors import ApiError
-from servelab.config import describe_validation_error
-from servelab.engine.outputs import FinishReason
+from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
+                              FinishReason, SamplingParams)
 from servelab.jobs.bodies import (
     Answer,
     ChatCompletionBody,
@@ -24,7 +24,10 @@ from servelab.jobs.bodies import (
     Rejection,
     Submission,
     chat_completion_object,
+    checked_submission,
     completion_object,
+    find_config,
+    max_new_tokens,
     to_submission,
 )
 from servelab.queue.streams import wait_done
@@ -44,12 +47,17 @@ class Message(BaseModel):
 
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="default: the config's limit")
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 is greedy")
+    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS,
+                                       description="default: the config's limit (decoding.max_new_tokens)")
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=1_000_000)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=4)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+
+    def params(self, num_new_tokens: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=num_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop))
 
 
 class RequestIn(BaseModel):
@@ -67,14 +75,13 @@ class RequestIn(BaseModel):
             raise ValueError("give exactly one of prompt or messages")
         return self
 
-    def as_body(self) -> CompletionBody | ChatCompletionBody:
-        """The same checks as the OpenAI routes, through the OpenAI body models."""
-        s = self.sampling
-        common = dict(model=self.config, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                      top_k=s.top_k, seed=s.seed, stop=s.stop)
-        if self.messages is not None:
-            return ChatCompletionBody(messages=[m.model_dump() for m in self.messages], **common)
-        return CompletionBody(prompt=self.prompt, **common)
+    def submission(self, state: ApiState) -> Submission:
+        """Checked against the config it names, with the same bounds and size limits as every other edge."""
+        config = find_config(state.catalog(), self.config)
+        num_new_tokens = max_new_tokens(self.sampling.max_new_tokens, config, param="sampling.max_new_tokens")
+        messages = [m.model_dump() for m in self.messages] if self.messages is not None else None
+        return checked_submission(config, prompt=self.prompt, messages=messages, sampling=self.sampling.params(
+            num_new_tokens), max_prompt_chars=state.settings.max_prompt_chars)
 
 
 class RequestAccepted(BaseModel):
@@ -109,8 +116,10 @@ class RequestOut(BaseModel):
                    timings=v.timings_ms)
 
 
-def check(state: ApiState, body: CompletionBody | ChatCompletionBody) -> Submission:
+def check(state: ApiState, body: CompletionBody | ChatCompletionBody | RequestIn) -> Submission:
     try:
+        if isinstance(body, RequestIn):
+            return body.submission(state)
         return to_submission(body, catalog=state.catalog(), max_prompt_chars=state.settings.max_prompt_chars)
     except Rejection as exc:
         raise ApiError(STATUS_OF_REJECTION[exc.kind], str(exc), code=exc.code, param=exc.param) from None
@@ -149,11 +158,7 @@ def wait_for(state: ApiState, tenant: str, request_id: str, timeout_s: float) ->
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
 def create_request(body: RequestIn, state: State, tenant: Tenant) -> RequestAccepted:
     """Queue a request and answer at once with its id; read it with GET /v1/requests/{id}."""
-    try:
-        as_body = body.as_body()
-    except ValidationError as exc:  # NOTE: the OpenAI body's checks are stricter in places (e.g. top_p)
-        raise ApiError(400, describe_validation_error(exc), code="invalid_request") from None
-    submission = check(state, as_body)
+    submission = check(state, body)
     request_id = submit(state, tenant, submission, kind=StreamKind(body.stream), priority=body.priority)
     return RequestAccepted(id=request_id, status=RequestStatus.QUEUED, model=submission.serving_config_name)
 

@@ -66,7 +66,7 @@ def generate(
     """Run the engine in-process (no queue) and print each completion with its timings."""
     from servelab.engine.engine import Engine
     from servelab.engine.loader import ModelLoadError
-    from servelab.engine.requests import ChatMessage, GenerationRequest, SamplingParams
+    from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 
     serving = _load_config(config)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

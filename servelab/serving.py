@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.engine.outputs import BatchResult
-from servelab.engine.requests import ChatMessage, GenerationRequest, RequestError, SamplingParams
+from servelab.request import ChatMessage, GenerationRequest, RequestError, SamplingParams
 from servelab.queue.batcher import BatchPolicy, Candidate
 from servelab.queue.reaper import reenqueue_lost
 from servelab.lab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
@@ -234,8 +234,7 @@ class ServingWorker:
 def to_generation_request(row: store.StoredRequest) -> GenerationRequest:
     """The engine's view of a stored request; stored fields it cannot read are a RequestError."""
     try:
-        sampling = dict(row.sampling)
-        params = SamplingParams(**{**sampling, "stop": tuple(sampling.get("stop") or ())})
+        params = SamplingParams.from_stored(row.sampling)
         messages = tuple(ChatMessage(m["role"], m["content"]) for m in row.messages) if row.messages else None
         return GenerationRequest(row.id, prompt=row.prompt, messages=messages, params=params)
     except (TypeError, KeyError, AssertionError) as exc:

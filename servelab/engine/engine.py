@@ -22,7 +22,7 @@ from servelab.engine.linear import LABELS, LinearKernelError, linear_kernel_reas
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
-from servelab.engine.requests import GenerationRequest, RequestError, check_prompt_length
+from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, sample_next
 from servelab.settings import Settings
 

@@ -7,16 +7,9 @@ Times are milliseconds measured from the start of the batch's prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from servelab.engine.memory import MemoryBreakdown
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_new_tokens reached
-    ERROR = "error"
-    CANCELLED = "cancelled"
+from servelab.request import FinishReason
 
 
 @dataclass(frozen=True)

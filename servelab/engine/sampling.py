@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.engine.requests import SamplingParams
+from servelab.request import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

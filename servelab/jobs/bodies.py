@@ -14,14 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from servelab.config import ServingConfig
-from servelab.engine.outputs import FinishReason
+from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
+                              FinishReason, SamplingParams)
 from servelab.jobs.catalog import Catalog, UnknownModel
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 4
 
 
 class Rejection(ValueError):
@@ -38,11 +38,11 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=256, description="a serving config name")
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=1_000_000, description="not OpenAI; 0 is off")
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="not OpenAI; 0 is off")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     stream: bool | None = Field(default=False, description="streaming is not supported")
@@ -62,9 +62,9 @@ class _Body(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
-    def sampling(self, max_new_tokens: int) -> dict[str, Any]:
-        return {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop or [])}
+    def sampling(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()))
 
 
 class CompletionBody(_Body):
@@ -98,7 +98,7 @@ class MessageBody(BaseModel):
 
 class ChatCompletionBody(_Body):
     messages: list[MessageBody] = Field(min_length=1, max_length=1_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -108,37 +108,48 @@ class Submission:
     serving_config_name: str
     prompt: str | None
     messages: list[dict[str, str]] | None
-    sampling: dict[str, Any]
+    sampling: SamplingParams
 
 
 def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog, max_prompt_chars: int
                   ) -> Submission:
-    try:
-        config = catalog.get(body.model)
-    except UnknownModel as exc:
-        raise Rejection(str(exc), kind="unknown_model", code="model_not_found", param="model") from None
+    config = find_config(catalog, body.model)
     if isinstance(body, ChatCompletionBody):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
-        num_chars = sum(len(m["content"]) for m in messages)
         requested = body.max_completion_tokens or body.max_tokens
         prompt = None
     else:
         messages, prompt = None, body.prompt
-        num_chars = len(prompt)
         requested = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, config.decoding.max_new_tokens)
+    return checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
+                              sampling=body.sampling(max_new_tokens(requested, config)))
+
+
+def find_config(catalog: Catalog, name: str) -> ServingConfig:
+    try:
+        return catalog.get(name)
+    except UnknownModel as exc:
+        raise Rejection(str(exc), kind="unknown_model", code="model_not_found", param="model") from None
+
+
+def checked_submission(config: ServingConfig, *, prompt: str | None, messages: list[dict[str, str]] | None,
+                       sampling: SamplingParams, max_prompt_chars: int) -> Submission:
+    """A request every edge builds the same way: the prompt's size checked, the sampling against the config."""
+    num_chars = len(prompt) if prompt is not None else sum(len(m["content"]) for m in messages or [])
     if num_chars > max_prompt_chars:
         raise Rejection(f"the prompt has {num_chars} characters; at most {max_prompt_chars} are accepted",
                         kind="too_large", code="prompt_too_large", param="messages" if messages else "prompt")
-    return Submission(config.name, prompt, messages, body.sampling(_max_new_tokens(requested, config)))
+    return Submission(config.name, prompt, messages, sampling)
 
 
-def _max_new_tokens(requested: int | None, config: ServingConfig) -> int:
+def max_new_tokens(requested: int | None, config: ServingConfig, *, param: str = "max_tokens") -> int:
+    """What a request may generate: as asked, within the config's limit; not asked: the config's limit."""
     limit = config.decoding.max_new_tokens
     if requested is None:
         return limit
     if requested > limit:
-        raise Rejection(f"max_tokens is {requested}; model {config.name!r} generates at most {limit} tokens",
-                        param="max_tokens")
+        raise Rejection(f"{param} is {requested}; model {config.name!r} generates at most {limit} tokens",
+                        param=param)
     return requested
 
 

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.engine.outputs import FinishReason
+from servelab.request import FinishReason
 from servelab.jobs.bodies import Answer, response_object
 from servelab.jobs.ingest import read_lines
 from servelab.store import batch_jobs as store

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from servelab.engine.engine import Engine
-from servelab.engine.requests import GenerationRequest, SamplingParams
+from servelab.request import GenerationRequest, SamplingParams
 from servelab.queue.streams import wait_done
 from servelab.queue.submit import submit_request
 from servelab.serving import ServingWorker
@@ -220,7 +220,7 @@ def time_queue_path(worker: ServingWorker, requests: list[GenerationRequest]) ->
     def one(request: GenerationRequest) -> tuple[str, float]:
         sent = time.perf_counter()
         request_id = submit_request(sessions=worker.sessions, streams=worker.streams, prompt=request.prompt,
-                                    sampling={"max_new_tokens": request.params.max_new_tokens, "ignore_eos": True})
+                                    sampling=request.params)
         assert wait_done(worker.streams.client, prefix=worker.streams.prefix, request_id=request_id, timeout_s=600)
         return request_id, (time.perf_counter() - sent) * 1e3
 

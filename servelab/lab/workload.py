@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from servelab.config import describe_validation_error, read_yaml_mapping
+from servelab.request import SamplingParams
 
 BUILTIN_SETS = {"chat": Path(__file__).parent / "prompts" / "chat.jsonl"}
 
@@ -74,12 +75,10 @@ class WorkloadItem:
     max_new_tokens: int
     offset_s: float | None  # scheduled arrival after the start; None for closed-loop clients
 
-    def sampling(self, spec: WorkloadSpec) -> dict[str, Any]:
-        sampling: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": spec.temperature,
-                                    "ignore_eos": spec.ignore_eos}
-        if spec.temperature > 0:
-            sampling["seed"] = spec.arrival.seed * 100_003 + self.index  # NOTE: same seeds in every replay
-        return sampling
+    def sampling(self, spec: WorkloadSpec) -> SamplingParams:
+        seed = spec.arrival.seed * 100_003 + self.index if spec.temperature > 0 else None  # same in every replay
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=spec.temperature,
+                              ignore_eos=spec.ignore_eos, seed=seed)
 
 
 @dataclass(frozen=True)

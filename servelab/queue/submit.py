@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.queue.streams import RequestStreams
+from servelab.request import SamplingParams
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 from servelab.store.models import StreamKind
@@ -19,7 +20,7 @@ from servelab.store.models import StreamKind
 def submit_request(
     *, sessions: sessionmaker[Session], streams: RequestStreams, kind: StreamKind = StreamKind.INTERACTIVE,
     prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-    sampling: dict[str, Any] | None = None, tenant: str = "default", priority: int = 0,
+    sampling: SamplingParams | None = None, tenant: str = "default", priority: int = 0,
 ) -> str:
     with session_scope(sessions) as session:
         request_id = store.create_request(

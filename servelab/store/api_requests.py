@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from servelab.engine.outputs import FinishReason
+from servelab.request import FinishReason, SamplingParams
 from servelab.store import keys
 from servelab.store.models import RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
 from servelab.store.requests import create_request
@@ -45,7 +45,7 @@ class RequestView:
 
 
 def admit_request(session: Session, *, tenant: str, max_queued: int, serving_config_name: str, kind: StreamKind,
-                  prompt: str | None, messages: list[dict[str, Any]] | None, sampling: dict[str, Any],
+                  prompt: str | None, messages: list[dict[str, Any]] | None, sampling: SamplingParams,
                   priority: int = 0) -> str:
     keys.lock_tenant(session, tenant)
     num_queued = keys.num_queued_requests(session, tenant)

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from servelab.engine.outputs import FinishReason
+from servelab.request import FinishReason, SamplingParams
 from servelab.store.models import (
     BatchJobRow,
     BatchLineErrorRow,
@@ -73,7 +73,7 @@ class NewRequest:
     serving_config_name: str
     prompt: str | None
     messages: list[dict[str, Any]] | None
-    sampling: dict[str, Any]
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def add_requests(session: Session, *, job: StoredJob, requests: list[NewRequest]
         return {}, []
     rows = [dict(id=uuid.uuid4(), tenant=job.tenant, serving_config_name=r.serving_config_name,
                  stream=StreamKind.BULK, status=RequestStatus.QUEUED, prompt=r.prompt, messages=r.messages,
-                 sampling=r.sampling, batch_job_id=job.id, custom_id=r.custom_id) for r in requests]
+                 sampling=r.sampling.to_stored(), batch_job_id=job.id, custom_id=r.custom_id) for r in requests]
     table = RequestRow.__table__
     # NOTE: one cached statement executed for many rows (insertmanyvalues), not a new VALUES list per step:
     # compiling 500-row VALUES statements cost more than running them.

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from servelab.engine.outputs import FinishReason
+from servelab.request import FinishReason, RequestStatus, StreamKind
 
 # NOTE: fixed constraint names, so that migrations can name (and drop) what the models declare.
 NAMING_CONVENTION = {
@@ -40,41 +40,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-
-class RequestStatus(str, enum.Enum):
-    """A request's state. Ordered: queued < running < a terminal state (succeeded, failed, cancelled).
-
-    The PostgreSQL enum keeps this declaration order, so `status < 'succeeded'` means "not finished".
-    """
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def rank(self) -> int:
-        """0 queued, 1 running, 2 for every terminal state: they are siblings, not a sequence."""
-        return {RequestStatus.QUEUED: 0, RequestStatus.RUNNING: 1}.get(self, 2)
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.rank == 2
-
-    def can_move_to(self, other: RequestStatus) -> bool:
-        """Forward only; running -> queued is the one step back (a lost worker's request is re-queued)."""
-        if self is RequestStatus.RUNNING and other is RequestStatus.QUEUED:
-            return True
-        return other.rank > self.rank
-
-
-class StreamKind(str, enum.Enum):
-    """Which stream of its serving config a request waits in; the worker serves interactive first."""
-
-    INTERACTIVE = "interactive"
-    BULK = "bulk"
 
 
 def _values(enum_cls: type[enum.Enum]) -> list[str]:

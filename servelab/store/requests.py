@@ -17,7 +17,8 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from servelab.config import ServingConfig
-from servelab.engine.outputs import BatchResult, Completion, FinishReason
+from servelab.engine.outputs import BatchResult, Completion
+from servelab.request import FinishReason, SamplingParams
 from servelab.store.models import (
     BatchRow,
     RequestMetricsRow,
@@ -41,20 +42,20 @@ class StoredRequest:
     status: RequestStatus
     prompt: str | None
     messages: list[dict[str, Any]] | None
-    sampling: dict[str, Any]
+    sampling: dict[str, Any]  # as stored: the worker reads it with SamplingParams.from_stored
     num_attempts: int
     enqueued_at: datetime
 
 
 def create_request(
     session: Session, *, serving_config_name: str, stream: StreamKind, prompt: str | None = None,
-    messages: list[dict[str, Any]] | None = None, sampling: dict[str, Any] | None = None,
+    messages: list[dict[str, Any]] | None = None, sampling: SamplingParams | None = None,
     tenant: str = "default", priority: int = 0, batch_job_id: uuid.UUID | None = None,
     custom_id: str | None = None,
 ) -> str:
     row = RequestRow(
         id=uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
-        messages=messages, sampling=sampling or {}, tenant=tenant, priority=priority,
+        messages=messages, sampling=(sampling or SamplingParams()).to_stored(), tenant=tenant, priority=priority,
         batch_job_id=batch_job_id, custom_id=custom_id,
     )
     session.add(row)

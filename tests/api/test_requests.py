@@ -34,6 +34,28 @@ def test_chat_messages_are_accepted_and_a_request_failing_in_the_worker_says_why
     assert failed["status"] == "failed" and "max_context_tokens" in failed["error"]
 
 
+def test_a_request_without_max_new_tokens_may_generate_up_to_the_configs_limit(stack) -> None:
+    """As the schema documents: not OpenAI's completions default of 16."""
+    import uuid
+
+    from servelab.store.db import session_scope
+    from servelab.store.models import RequestRow
+
+    api = client_for(stack, stack.key("acme"))
+    limit = stack.served.worker.engine.config.decoding.max_new_tokens
+    assert limit > 16
+    ids = [api.post("/v1/requests", json={"config": stack.model, **what}).json()["id"]
+           for what in ({"prompt": "the cat"}, {"messages": [{"role": "user", "content": "hi"}]})]
+    with session_scope(stack.runtime.sessions) as session:
+        assert [session.get(RequestRow, uuid.UUID(i)).sampling["max_new_tokens"] for i in ids] == [limit, limit]
+    too_many = api.post("/v1/requests", json={"config": stack.model, "prompt": "hi",
+                                              "sampling": {"max_new_tokens": limit + 1}})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "sampling.max_new_tokens"
+    assert f"generates at most {limit} tokens" in too_many.json()["error"]["message"]
+    for request_id in ids:  # served, so that the tenant's queue is empty for the tests after this one
+        assert api.get(f"/v1/requests/{request_id}", params={"wait": 60}).json()["status"] == "succeeded"
+
+
 def test_unknown_config_is_404_naming_the_known_ones(stack) -> None:
     api = client_for(stack, stack.key("acme"))
     answer = api.post("/v1/requests", json={"config": "nope", "prompt": "hi"})

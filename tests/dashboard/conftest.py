@@ -23,6 +23,7 @@ from servelab.lab.compare import load_plan, run_plan
 from servelab.lab.runner import run_workload, start_worker
 from servelab.lab.workload import load_workload
 from servelab.config import ServingConfig
+from servelab.request import SamplingParams
 from servelab.runtime import connect
 from servelab.settings import Settings
 from servelab.store import batch_jobs, files
@@ -123,7 +124,8 @@ def seed_job(runtime, *, config_name: str, reason: str) -> None:
                                     input_file_id=stored_file.id, completion_window="24h", metadata=None,
                                     expires_at=now + timedelta(hours=24))
         created, _ = batch_jobs.add_requests(session, job=job, requests=[
-            batch_jobs.NewRequest(f"line-{i}", config_name, "Hello", None, {"max_new_tokens": 4}) for i in range(3)])
+            batch_jobs.NewRequest(f"line-{i}", config_name, "Hello", None, SamplingParams(max_new_tokens=4))
+            for i in range(3)])
         failed = created["line-0"]
         request_store.claim_requests(session, ids=[failed], now=now)
         request_store.fail_requests(session, ids=[failed], reason=reason, now=now)

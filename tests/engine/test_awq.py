@@ -21,7 +21,7 @@ from servelab.engine import awq
 from servelab.engine.engine import Engine
 from servelab.engine.linear import Int4Linear
 from servelab.engine.measure import weight_bytes
-from servelab.engine.requests import GenerationRequest, SamplingParams
+from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 from tests.engine.conftest import save_tiny_llama
 from tests.engine.naive import naive_greedy

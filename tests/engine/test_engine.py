@@ -9,7 +9,7 @@ import torch
 
 from servelab.engine.engine import Engine
 from servelab.engine.outputs import FinishReason
-from servelab.engine.requests import ChatMessage, GenerationRequest, SamplingParams
+from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 from tests.engine.naive import naive_greedy
 
 

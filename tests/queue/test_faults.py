@@ -15,11 +15,12 @@ from sqlalchemy import func, select
 
 from servelab.queue.streams import RequestStreams
 from servelab.queue.submit import submit_request
+from servelab.request import SamplingParams
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import RequestRow, RequestStatus, ResultRow
 
 REPO = Path(__file__).resolve().parents[2]
-GREEDY = {"max_new_tokens": 5}
+GREEDY = SamplingParams(max_new_tokens=5)
 
 
 class WorkerProcesses:

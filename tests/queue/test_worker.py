@@ -5,20 +5,21 @@ from __future__ import annotations
 import time
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import wait_done
 from servelab.queue.submit import submit_request
+from servelab.request import SamplingParams
 from servelab.serving import FaultPolicy
 from servelab.store.db import session_scope
 from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
 
-GREEDY = {"max_new_tokens": 6}
+GREEDY = SamplingParams(max_new_tokens=6)
 
 
 def submit(served, n: int, *, kind: StreamKind = StreamKind.INTERACTIVE, prompt: str = "the cat sat",
-           sampling: dict | None = None) -> list[str]:
+           sampling: SamplingParams | None = None) -> list[str]:
     return [submit_request(sessions=served.sessions, streams=served.streams, kind=kind, prompt=f"{prompt} {i}",
                            sampling=sampling or GREEDY) for i in range(n)]
 
@@ -58,7 +59,7 @@ def test_lone_request_is_served_alone_when_the_window_closes(make_served) -> Non
 
 def test_kv_budget_caps_a_batch_of_long_requests(make_served) -> None:
     long_prompt = "seven blue houses by the river " * 8  # about 50 tokens
-    sampling = {"max_new_tokens": 50}
+    sampling = SamplingParams(max_new_tokens=50)
     served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=300, max_batch_tokens=3 * 110))
     ids = submit(served, 6, prompt=long_prompt, sampling=sampling)
     served.start()
@@ -80,7 +81,7 @@ def test_interactive_requests_are_served_before_bulk(make_served) -> None:
 def test_metrics_are_ordered_and_token_counts_match_the_text(make_served, tiny_engine) -> None:
     served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=50, max_batch_tokens=100_000))
     served.start()
-    ids = submit(served, 3, sampling={"max_new_tokens": 8, "temperature": 0.8, "seed": 7})
+    ids = submit(served, 3, sampling=SamplingParams(max_new_tokens=8, temperature=0.8, seed=7))
     rows = wait_all(served, ids)
     with session_scope(served.sessions) as session:
         results = {str(r.request_id): r for r in session.scalars(select(ResultRow).where(
@@ -120,7 +121,10 @@ def test_a_bad_request_fails_alone_with_its_reason(make_served) -> None:
     too_long = [submit_request(sessions=served.sessions, streams=served.streams, prompt="cat " * 400,
                                sampling=GREEDY)]
     unreadable = [submit_request(sessions=served.sessions, streams=served.streams, prompt="the cat",
-                                 sampling={"max_new_tokens": 4, "no_such_param": 1})]
+                                 sampling=GREEDY)]
+    with session_scope(served.sessions) as session:  # as a foreign or older writer left it; no worker runs yet
+        session.execute(update(RequestRow).where(RequestRow.id == uuid.UUID(unreadable[0]))
+                        .values(sampling={"max_new_tokens": 4, "no_such_param": 1}))
     served.start()
     rows = wait_all(served, good + empty + too_long + unreadable)
     assert all(rows[i].status is RequestStatus.SUCCEEDED for i in good)

@@ -17,7 +17,7 @@ from bench.peers.protocol import AdapterArgs, Loaded, serve
 def load(args: AdapterArgs) -> Loaded:
     from servelab.config import ServingConfig
     from servelab.engine.engine import Engine
-    from servelab.engine.requests import GenerationRequest, SamplingParams
+    from servelab.request import GenerationRequest, SamplingParams
     from servelab.lab.sweep import compute_dtype_name, decode_cost
     from servelab.settings import Settings
 
