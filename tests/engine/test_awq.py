@@ -107,7 +107,7 @@ def test_asking_more_calibration_text_than_the_set_has_is_refused(tiny_base: Pat
 
 
 def test_batched_clip_search_picks_the_same_clips_as_gptqmodel() -> None:
-    awq._import_gptqmodel()
+    awq.import_gptqmodel()
     from gptqmodel.looper.awq_processor import AWQProcessor
 
     processor = AWQProcessor.__new__(AWQProcessor)  # only its quant settings and quantiser are used

@@ -1,0 +1,117 @@
+"""Loading a cached int4 checkpoint into a LoadedModel: the serving dtype, the kernel, a warm-up forward.
+
+Knows transformers' AWQ integration (gptqmodel's kernels behind it: ATen int4 on CPU, a CUDA kernel on
+GPU, or the one awq.kernel names) and checks the checkpoint before trusting it. Does not know how a
+checkpoint is made: loading never quantises (`servelab quantize` does), and never falls back to full precision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from servelab.config import AWQConfig, ServingConfig
+from servelab.engine.awq.checkpoint import (
+    AWQCheckpointError,
+    QuantMethod,
+    awq_section,
+    checkpoint_slot,
+    validate_checkpoint,
+)
+from servelab.engine.awq.gptq_cpu import import_gptqmodel
+from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
+from servelab.engine.model_files import resolve_model_folder
+from servelab.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# config.awq.kernel -> transformers AwqBackend value; "auto" picks ATen int4 on CPU, a CUDA kernel on GPU.
+KERNEL_BACKENDS = {
+    "auto": "auto", "torch": "torch_awq", "triton": "gemm_triton",
+    "marlin": "marlin", "gemm": "gemm", "exllama": "exllama_v2",
+}
+
+
+def kernel_name(model: torch.nn.Module) -> str:
+    """The class name(s) of the quantised linear modules actually serving, e.g. 'TorchAtenAwqLinear'."""
+    names = sorted({type(m).__name__ for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)})
+    if not names:
+        raise ValueError("the model has no quantised linear modules (no qweight buffers): it is not an AWQ model")
+    return "+".join(names)
+
+
+def serving_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of everything around the int4 matmuls: embeddings, norms, attention, the head."""
+    if device.type == "cuda":
+        return torch.float16  # what the CUDA AWQ kernels take
+    # NOTE: the CPU int4 kernel computes in bf16 whatever the model dtype; the rest of the model runs
+    # in bf16 only where the CPU has native bf16 (AVX512-BF16 / AMX), else at ~1/50 of fp32 speed.
+    has_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if has_bf16 else torch.float32
+
+
+def load_awq_model(config: ServingConfig, settings: Settings, *, method: QuantMethod | None = None) -> LoadedModel:
+    """Load the config's cached int4 checkpoint (never quantises: run `servelab quantize` first)."""
+    started = time.perf_counter()
+    if settings.hf_hub_offline:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    awq_cfg = awq_section(config)
+    base_folder = Path(resolve_model_folder(config.model, settings))  # NOTE: the only resolve of this load
+    slot = checkpoint_slot(config, settings, base_folder, method=method)
+    folder = slot.folder
+    if not (folder / "config.json").is_file():
+        raise AWQCheckpointError(
+            f"no {slot.method} int4 checkpoint for config {config.name!r} at {folder}; make it first with "
+            "`servelab quantize --config <this config's YAML file>`"
+        )
+    validate_checkpoint(folder, base_folder, awq_cfg)
+    device = resolve_device(config.device)
+    dtype = serving_dtype(device)
+    model = _from_pretrained(folder, device, dtype, awq_cfg)
+    dense = _count_dense_layer_linears(model)
+    assert not dense, f"{folder}: layers left in full precision after loading: {dense[:4]}"
+    model.eval()
+    _warm_up(model, device)
+    log.info("loaded %s int4 checkpoint %s on %s in %s, kernel %s", slot.method, folder.name, device, dtype,
+             kernel_name(model))
+    return LoadedModel(
+        model=model, tokenizer=AutoTokenizer.from_pretrained(base_folder), device=device, dtype=dtype,
+        folder=str(folder), shape=model_shape(model.config), load_s=time.perf_counter() - started,
+    )
+
+
+def _count_dense_layer_linears(model: PreTrainedModel) -> list[str]:
+    return [name for name, m in model.named_modules() if ".layers." in name and type(m) is torch.nn.Linear]
+
+
+def _from_pretrained(folder: Path, device: torch.device, dtype: torch.dtype, awq_cfg: AWQConfig) -> PreTrainedModel:
+    import_gptqmodel()  # NOTE: first, so transformers' AWQ integration imports gptqmodel with our worker pool
+    from transformers import AwqConfig as HfAwqConfig
+
+    kwargs = {}
+    if awq_cfg.kernel != "auto":  # NOTE: only the backend of a passed config overrides the checkpoint's
+        kwargs["quantization_config"] = HfAwqConfig(
+            bits=awq_cfg.bits, group_size=awq_cfg.group_size, zero_point=awq_cfg.zero_point,
+            backend=KERNEL_BACKENDS[awq_cfg.kernel],
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, device_map={"": str(device)}, attn_implementation="sdpa", **kwargs
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise AWQCheckpointError(
+            f"cannot load the int4 checkpoint {folder} with kernel {awq_cfg.kernel!r}: {exc}"
+        ) from exc
+
+
+@torch.inference_mode()
+def _warm_up(model: PreTrainedModel, device: torch.device) -> None:
+    # NOTE: the CPU ATen kernel repacks its weights on the first forward; doing it here keeps that
+    # one-off cost in load_s instead of in the first request's TTFT.
+    model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
