@@ -22,6 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from servelab.embedded import resolve_urls
 from servelab.lab.verdict import ComparisonRefused, Limits, RunSet, Verdict, compare
 from servelab.settings import Settings
+from servelab.lab import runsets
+from servelab.queue import streams
 from servelab.store import queries
 from servelab.store.db import make_engine, session_factory
 
@@ -65,12 +67,12 @@ def runs() -> list[queries.RunListing]:
 
 @st.cache_data(ttl=600, show_spinner="Loading runs…")
 def run_set(run_ids: tuple[str, ...]) -> RunSet:
-    return read(queries.load_run_set, run_ids=list(run_ids))
+    return read(runsets.load_run_set, run_ids=list(run_ids))
 
 
 @st.cache_data(ttl=RUNS_TTL_S, show_spinner=False)
-def stored_limits(baseline: tuple[str, ...], candidates: tuple[str, ...]) -> queries.StoredLimits:
-    return read(queries.stored_limits, baseline_run_ids=list(baseline), candidate_run_ids=list(candidates))
+def stored_limits(baseline: tuple[str, ...], candidates: tuple[str, ...]) -> runsets.StoredLimits:
+    return read(runsets.stored_limits, baseline_run_ids=list(baseline), candidate_run_ids=list(candidates))
 
 
 @st.cache_data(ttl=RUNS_TTL_S, show_spinner=False)
@@ -130,7 +132,7 @@ def failures() -> list[queries.Failure]:
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def stream_depths(config_names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     c = connections()
-    return queries.stream_depths(c.redis, prefix=c.settings.key_prefix, config_names=list(config_names))
+    return streams.stream_depths(c.redis, prefix=c.settings.key_prefix, config_names=list(config_names))
 
 
 def query_ids(name: str) -> list[str]:

@@ -334,7 +334,7 @@ def bench_engine(
     from servelab.engine.engine import Engine
     from servelab.engine.loader import ModelLoadError
     from servelab.lab.bench import bench_engines, format_engine_table
-    from servelab.lab.hardware import measure_bandwidth_gbs
+    from servelab.hardware import measure_bandwidth_gbs
 
     serving = [_load_config(Path(p.strip())) for p in configs.split(",") if p.strip()]
     sizes = _parse_ints(batch_sizes, "--batch-sizes")
@@ -370,7 +370,7 @@ def bench_steps_command(
     from servelab.engine.linear import LinearKernelError
     from servelab.engine.loader import ModelLoadError
     from servelab.lab.bench import STEPS, bench_steps, format_steps_table
-    from servelab.lab.hardware import measure_bandwidth_gbs
+    from servelab.hardware import measure_bandwidth_gbs
 
     serving = _load_config(config)
     sizes = _parse_ints(batch_sizes, "--batch-sizes")
@@ -519,7 +519,7 @@ def sweep(
 
 
 def _store_sweep(report) -> str:
-    from servelab.lab.hardware import describe_hardware
+    from servelab.hardware import describe_hardware
     from servelab.runtime import connect
     from servelab.store.db import session_scope
     from servelab.store.runs import save_sweep

@@ -28,7 +28,7 @@ from servelab.engine.outputs import BatchResult
 from servelab.request import ChatMessage, GenerationRequest, RequestError, SamplingParams
 from servelab.queue.batcher import BatchPolicy, Candidate
 from servelab.queue.reaper import reenqueue_lost
-from servelab.lab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
+from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import Entry, RequestStreams, notify_done
 from servelab.runtime import Runtime
 from servelab.store import requests as store

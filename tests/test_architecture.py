@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_PACKAGES = ("api", "worker", "dashboard")
 # NOTE: policy modules take time as an argument and import no I/O or tensor library.
-PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/engine/requests.py",
+PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/request.py",
                 "servelab/engine/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
                 "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
                 "servelab/lab/roofline.py")
@@ -25,6 +25,21 @@ def imported_roots(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             roots.add(node.module.split(".")[0])
     return roots
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every dotted module a file imports (lazy imports too), relative ones made absolute; for
+    `from package import name` both the package and package.name, since the name may be a module."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package[:len(package) - node.level + 1] if node.level else ()
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+            modules |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return modules
 
 
 def python_files(folder: str) -> list[Path]:
@@ -57,3 +72,93 @@ def test_policy_modules_import_no_io_or_tensor_library(module: str) -> None:
 def test_no_grab_bag_modules() -> None:
     names = {p.stem for folder in ("servelab", *PROCESS_PACKAGES) for p in python_files(folder)}
     assert not names & {"utils", "helpers", "common", "manager", "misc"}
+
+
+def test_awq_never_imports_the_loader_that_picks_it() -> None:
+    # NOTE: loader.py is the one place the weights pick the loader, and it imports the AWQ loader; the
+    # pieces both loaders share live below both (model_files.py, loaded_model.py), so there is no circle.
+    paths = python_files("servelab/engine/awq")
+    assert paths, "servelab/engine/awq/ holds the AWQ modules"
+    for path in paths:
+        assert "servelab.engine.loader" not in imported_modules(path), path
+
+
+@pytest.mark.parametrize("module", ["servelab/engine/model_files.py", "servelab/engine/loaded_model.py"])
+def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
+    imported = imported_modules(REPO / module)
+    assert not {m for m in imported if m == "servelab.engine.loader" or m.startswith("servelab.engine.awq")}, module
+
+
+# The floors, lowest first: a module imports only from its own floor or below (lazy imports included).
+FLOORS = (
+    ("servelab.config", "servelab.settings", "servelab.request"),  # what everything stands on: the contract
+    ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded"),  # rows; the model; the host
+    ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
+    ("servelab.jobs", "servelab.serving", "servelab.stack"),  # the control plane, the worker, the local stack
+    ("servelab.lab",),  # runs, comparisons, benches
+    ("servelab.cli", "api", "dashboard", "worker"),  # entry points
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (each import resolved to the longest module it names) and the
+    root names of the libraries it imports."""
+    paths = {module_name(p): p for folder in ("servelab", *PROCESS_PACKAGES) for p in python_files(folder)}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for imported in imported_modules(path):
+            parts = imported.split(".")
+            found = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in paths), None)
+            targets.add(found if found is not None else parts[0])
+        graph[module] = targets - {module}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def floor_of(module: str) -> int | None:
+    return next((i for i, rooms in enumerate(FLOORS)
+                 if any(module == room or module.startswith(room + ".") for room in rooms)), None)
+
+
+def test_every_module_stands_on_a_floor_and_imports_none_above_it() -> None:
+    graph = import_graph()
+    assert [m for m in graph if m != "servelab" and floor_of(m) is None] == []
+    upward = [(m, t) for m, targets in graph.items() for t in targets
+              if t in graph and m != "servelab" and floor_of(t) > floor_of(m)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_circles() -> None:
+    graph = import_graph()
+    circles = [m for m in graph if m in reachable(graph, m)]
+    assert circles == []
+
+
+def test_the_store_reaches_no_lab_queue_redis_or_torch() -> None:
+    graph = import_graph()
+    for module in (m for m in graph if m.startswith("servelab.store")):
+        reached = reachable(graph, module)
+        assert not {m for m in reached if m.startswith(("servelab.lab", "servelab.queue"))}, module
+        assert not reached & {"redis", "torch", "transformers"}, module
+
+
+@pytest.mark.parametrize("package", ["api", "dashboard"])
+def test_api_and_dashboard_reach_no_torch_through_any_import(package: str) -> None:
+    graph = import_graph()
+    for module in (m for m in graph if m == package or m.startswith(package + ".")):
+        assert not reachable(graph, module) & {"torch", "transformers", "gptqmodel"}, module

@@ -55,7 +55,7 @@ def measure_machine(threads: int) -> MachineFacts:
     import torch
 
     from servelab.engine.loader import DTYPES
-    from servelab.lab.hardware import describe_hardware, measure_bandwidth_gbs
+    from servelab.hardware import describe_hardware, measure_bandwidth_gbs
     from servelab.lab.sweep import measure_peak_flops
 
     torch.set_num_threads(threads)

@@ -12,7 +12,7 @@ import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard import charts, hints, reads
-from servelab.store.queries import Crossover, SweepListing, SweepPoint, sweep_crossovers, sweep_points
+from servelab.store.queries import Crossover, SweepListing, StoredSweepPoint, sweep_crossovers, sweep_points
 
 
 def pick(listing: list[SweepListing]) -> SweepListing:
@@ -30,7 +30,7 @@ def _label(s: SweepListing) -> str:
     return f"{s.created_at:%Y-%m-%d %H:%M} · {', '.join(configs) or 'no points'} · {s.id[:8]}"
 
 
-def frames(points: list[SweepPoint], crossovers: list[Crossover]) -> tuple[pd.DataFrame, ...]:
+def frames(points: list[StoredSweepPoint], crossovers: list[Crossover]) -> tuple[pd.DataFrame, ...]:
     measured = pd.DataFrame([{"config": f"{p.config} ({p.weights})" if p.weights not in p.config else p.config,
                               "batch_size": p.batch_size, "decode_tokens_per_s": p.decode_tokens_per_s,
                               "tpot_ms": p.tpot_ms} for p in points])

@@ -18,7 +18,7 @@ from servelab.lab.runner import run_workload, start_worker, warm_up
 from servelab.lab.verdict import Limits, RunSet, Verdict, compare
 from servelab.lab.workload import Workload, load_workload
 from servelab.runtime import Runtime
-from servelab.store import queries
+from servelab.lab import runsets
 from servelab.store import runs as store
 from servelab.store.db import session_scope
 
@@ -141,7 +141,7 @@ def quality_record(result) -> dict[str, Any]:
 
 def load_run_set(runtime: Runtime, run_ids: list[str]) -> RunSet:
     with session_scope(runtime.sessions) as session:
-        return queries.load_run_set(session, run_ids=run_ids)
+        return runsets.load_run_set(session, run_ids=run_ids)
 
 
 def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:

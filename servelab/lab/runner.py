@@ -21,7 +21,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from servelab.config import ServingConfig
-from servelab.lab.hardware import software_versions
+from servelab.hardware import software_versions
+from servelab.lab import runsets
 from servelab.lab.metrics import RunSummary, summarise_run
 from servelab.lab.workload import Workload, WorkloadItem
 from servelab.queue.streams import RequestStreams, wait_done
@@ -154,8 +155,8 @@ def run_workload(*, workload: Workload, config: ServingConfig, worker: WorkerPro
     request_ids = [rid for rid, _, _ in sent]
     hardware = worker.hardware()
     with session_scope(runtime.sessions) as session:
-        summary = summarise_run(store.request_samples(session, request_ids=request_ids),
-                                store.batch_samples(session, request_ids=request_ids),
+        summary = summarise_run(runsets.request_samples(session, request_ids=request_ids),
+                                runsets.batch_samples(session, request_ids=request_ids),
                                 slo=workload.spec.slo, price_per_hour=runtime.settings.price_per_hour)
         run_id = store.record_run(
             session, config=config.model_dump(mode="json"), config_hash=config.config_hash,

@@ -17,7 +17,7 @@ import torch
 from servelab.engine.engine import Engine
 from servelab.engine.loader import DTYPES
 from servelab.lab.bench import bench_requests
-from servelab.lab.hardware import measure_bandwidth_gbs
+from servelab.hardware import measure_bandwidth_gbs
 from servelab.lab.roofline import (
     DecodeCost,
     Machine,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from servelab.store.models import StreamKind
+from servelab.request import StreamKind
 
 GROUP = "workers"
 NOTIFY_TTL_S = 600
@@ -161,3 +161,15 @@ def _entry(stream, entry_id, fields) -> Entry:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def stream_depths(client: redis.Redis, *, prefix: str, config_names: list[str]) -> dict[str, dict[str, int]]:
+    """config name -> stream kind -> entries not yet acknowledged, for the named configs and any stream found.
+
+    NOTE: SCAN finds streams of configs with no request rows (a config whose rows were cleaned up still has
+    a stream); the names given cover configs whose stream has not been created yet.
+    """
+    found = {key.decode() if isinstance(key, bytes) else key
+             for key in client.scan_iter(match=f"{prefix}:stream:*", count=1000)}
+    names = set(config_names) | {k[len(prefix) + len(":stream:"):].rsplit(":", 1)[0] for k in found}
+    return {name: RequestStreams(client, prefix=prefix, config_name=name).depth() for name in sorted(names)}

@@ -1,7 +1,8 @@
-"""The dashboard's reads: runs and their settings, run sets for a verdict, batches, sweeps, jobs, workers, failures.
+"""The dashboard's reads of rows: runs and their settings, batches, sweeps, jobs, workers, failures.
 
-Read-only SQL, one function per question a page asks, each returning small frozen dataclasses (or the
-lab's own RunSet), so the pages only select, cache and draw, and these are tested without Streamlit.
+Read-only SQL, one function per question a page asks, each returning small frozen dataclasses, so the pages
+only select, cache and draw, and these are tested without Streamlit. Knows tables, not the lab's verdict
+(servelab.lab.runsets builds run sets from these rows) nor Redis (servelab.queue.streams has the depths).
 Imports no torch: the dashboard uses it. Does not know how a page draws, nor how runs are made.
 """
 
@@ -13,13 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import redis
 from sqlalchemy import Float, Integer, cast, func, select
 from sqlalchemy.orm import Session
 
-from servelab.lab.metrics import RequestSample
-from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, QualityOutcome, RunSet
-from servelab.queue.streams import RequestStreams
 from servelab.store.models import (
     BatchJobRow,
     BatchRow,
@@ -34,13 +31,6 @@ from servelab.store.models import (
     WorkerRow,
 )
 
-# NOTE: what a page shows when the runs belong to no stored comparison: said on the page, editable there,
-# never written back. One latency limit and one gain goal, the shape of the plans in plans/.
-DEFAULT_LIMITS = Limits(
-    max_accuracy_drop=0.02,
-    latency=(LatencyLimit(metric="tpot_ms", percentile=95, max_ratio=1.2),),
-    gains=(GainGoal(metric="output_tokens_per_s", min_ratio=1.1),),
-)
 # The settings a review compares, in the order the design lists them; each is a path into the stored config.
 SETTING_PATHS = {
     "model": ("model",), "weight precision": ("weights",), "cache precision": ("kv_cache_dtype",),
@@ -71,15 +61,6 @@ class RunListing:
     p95_ttft_ms: float | None
     p95_tpot_ms: float | None
     lambada_accuracy: float | None
-
-
-@dataclass(frozen=True)
-class StoredLimits:
-    """The limits a comparison is judged by, and where they came from."""
-
-    limits: Limits
-    source: str  # "plan <name> (comparison <id>)" or "defaults"
-    plan_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +102,7 @@ class SweepListing:
 
 
 @dataclass(frozen=True)
-class SweepPoint:
+class StoredSweepPoint:
     """One (config, batch size) point of a sweep, read defensively from the stored report."""
 
     config: str
@@ -199,7 +180,7 @@ def list_runs(session: Session, *, workload_fingerprint: str | None = None, limi
     if workload_fingerprint is not None:
         query = query.where(RunRow.workload_fingerprint == workload_fingerprint)
     return [RunListing(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], describe_settings(r[8]),
-                       describe_hardware(r[9]), *r[10:]) for r in session.execute(query)]
+                       hardware_summary(r[9]), *r[10:]) for r in session.execute(query)]
 
 
 def describe_settings(config: dict[str, Any]) -> dict[str, str]:
@@ -209,7 +190,7 @@ def describe_settings(config: dict[str, Any]) -> dict[str, str]:
     return shown
 
 
-def describe_hardware(hardware: dict[str, Any]) -> str:
+def hardware_summary(hardware: dict[str, Any]) -> str:
     gpu = hardware.get("gpu")
     device = hardware.get("device", "?")
     what = gpu if gpu else f"{hardware.get('cpu', '?')} ({hardware.get('num_cpus', '?')} CPUs)"
@@ -228,68 +209,6 @@ def _setting_text(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
-    """The repeats of one config on one workload: what the verdict judges (the lab and the dashboard alike).
-
-    NOTE: torch-free, so the dashboard can use it; the samples are read in one query over run_requests.
-    """
-    ids = [uuid.UUID(i) for i in run_ids]
-    rows = session.execute(
-        select(RunRow.id, RunRow.serving_config_name, RunRow.config, RunRow.workload_fingerprint, RunRow.hardware,
-               RunRow.summary, RunRow.quality).where(RunRow.id.in_(ids))
-    ).all()
-    by_id = {str(r.id): r for r in rows}
-    missing = [i for i in run_ids if i not in by_id]
-    if missing:
-        raise LookupError(f"no such run: {', '.join(missing)}")
-    runs = [by_id[i] for i in run_ids]
-    names, prints = {r.serving_config_name for r in runs}, {r.workload_fingerprint for r in runs}
-    if len(names) != 1 or len(prints) != 1:
-        raise ValueError(f"the runs of one side must share a config and a workload, got {names} / {prints}")
-    first = runs[0]
-    return RunSet(
-        name=first.serving_config_name, run_ids=tuple(run_ids), config=first.config,
-        workload_fingerprint=first.workload_fingerprint, hardware=first.hardware,
-        summaries=tuple(r.summary for r in runs), samples=tuple(request_samples(session, run_ids=run_ids)),
-        quality=quality_outcome(first.quality), texts=result_texts(session, run_id=run_ids[0]),
-    )
-
-
-def quality_outcome(quality: dict[str, Any] | None) -> QualityOutcome | None:
-    if not quality or "correct" not in quality:
-        return None
-    return QualityOutcome(tuple(quality["passage_ids"]), tuple(quality["correct"]), tuple(quality["nll"]),
-                          tuple(quality["num_target_tokens"]))
-
-
-def request_samples(session: Session, *, run_ids: list[str]) -> list[RequestSample]:
-    """Every request the runs sent, pooled, timed as the client saw it (from submission), in SQL."""
-    sent = select(RunRequestRow.request_id).where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
-    return samples_where(session, RequestRow.id.in_(sent))
-
-
-def samples_where(session: Session, condition) -> list[RequestSample]:
-    """RequestSamples of the requests matching `condition`: the one place a request becomes a sample."""
-    r, m = RequestRow, RequestMetricsRow
-    rows = session.execute(
-        select(r.id, r.status, r.enqueued_at, r.finished_at, ResultRow.num_generated_tokens, m.queue_ms,
-               _ms_between(r.enqueued_at, r.first_token_at), m.tpot_ms, _ms_between(r.enqueued_at, r.finished_at),
-               m.itl_ms)
-        .outerjoin(m, m.request_id == r.id)
-        .outerjoin(ResultRow, ResultRow.request_id == r.id)
-        .where(condition)
-        .order_by(r.enqueued_at, r.id)
-    ).all()
-    return [RequestSample(str(i), status is RequestStatus.SUCCEEDED, submitted, finished, tokens or 0, queue_ms,
-                          None if ttft is None else float(ttft), tpot, None if e2el is None else float(e2el),
-                          tuple(itl or ()))
-            for i, status, submitted, finished, tokens, queue_ms, ttft, tpot, e2el, itl in rows]
-
-
-def _ms_between(start, end):
-    return func.extract("epoch", end - start) * 1000.0
-
-
 def result_texts(session: Session, *, run_id: str) -> dict[int, str]:
     rows = session.execute(
         select(RunRequestRow.item_index, ResultRow.text)
@@ -297,20 +216,6 @@ def result_texts(session: Session, *, run_id: str) -> dict[int, str]:
         .where(RunRequestRow.run_id == uuid.UUID(run_id))
     ).all()
     return dict(rows)
-
-
-def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:
-    """The limits of the newest stored comparison that holds all these runs on the same sides; else the defaults."""
-    row = session.execute(
-        select(ComparisonRow.id, ComparisonRow.plan_name, ComparisonRow.plan)
-        .where(ComparisonRow.baseline_run_ids.contains([uuid.UUID(i) for i in baseline_run_ids]),
-               ComparisonRow.candidate_run_ids.contains([uuid.UUID(i) for i in candidate_run_ids]))
-        .order_by(ComparisonRow.created_at.desc()).limit(1)
-    ).first()
-    if row is None or "limits" not in (row.plan or {}):
-        return StoredLimits(DEFAULT_LIMITS, "defaults")
-    return StoredLimits(Limits.model_validate(row.plan["limits"]), f"plan {row.plan_name} (comparison {row.id})",
-                        row.plan_name)
 
 
 def latest_comparison_runs(session: Session) -> tuple[list[str], list[str]] | None:
@@ -380,7 +285,7 @@ def list_sweeps(session: Session, *, limit: int = 50) -> list[SweepListing]:
     return [SweepListing(str(i), created, hardware or {}, report or {}) for i, created, hardware, report in rows]
 
 
-def sweep_points(report: dict[str, Any]) -> list[SweepPoint]:
+def sweep_points(report: dict[str, Any]) -> list[StoredSweepPoint]:
     """The report's points, whichever of the expected key names it uses; points without a batch size are skipped.
 
     NOTE: the shape is servelab/lab/roofline.py's SweepReport.as_dict() (points with config, weights,
@@ -391,7 +296,7 @@ def sweep_points(report: dict[str, Any]) -> list[SweepPoint]:
     for p in report.get("points") or []:
         if not isinstance(p, dict) or _first(p, "batch_size", "num_rows") is None:
             continue
-        points.append(SweepPoint(
+        points.append(StoredSweepPoint(
             config=str(_first(p, "config", "config_name", "name") or p.get("weights") or "?"),
             weights=str(_first(p, "weights", "precision") or "?"), batch_size=int(_first(p, "batch_size", "num_rows")),
             decode_tokens_per_s=_number(_first(p, "decode_tokens_per_s", "tokens_per_s")),
@@ -466,7 +371,7 @@ def unfinished_config_names(session: Session) -> list[str]:
 def workers(session: Session, *, now: datetime, limit: int = 200) -> list[LiveWorker]:
     rows = session.execute(select(WorkerRow).order_by(WorkerRow.heartbeat_at.desc()).limit(limit)).scalars().all()
     return [LiveWorker(w.name, w.serving_config_name, w.config_hash, str(w.hardware.get("device", "?")),
-                       describe_hardware(w.hardware), w.started_at, w.heartbeat_at,
+                       hardware_summary(w.hardware), w.started_at, w.heartbeat_at,
                        (now - w.heartbeat_at).total_seconds()) for w in rows]
 
 
@@ -478,18 +383,6 @@ def recent_failures(session: Session, *, limit: int = 50) -> list[Failure]:
         .order_by(RequestRow.finished_at.desc().nulls_last()).limit(limit)
     ).all()
     return [Failure(str(i), name, at, n, error or "(no reason stored)") for i, name, at, n, error in rows]
-
-
-def stream_depths(client: redis.Redis, *, prefix: str, config_names: list[str]) -> dict[str, dict[str, int]]:
-    """config name -> stream kind -> entries not yet acknowledged, for the named configs and any stream found.
-
-    NOTE: SCAN finds streams of configs with no request rows (a config whose rows were cleaned up still has
-    a stream); the names given cover configs whose stream has not been created yet.
-    """
-    found = {key.decode() if isinstance(key, bytes) else key
-             for key in client.scan_iter(match=f"{prefix}:stream:*", count=1000)}
-    names = set(config_names) | {k[len(prefix) + len(":stream:"):].rsplit(":", 1)[0] for k in found}
-    return {name: RequestStreams(client, prefix=prefix, config_name=name).depth() for name in sorted(names)}
 
 
 def run_configs(session: Session, *, run_ids: list[str]) -> dict[str, tuple[str, str]]:

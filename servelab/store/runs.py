@@ -1,4 +1,5 @@
-"""Store functions of the lab: runs and the requests they sent, their samples, comparisons and sweeps.
+"""Store functions of the lab: runs and the requests they sent, comparisons and sweeps (rows only: the lab turns
+them into samples, servelab.lab.runsets).
 
 Takes a session, never commits. Reads the per-request measurements a run's figures are computed
 from (request timestamps, metrics, results, batches), so every stored figure traces to its requests.
@@ -14,7 +15,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from servelab.lab.metrics import BatchSample, RequestSample
 from servelab.store.models import (
     BatchRow,
     ComparisonRow,
@@ -24,7 +24,6 @@ from servelab.store.models import (
     RunRow,
     SweepRow,
 )
-from servelab.store.queries import samples_where
 
 
 def record_run(session: Session, *, config: dict[str, Any], config_hash: str, workload_name: str,
@@ -44,17 +43,6 @@ def record_run(session: Session, *, config: dict[str, Any], config_hash: str, wo
     session.add_all(RunRequestRow(run_id=run_id, request_id=uuid.UUID(rid), item_index=index, scheduled_offset_ms=offset)
                     for rid, index, offset in sent)
     return str(run_id)
-
-
-def request_samples(session: Session, *, request_ids: list[str]) -> list[RequestSample]:
-    return samples_where(session, RequestRow.id.in_([uuid.UUID(i) for i in request_ids]))
-
-
-def batch_samples(session: Session, *, request_ids: list[str]) -> list[BatchSample]:
-    batch_ids = select(RequestMetricsRow.batch_id).where(
-        RequestMetricsRow.request_id.in_([uuid.UUID(i) for i in request_ids])).distinct()
-    rows = session.scalars(select(BatchRow).where(BatchRow.id.in_(batch_ids))).all()
-    return [BatchSample(b.num_requests, b.weight_bytes, b.kv_cache_bytes, b.peak_working_bytes) for b in rows]
 
 
 def set_run_quality(session: Session, *, run_id: str, quality: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from servelab.lab.verdict import compare
+from servelab.lab import runsets
+from servelab.queue.streams import stream_depths
 from servelab.store import queries
 from servelab.store.db import make_engine
 from servelab.store.migrate import upgrade
@@ -137,12 +139,12 @@ def main() -> None:
                 groups.setdefault((r.workload_fingerprint, r.serving_config_name), []).append(r.id)
             (fp, _), base = next(iter(groups.items()))
             cand = next(ids for (f, _), ids in groups.items() if f == fp and ids != base)
-            base_set, cand_set = queries.load_run_set(s, run_ids=base), queries.load_run_set(s, run_ids=cand)
+            base_set, cand_set = runsets.load_run_set(s, run_ids=base), runsets.load_run_set(s, run_ids=cand)
             rows = [
                 ("list_runs (all runs)", lambda: queries.list_runs(s)),
                 (f"load_run_set ({len(base)} runs, {len(base) * per_run} requests)",
-                 lambda: queries.load_run_set(s, run_ids=base)),
-                ("stored_limits", lambda: queries.stored_limits(s, baseline_run_ids=base, candidate_run_ids=cand)),
+                 lambda: runsets.load_run_set(s, run_ids=base)),
+                ("stored_limits", lambda: runsets.stored_limits(s, baseline_run_ids=base, candidate_run_ids=cand)),
                 ("latest_comparison_runs", lambda: queries.latest_comparison_runs(s)),
                 (f"batch_points ({len(base)} runs)", lambda: queries.batch_points(s, run_ids=base)),
                 ("request_tokens (1 run)", lambda: queries.request_tokens(s, run_ids=base[:1])),
@@ -153,9 +155,9 @@ def main() -> None:
                 ("workers", lambda: queries.workers(s, now=datetime.now(UTC))),
                 ("recent_failures", lambda: queries.recent_failures(s)),
                 ("stream_depths (Redis, 10 configs)",
-                 lambda: queries.stream_depths(client, prefix="servelab-speed", config_names=[f"cfg-{i}" for i in range(10)])),
+                 lambda: stream_depths(client, prefix="servelab-speed", config_names=[f"cfg-{i}" for i in range(10)])),
                 (f"compare() verdict, not a query ({len(base_set.samples)} vs {len(cand_set.samples)} requests)",
-                 lambda: compare(base_set, cand_set, queries.DEFAULT_LIMITS)),
+                 lambda: compare(base_set, cand_set, runsets.DEFAULT_LIMITS)),
             ]
             for name, fn in rows:
                 print(f"{timed(fn):9.1f} ms  {name}")

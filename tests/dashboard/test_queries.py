@@ -11,6 +11,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from servelab.engine.memory import ModelShape
+from servelab.lab import runsets
+from servelab.queue.streams import stream_depths
 from servelab.store import queries
 from servelab.store.db import make_engine
 from servelab.store.models import RunRequestRow
@@ -46,7 +48,7 @@ def test_runs_are_listed_newest_first_with_every_setting(db, seeded) -> None:
 
 def test_a_run_set_holds_every_request_its_runs_sent(db, seeded) -> None:
     """What the verdict judges: every request of every repeat, and figures that add up to the stored runs."""
-    run_set = queries.load_run_set(db, run_ids=seeded.baseline_ids)
+    run_set = runsets.load_run_set(db, run_ids=seeded.baseline_ids)
     sent = db.scalars(select(RunRequestRow.request_id).where(
         RunRequestRow.run_id.in_([uuid.UUID(i) for i in seeded.baseline_ids]))).all()
     assert sorted(s.request_id for s in run_set.samples) == sorted(str(i) for i in sent)
@@ -54,19 +56,19 @@ def test_a_run_set_holds_every_request_its_runs_sent(db, seeded) -> None:
     assert len(run_set.summaries) == len(seeded.baseline_ids) == 2
     assert run_set.quality is not None and len(run_set.quality.correct) == 8
     with pytest.raises(ValueError, match="must share a config and a workload"):
-        queries.load_run_set(db, run_ids=[seeded.baseline_ids[0], seeded.candidate_ids[0]])
+        runsets.load_run_set(db, run_ids=[seeded.baseline_ids[0], seeded.candidate_ids[0]])
 
 
 def test_limits_come_from_the_stored_plan_else_defaults(db, seeded) -> None:
-    stored = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids, candidate_run_ids=seeded.candidate_ids)
+    stored = runsets.stored_limits(db, baseline_run_ids=seeded.baseline_ids, candidate_run_ids=seeded.candidate_ids)
     assert "dash-precision" in stored.source and stored.limits.max_accuracy_drop == 1.0
     assert stored.limits.gains[0].metric == "weight_bytes"
-    one_repeat = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids[:1],
+    one_repeat = runsets.stored_limits(db, baseline_run_ids=seeded.baseline_ids[:1],
                                        candidate_run_ids=seeded.candidate_ids[:1])
     assert one_repeat.limits == stored.limits  # a subset of a stored comparison's runs keeps its plan
-    other = queries.stored_limits(db, baseline_run_ids=seeded.baseline_ids,
+    other = runsets.stored_limits(db, baseline_run_ids=seeded.baseline_ids,
                                   candidate_run_ids=[seeded.other_workload_run_id])
-    assert other.source == "defaults" and other.limits == queries.DEFAULT_LIMITS
+    assert other.source == "defaults" and other.limits == runsets.DEFAULT_LIMITS
 
 
 def test_retained_tokens_put_every_batch_on_its_configs_line(db, seeded) -> None:
@@ -105,7 +107,7 @@ def test_jobs_queues_workers_and_failures(db, seeded) -> None:
     assert failure.reason == seeded.failure_reason and failure.num_attempts == 1
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        depths = queries.stream_depths(client, prefix=seeded.key_prefix, config_names=["never-served"])
+        depths = stream_depths(client, prefix=seeded.key_prefix, config_names=["never-served"])
     finally:
         client.close()
     assert depths["never-served"] == {"interactive": 0, "bulk": 0}
