@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import State, Tenant
 from api.errors import ApiError
-from servelab.jobs.bodies import ENDPOINTS
+from servelab.protocol import ENDPOINTS
 from servelab.jobs.lifecycle import NotCancellable, cancel_job, parse_window
 from servelab.store import batch_jobs as jobs
 from servelab.store import files

@@ -1,8 +1,8 @@
 """Routes that generate: POST /v1/requests (202 with an id) and GET /v1/requests/{id} (?wait=S), and the
 OpenAI-compatible POST /v1/completions and POST /v1/chat/completions, which enqueue and wait.
 
-Thin: bodies are checked against servelab.request's bounds by servelab.jobs.bodies, rows written by the store, ids added to the serving
-config's stream after the commit. Waits block a worker thread, never the event loop.
+Thin: bodies are checked against servelab.request's bounds by servelab.protocol, rows written by the store,
+ids added to the serving config's stream after the commit. Waits block a worker thread, never the event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from api.deps import ApiState, State, Tenant
 from api.errors import ApiError
 from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
                               FinishReason, SamplingParams)
-from servelab.jobs.bodies import (
+from servelab.protocol import (
     Answer,
     ChatCompletionBody,
     CompletionBody,
@@ -31,7 +31,7 @@ from servelab.jobs.bodies import (
     to_submission,
 )
 from servelab.queue.streams import wait_done
-from servelab.store.api_requests import QueueFull, RequestView, admit_request, get_request_view
+from servelab.store.requests import QueueFull, RequestView, admit_request, get_request_view
 from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import ApiState, State, Tenant
-from servelab.store.api_requests import serving_stats
+from servelab.store.requests import serving_stats
 from servelab.store.db import session_scope
 
 router = APIRouter()

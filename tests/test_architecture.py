@@ -94,7 +94,7 @@ FLOORS = (
     ("servelab.config", "servelab.settings", "servelab.request"),  # what everything stands on: the contract
     ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded"),  # rows; the model; the host
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
-    ("servelab.jobs", "servelab.serving", "servelab.stack"),  # the control plane, the worker, the local stack
+    ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack
     ("servelab.lab",),  # runs, comparisons, benches
     ("servelab.cli", "api", "dashboard", "worker"),  # entry points
 )

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import describe_validation_error
-from servelab.jobs.bodies import Rejection, body_model, to_submission
+from servelab.protocol import Rejection, body_model, to_submission
 from servelab.jobs.catalog import Catalog, load_catalog
-from servelab.queue.streams import RequestStreams, stream_key
+from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
 from servelab.store import files
 from servelab.store.db import session_scope
@@ -178,11 +178,4 @@ def enqueue_bulk(streams_for: Callable[[str], RequestStreams], created: list[tup
     for request_id, name in created:
         by_config.setdefault(name, []).append(request_id)
     for name, ids in by_config.items():
-        streams = streams_for(name)
-        streams.ensure_groups()
-        key = stream_key(streams.prefix, name, StreamKind.BULK)
-        pipe = streams.client.pipeline(transaction=False)
-        for request_id in ids:  # NOTE: the same two writes as RequestStreams.enqueue, batched
-            pipe.xadd(key, {"request_id": request_id})
-            pipe.sadd(streams.enqueued_key, request_id)
-        pipe.execute()
+        streams_for(name).enqueue_many(ids, StreamKind.BULK)

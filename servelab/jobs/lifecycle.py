@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.request import FinishReason
-from servelab.jobs.bodies import Answer, response_object
+from servelab.protocol import Answer, response_object
 from servelab.jobs.ingest import read_lines
 from servelab.store import batch_jobs as store
 from servelab.store import files
