@@ -286,46 +286,22 @@ def list_sweeps(session: Session, *, limit: int = 50) -> list[SweepListing]:
 
 
 def sweep_points(report: dict[str, Any]) -> list[StoredSweepPoint]:
-    """The report's points, whichever of the expected key names it uses; points without a batch size are skipped.
-
-    NOTE: the shape is servelab/lab/roofline.py's SweepReport.as_dict() (points with config, weights,
-    batch_size, decode_tokens_per_s, tpot_ms and both rooflines in tokens/s); it is read leniently so that
-    a stored report of an older shape degrades to missing values, not a crash.
-    """
-    points = []
-    for p in report.get("points") or []:
-        if not isinstance(p, dict) or _first(p, "batch_size", "num_rows") is None:
-            continue
-        points.append(StoredSweepPoint(
-            config=str(_first(p, "config", "config_name", "name") or p.get("weights") or "?"),
-            weights=str(_first(p, "weights", "precision") or "?"), batch_size=int(_first(p, "batch_size", "num_rows")),
-            decode_tokens_per_s=_number(_first(p, "decode_tokens_per_s", "tokens_per_s")),
-            tpot_ms=_number(_first(p, "tpot_ms", "decode_step_ms")),
-            bandwidth_roofline_tokens_per_s=_number(_first(p, "bandwidth_roofline_tokens_per_s",
-                                                           "bandwidth_bound_tokens_per_s", "roofline_tokens_per_s")),
-            compute_roofline_tokens_per_s=_number(_first(p, "compute_roofline_tokens_per_s",
-                                                         "compute_bound_tokens_per_s")),
-        ))
+    """The report's points (servelab/lab/roofline.py's SweepReport.as_dict()); a figure a point lacks is None."""
+    points = [StoredSweepPoint(
+        config=str(p.get("config") or "?"), weights=str(p.get("weights") or "?"), batch_size=int(p["batch_size"]),
+        decode_tokens_per_s=_number(p.get("decode_tokens_per_s")), tpot_ms=_number(p.get("tpot_ms")),
+        bandwidth_roofline_tokens_per_s=_number(p.get("bandwidth_roofline_tokens_per_s")),
+        compute_roofline_tokens_per_s=_number(p.get("compute_roofline_tokens_per_s")),
+    ) for p in report.get("points") or [] if isinstance(p, dict) and p.get("batch_size") is not None]
     return sorted(points, key=lambda p: (p.config, p.batch_size))
 
 
 def sweep_crossovers(report: dict[str, Any]) -> list[Crossover]:
-    """Crossovers as a list of {label|description|..., batch_size} or a mapping label -> batch size."""
-    found = report.get("crossovers") or []
-    if isinstance(found, dict):
-        found = [{"label": k, "batch_size": v} for k, v in found.items()]
-    crossovers = []
-    for c in found:
-        size = _number(_first(c, "batch_size", "crossover_batch_size", "at_batch_size")) if isinstance(c, dict) else None
-        if size is not None:
-            label = _first(c, "label", "description", "reason", "kind") or \
-                " vs ".join(str(v) for k, v in c.items() if k in ("config", "baseline", "candidate", "weights"))
-            crossovers.append(Crossover(str(label or "crossover"), size))
-    return crossovers
-
-
-def _first(data: dict[str, Any], *keys: str) -> Any:
-    return next((data[k] for k in keys if data.get(k) is not None), None)
+    """The report's crossovers (candidate config -> the batch size from which it no longer beats the baseline;
+    None: it never stops paying in the sizes swept)."""
+    baseline = report.get("baseline") or "the baseline"
+    return [Crossover(f"{name} stops paying against {baseline}", float(size))
+            for name, size in (report.get("crossovers") or {}).items() if _number(size) is not None]
 
 
 def _number(value: Any) -> float | None:

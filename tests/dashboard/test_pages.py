@@ -116,7 +116,7 @@ def test_runs_page_filters_live_in_the_url(open_app, seeded) -> None:
 
 
 def test_sweep_page_draws_a_stored_sweep_with_rooflines_and_crossovers(open_app, fresh_database_url) -> None:
-    """NOTE: hand-written report: servelab/lab/sweep.py (which will write these rows) does not exist yet."""
+    """A report of the shape servelab/lab/roofline.py's SweepReport.as_dict() writes, hand-made for speed."""
     from servelab.store.db import make_engine, session_factory, session_scope
     from servelab.store.migrate import upgrade
     from servelab.store.runs import save_sweep
@@ -128,11 +128,11 @@ def test_sweep_page_draws_a_stored_sweep_with_rooflines_and_crossovers(open_app,
                "compute_roofline_tokens_per_s": 4000.0} for c, tps in (("fp32", 30.0), ("bf16", 55.0))
               for b in (1, 2, 4, 8, 16)]
     with session_scope(session_factory(engine)) as session:
-        sweep_id = save_sweep(session, report={"points": points, "crossovers": [
-            {"label": "bf16 stops paying", "batch_size": 8}]}, hardware={"cpu": "test", "bandwidth_gbs": 38})
+        sweep_id = save_sweep(session, report={"points": points, "crossovers": {"bf16": 8}, "baseline": "fp32"},
+                              hardware={"cpu": "test", "bandwidth_gbs": 38})
     engine.dispose()
     at = open_app(fresh_database_url.render_as_string(hide_password=False), page="pages/sweep.py")
-    assert len(charts(at)) == 2 and "bf16 stops paying at batch size 8" in texts(at)
+    assert len(charts(at)) == 2 and "bf16 stops paying against fp32 at batch size 8" in texts(at)
     assert at.query_params["sweep"] == sweep_id
 
 
