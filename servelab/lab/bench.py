@@ -2,23 +2,31 @@
 
 Knows how to build equal-length prompts, time both engines in interleaved rounds (the machine is
 shared and noisy, so only ratios from the same run mean anything), and hold decode speed against
-the memory-bandwidth roofline. Does not know queues or stores: `servelab bench queue` does.
+the memory-bandwidth roofline; for `servelab bench queue`, start an in-process worker on a private
+stream and time one burst in-process and through the queue. Does not parse options or print: the CLI does.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
+import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 
+from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.request import GenerationRequest, SamplingParams
-from servelab.queue.streams import wait_done
+from servelab.queue.batcher import BatchPolicy
+from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.submit import submit_request
-from servelab.serving import ServingWorker
+from servelab.runtime import Runtime
+from servelab.serving import FaultPolicy, ServingWorker
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 
@@ -231,6 +239,42 @@ def time_queue_path(worker: ServingWorker, requests: list[GenerationRequest]) ->
     with session_scope(worker.sessions) as session:
         num_tokens = store.count_generated_tokens(session, ids=[i for i, _ in outcomes])
     return PathTiming("queue", len(requests), num_tokens, wall_s, tuple(ms for _, ms in outcomes))
+
+
+@contextmanager
+def start_bench_worker(config: ServingConfig, runtime: Runtime) -> Iterator[ServingWorker]:
+    """A ServingWorker for the config on a thread of this process, reading a fresh private stream (so no
+    other worker takes part); stopped on exit. Raises ModelLoadError when the config's model does not load."""
+    settings = runtime.settings
+    engine = Engine.from_config(config, settings)
+    streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
+                           policy=BatchPolicy.from_config(config.batching), faults=FaultPolicy.from_settings(settings))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop.set()
+        thread.join(timeout=30)
+
+
+def time_queue_rounds(
+    workers: list[ServingWorker], *, num_requests: int, num_prompt_tokens: int, num_new_tokens: int,
+    num_rounds: int, progress=lambda message: None,
+) -> list[list[tuple[PathTiming, PathTiming]]]:
+    """Per worker, one (in-process, queue) pair per round on the same burst; the configs interleaved round
+    after round, since only pairs measured close together on a shared machine compare."""
+    burst = bench_requests(workers[0].engine, num_requests, num_prompt_tokens, num_new_tokens)
+    for worker in workers:
+        time_in_process(worker.engine, burst[:2], worker.engine.config.batching.max_batch_size)  # warm-up
+    pairs: list[list[tuple[PathTiming, PathTiming]]] = [[] for _ in workers]
+    for round_idx in range(num_rounds):
+        for worker, config_pairs in zip(workers, pairs):
+            progress(f"round {round_idx + 1}/{num_rounds}: {worker.engine.config.name}")
+            config_pairs.append((time_in_process(worker.engine, burst, worker.engine.config.batching.max_batch_size),
+                                 time_queue_path(worker, burst)))
+    return pairs
 
 
 def format_queue_table(rows: list[tuple[PathTiming, PathTiming]]) -> str:

@@ -12,18 +12,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from servelab.store.models import (
-    BatchRow,
-    ComparisonRow,
-    RequestMetricsRow,
-    RequestRow,
-    RunRequestRow,
-    RunRow,
-    SweepRow,
-)
+from servelab.store.models import ComparisonRow, RunRequestRow, RunRow, SweepRow
 
 
 def record_run(session: Session, *, config: dict[str, Any], config_hash: str, workload_name: str,

@@ -1,0 +1,127 @@
+"""The `bench` group: engine against transformers, the speed steps, in-process against the queue.
+
+Knows these commands' options and what they print. Does not know how anything is timed or started:
+servelab/lab/bench.py does. torch and the engine are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, connected, fail, load_config, load_engines,
+                                  parse_ints, progress, settings)
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios measured side by side.")
+
+
+def engine_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@app.command("engine")
+def bench_engine(
+    configs: Annotated[str, typer.Option(help="comma-separated serving config files")] = "configs/fp32.yaml",
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,4,16,32",
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 3,
+    threads: ThreadsOption = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """This engine vs transformers' generate, tokens/s and ratio per batch size, beside the roofline."""
+    import torch
+
+    from servelab.lab.bench import bench_engines, format_engine_table
+    from servelab.hardware import measure_bandwidth_gbs
+
+    serving = [load_config(path) for path in config_paths(configs)]
+    sizes = parse_ints(batch_sizes, "--batch-sizes")
+    engines = load_engines(serving, threads)
+    bandwidth = measure_bandwidth_gbs(engines[0].device)
+    rows = bench_engines(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
+                         num_rounds=rounds, bandwidth_gbs=bandwidth, progress=progress)
+    if as_json:
+        typer.echo(json.dumps({"bandwidth_gbs": bandwidth, "threads": torch.get_num_threads(),
+                               "rows": [r.as_dict() for r in rows]}, indent=2))
+    else:
+        typer.echo(format_engine_table(rows, bandwidth_gbs=bandwidth,
+                                       kernels={e.config.name: e.kernel for e in engines}))
+
+
+@app.command("steps")
+def bench_steps_command(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,16,64",
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 3,
+    threads: Annotated[int, typer.Option(min=1, max=256, help="torch threads for every step")] = 1,
+) -> None:
+    """Each step of the engine's speed work on one config, side by side: tokens/s, gain, roofline."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.linear import LinearKernelError
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.bench import STEPS, bench_steps, format_steps_table
+    from servelab.hardware import measure_bandwidth_gbs
+
+    serving = load_config(config)
+    sizes = parse_ints(batch_sizes, "--batch-sizes")
+    with_threads = settings().model_copy(update={"num_threads": threads})
+    engines, skipped = {}, []
+    for step, overrides in STEPS:
+        try:
+            engines[step] = Engine.from_config(serving.model_copy(update={**overrides, "num_threads": threads}),
+                                               with_threads)
+        except LinearKernelError as exc:
+            skipped.append(f"{step}: not measured here: {exc}")
+        except ModelLoadError as exc:
+            fail(str(exc))
+    bandwidth = measure_bandwidth_gbs(next(iter(engines.values())).device)
+    rows = bench_steps(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
+                       num_rounds=rounds, bandwidth_gbs=bandwidth, progress=progress)
+    header = (f"config {serving.name} ({serving.weights}), threads {engine_threads()}, memory bandwidth (measured) "
+              f"{bandwidth:.1f} GB/s, {prompt_tokens} prompt + {new_tokens} new tokens, median of {rounds} rounds")
+    typer.echo(format_steps_table(rows, header=header))
+    typer.echo("\n".join(f"kernel of {step!r}: {engine.kernel}" for step, engine in engines.items()))
+    for line in skipped:
+        typer.echo(line)
+
+
+@app.command("queue")
+def bench_queue(
+    configs: Annotated[list[Path], typer.Option("--config", "-c", help="serving config YAML; repeat to compare "
+                                                "configs side by side (ratios to the first)")] = [Path("configs/fp32.yaml")],
+    requests: Annotated[int, typer.Option(help="requests in the burst")] = 32,
+    prompt_tokens: int = 32,
+    new_tokens: int = 16,
+    rounds: Annotated[int, typer.Option(help="in-process / queue pairs, back to back")] = 2,
+    threads: Annotated[int | None, typer.Option(min=1, max=256, help="torch threads (default: the config's)")] = None,
+) -> None:
+    """The same burst served by the engine in-process and through the full queue path; the ratios."""
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.bench import format_queue_comparison, format_queue_table, start_bench_worker, time_queue_rounds
+
+    serving = [load_config(c) for c in configs]
+    if threads:
+        serving = [c.model_copy(update={"num_threads": threads}) for c in serving]
+    with connected() as runtime, ExitStack() as started:
+        try:
+            workers = [started.enter_context(start_bench_worker(config, runtime)) for config in serving]
+        except ModelLoadError as exc:
+            fail(str(exc))
+        pairs = time_queue_rounds(workers, num_requests=requests, num_prompt_tokens=prompt_tokens,
+                                  num_new_tokens=new_tokens, num_rounds=rounds, progress=progress)
+    for config, worker, config_pairs in zip(serving, workers, pairs):
+        typer.echo(f"config {config.name} ({config.weights}, {worker.engine.kernel}), max_batch_size "
+                   f"{config.batching.max_batch_size}, max_wait_ms {config.batching.max_wait_ms}, threads "
+                   f"{engine_threads()}; burst of {requests} requests, {prompt_tokens} prompt + {new_tokens} new tokens each")
+        typer.echo(format_queue_table(config_pairs))
+    if len(workers) > 1:
+        typer.echo(format_queue_comparison([c.name for c in serving], pairs))

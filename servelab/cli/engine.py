@@ -1,0 +1,106 @@
+"""The engine in this process, no queue: `generate` serves prompts as one batch, `quantize` makes int4 weights.
+
+Knows these commands' options and how their results are printed. Does not know the queue, the store or
+the lab; the engine and torch are imported inside the commands, so `servelab --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from servelab.cli.options import ConfigOption, fail, load_config, progress, settings
+from servelab.config import ServingConfig
+
+
+def generate(
+    prompts: Annotated[list[str], typer.Argument(help="one or more prompts, served as one batch")],
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string; repeat for more")] = None,
+    chat: Annotated[bool, typer.Option(help="wrap each prompt as a user message in the chat template")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON record")] = False,
+) -> None:
+    """Run the engine in-process (no queue) and print each completion with its timings."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.loader import ModelLoadError
+    from servelab.request import ChatMessage, GenerationRequest, SamplingParams
+
+    serving = load_config(config)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop or ()))
+    requests = [
+        GenerationRequest(f"p{i}", messages=(ChatMessage("user", p),), params=params) if chat
+        else GenerationRequest(f"p{i}", prompt=p, params=params)
+        for i, p in enumerate(prompts)
+    ]
+    try:
+        engine = Engine.from_config(serving, settings())
+    except ModelLoadError as exc:
+        fail(str(exc))
+    result = engine.generate(requests)
+    if as_json:
+        typer.echo(json.dumps(_result_record(serving, engine, result), indent=2))
+    else:
+        _print_result(prompts, result)
+    if any(c.error for c in result.completions):
+        raise typer.Exit(code=1)
+
+
+def _result_record(serving: ServingConfig, engine, result) -> dict:
+    return {
+        "config": serving.model_dump(mode="json"),
+        "config_hash": serving.config_hash,
+        "device": str(engine.device),
+        "kernel": engine.kernel,
+        "completions": [
+            {**{k: v for k, v in c.__dict__.items() if k not in ("token_ids", "token_times_ms")},
+             "finish_reason": c.finish_reason.value, "num_generated_tokens": c.num_generated_tokens,
+             "tpot_ms": c.tpot_ms, "token_ids": list(c.token_ids), "token_times_ms": list(c.token_times_ms)}
+            for c in result.completions
+        ],
+        "timings": {**result.timings.__dict__, "total_ms": result.timings.total_ms},
+        "memory": result.memory.as_dict(),
+    }
+
+
+def _print_result(prompts: list[str], result) -> None:
+    for prompt, c in zip(prompts, result.completions):
+        typer.secho(f"> {prompt}", bold=True)
+        if c.error:
+            typer.secho(f"  error: {c.error}", fg=typer.colors.RED)
+            continue
+        typer.echo(f"  {c.text!r}")
+        tpot = f"{c.tpot_ms:.1f}" if c.tpot_ms is not None else "-"
+        typer.echo(f"  [{c.finish_reason.value}] prompt {c.num_prompt_tokens} tok, generated {c.num_generated_tokens} tok, "
+                   f"TTFT {c.ttft_ms:.1f} ms, TPOT {tpot} ms, E2E {c.e2e_ms:.1f} ms")
+    t, m = result.timings, result.memory
+    typer.echo(f"batch: prefill {t.prefill_ms:.1f} ms, decode {t.decode_ms:.1f} ms over {len(t.num_rows_per_step)} steps; "
+               f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_cache_bytes / 1e6:.2f} MB "
+               f"(allocated {m.kv_cache_allocated_bytes / 1e6:.2f} MB), peak working {m.peak_working_bytes / 1e6:.1f} MB")
+
+
+def quantize(config: ConfigOption) -> None:
+    """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it."""
+    from servelab.engine.awq import quantize as quantize_model
+    from servelab.engine.loader import ModelLoadError
+
+    serving = load_config(config)
+    if serving.weights != "awq-int4":
+        fail(f"{config}: weights is {serving.weights!r}; quantize needs weights: awq-int4")
+    try:
+        record = quantize_model(serving, settings(), progress=progress)
+    except (ModelLoadError, ValueError) as exc:
+        fail(str(exc))
+    verb = "reused" if record.is_reused else f"made in {record.quantize_s:.0f} s"
+    calibration = (f"{record.num_calibration_samples} x {record.calibration_seq_len} tokens of "
+                   f"{record.calibration_set}" if record.calibration_set else "no calibration (round to nearest)")
+    typer.echo(f"{record.method} int{record.bits} g{record.group_size} checkpoint {verb}: {record.checkpoint} "
+               f"({calibration})")

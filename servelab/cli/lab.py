@@ -1,0 +1,149 @@
+"""The lab's commands: a run, a comparison plan, LAMBADA quality and the batch-size sweep.
+
+Knows these commands' options and how their results are printed. Does not know how a run, a verdict,
+a quality score or a sweep is made: servelab/lab does. The engine and torch are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, connected, fail, load_config, load_engines,
+                                  parse_ints, progress, settings)
+
+
+def run(
+    config: ConfigOption,
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="workload YAML, e.g. workloads/smoke.yaml")],
+) -> None:
+    """Serve a workload with one config through a real worker and the queue; store and print the run."""
+    from servelab.lab.runner import RunError, run_workload, start_worker, warm_up
+    from servelab.lab.workload import WorkloadError, load_workload
+
+    serving = load_config(config)
+    try:
+        loaded = load_workload(workload)
+    except WorkloadError as exc:
+        fail(str(exc))
+    with connected() as runtime:
+        try:
+            with start_worker(serving, config, runtime) as started:
+                warm_up(started, serving, loaded)
+                outcome = run_workload(workload=loaded, config=serving, worker=started, progress=progress)
+        except RunError as exc:
+            fail(str(exc))
+    typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint}), "
+               f"kernel {outcome.kernel}")
+    typer.echo(_format_summary(outcome.summary))
+
+
+def _format_summary(summary) -> str:
+    lines = [f"requests {summary.num_succeeded}/{summary.num_requests} in {summary.duration_s:.1f} s: "
+             f"{summary.output_tokens_per_s:.1f} output tok/s, {summary.requests_per_s:.2f} req/s, "
+             f"mean batch {summary.mean_batch_size:.1f} {summary.batch_size_counts}"]
+    for name, lat in summary.latency.items():
+        lines.append(f"  {name:<9} p50 {lat.p50:9.1f}  p95 {lat.p95:9.1f}  p99 {lat.p99:9.1f}")
+    if summary.goodput_fraction is not None:
+        lines.append(f"  goodput {summary.goodput_fraction:.0%} of requests met the SLOs "
+                     f"({summary.goodput_requests_per_s:.2f} req/s)")
+    lines.append(f"  memory: weights {summary.weight_bytes / 1e6:.1f} MB, KV cache peak "
+                 f"{summary.kv_cache_peak_bytes / 1e6:.2f} MB, working peak {summary.working_peak_bytes / 1e6:.1f} MB")
+    lines.append(f"  cost: {summary.cost_per_request:.6f} per request, {summary.cost_per_1k_output_tokens:.6f} "
+                 "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)")
+    return "\n".join(lines)
+
+
+def compare(
+    plan: Annotated[Path, typer.Argument(help="comparison plan YAML, e.g. plans/precision.yaml")],
+) -> None:
+    """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts."""
+    from servelab.lab.compare import PlanError, format_verdicts, load_plan, run_plan
+    from servelab.lab.runner import RunError
+
+    try:
+        loaded = load_plan(plan)
+    except PlanError as exc:
+        fail(str(exc))
+    with connected() as runtime:
+        try:
+            result = run_plan(loaded, runtime, progress=progress)
+        except RunError as exc:
+            fail(str(exc))
+    typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
+    typer.echo(format_verdicts(result.verdicts))
+
+
+def quality(
+    configs: Annotated[str, typer.Option(help="comma-separated serving configs; the first is the baseline")],
+    samples: Annotated[int, typer.Option(help="LAMBADA passages, the same for every config")] = 100,
+    seed: int = 0,
+) -> None:
+    """LAMBADA last-word accuracy and perplexity of each config through the serving engine, paired."""
+    from servelab.engine.engine import Engine
+    from servelab.engine.loader import ModelLoadError
+    from servelab.lab.quality import accuracy_drop, evaluate_lambada, lambada_passages, perplexity_ratio
+
+    serving = [load_config(path) for path in config_paths(configs)]
+    passages = lambada_passages(samples, seed=seed)
+    results = []
+    for config in serving:
+        try:
+            engine = Engine.from_config(config, settings())
+        except ModelLoadError as exc:
+            fail(str(exc))
+        results.append(evaluate_lambada(engine, passages, batch_size=config.batching.max_batch_size))
+        del engine
+    typer.echo(f"LAMBADA, {samples} passages (seed {seed}); intervals are 95 %; drop and ratio are paired "
+               f"against {serving[0].name}")
+    for config, result in zip(serving, results):
+        acc, ppl = result.accuracy, result.perplexity
+        line = (f"{config.name:<12} accuracy {acc.value:.3f} [{acc.low:.3f}, {acc.high:.3f}]  "
+                f"perplexity {ppl.value:.2f} [{ppl.low:.2f}, {ppl.high:.2f}]")
+        if result is not results[0]:
+            drop, ratio = accuracy_drop(results[0], result), perplexity_ratio(results[0], result)
+            line += (f"  drop {drop.value:+.3f} [{drop.low:+.3f}, {drop.high:+.3f}]  "
+                     f"ppl x{ratio.value:.3f} [{ratio.low:.3f}, {ratio.high:.3f}]")
+        typer.echo(line)
+
+
+def sweep(
+    configs: Annotated[str, typer.Option(help="comma-separated serving config files; the first is the baseline")]
+    = "configs/fp32.yaml,configs/bf16.yaml",
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,2,4,8,16,32",
+    prompt_tokens: int = 64,
+    new_tokens: int = 32,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; medians are printed")] = 2,
+    threads: ThreadsOption = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    store: Annotated[bool, typer.Option(help="store the sweep in PostgreSQL for the dashboard")] = True,
+) -> None:
+    """Decode speed against batch size per config, beside the bandwidth and compute rooflines."""
+    from servelab.lab.sweep import format_sweep_table, sweep_report
+
+    serving = [load_config(path) for path in config_paths(configs)]
+    sizes = parse_ints(batch_sizes, "--batch-sizes")
+    if not serving:
+        fail(f"--configs names no config file, got {configs!r}")
+    if len({c.name for c in serving}) != len(serving):
+        fail(f"--configs: config names must differ, got {[c.name for c in serving]}")
+    if new_tokens < 2 or prompt_tokens < 1 or rounds < 1:
+        fail("--new-tokens must be at least 2, --prompt-tokens and --rounds at least 1")
+    engines = load_engines(serving, threads)
+    report = sweep_report(engines, batch_sizes=sizes, num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens,
+                          num_rounds=rounds, progress=progress)
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_sweep_table(report))
+    if store:
+        typer.echo(f"stored as sweep {_store_sweep(report)} (the dashboard's Sweep page)", err=True)
+
+
+def _store_sweep(report) -> str:
+    from servelab.hardware import describe_hardware
+    from servelab.store.db import session_scope
+    from servelab.store.runs import save_sweep
+
+    with connected() as runtime, session_scope(runtime.sessions) as session:
+        return save_sweep(session, report=report.as_dict(), hardware=describe_hardware().as_dict())

@@ -1,0 +1,117 @@
+"""The long-running processes and the local stack: worker, migrate, up, down, dashboard, api, jobs-worker, beat.
+
+Knows how each process is started from the command line. Does not know what the processes do inside:
+the worker loop, the stack's process table, the API and Celery live in their own modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from servelab.cli.options import ConfigOption, config_paths, connected, fail, load_config, settings
+
+
+def worker(
+    config: ConfigOption,
+    name: Annotated[str | None, typer.Option(help="consumer name; reuse it after a crash to take back its entries")] = None,
+) -> None:
+    """Serve one config from its Redis streams until stopped (the gpu-worker service)."""
+    from servelab.engine.loader import ModelLoadError
+    from servelab.serving import run_worker
+
+    serving = load_config(config)
+    named = settings().model_copy(update={"worker_name": name}) if name else settings()
+    with connected(named) as runtime:
+        try:
+            run_worker(serving, runtime)
+        except ModelLoadError as exc:
+            fail(str(exc))
+
+
+def migrate() -> None:
+    """Create the database if needed and upgrade it to the newest schema (the compose `migrate` service)."""
+    with connected():
+        pass  # NOTE: connecting creates the database and upgrades it
+    typer.echo("database at the newest schema")
+
+
+def up(
+    configs: Annotated[str, typer.Option(help="comma-separated serving configs, one gpu-worker each")]
+    = "configs/smollm2.yaml",
+    port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
+) -> None:
+    """Start the local stack in the background: Redis and PostgreSQL (embedded unless URLs are set), the
+    schema, the api, the jobs-worker, beat and a gpu-worker per config. `servelab down` stops it."""
+    from servelab.stack import StackError, start_stack
+
+    paths = config_paths(configs)
+    for path in paths:
+        load_config(path)
+    with connected() as runtime:
+        urls, where = runtime.urls, runtime.settings
+    env = {"SERVELAB_REDIS_URL": urls.redis_url, "SERVELAB_DATABASE_URL": urls.database_url,
+           "SERVELAB_KEY_PREFIX": where.key_prefix, "SERVELAB_CACHE_DIR": str(Path(where.cache_dir).resolve()),
+           "SERVELAB_STATE_DIR": str(Path(where.state_dir).resolve())}
+    try:
+        processes = start_stack(where, env=env, config_paths=paths, api_port=port)
+    except StackError as exc:
+        fail(str(exc))
+    for p in processes:
+        typer.echo(f"{p.name:<24} pid {p.pid:<8} log {p.log}")
+    typer.echo(f"API: http://127.0.0.1:{port}/v1 (OpenAI-compatible; model = a config name)")
+
+
+def down() -> None:
+    """Stop the local stack (`servelab up`) and the embedded Redis and PostgreSQL of this state folder."""
+    from servelab.embedded import stop_embedded
+    from servelab.stack import stop_stack
+
+    for process in stop_stack(settings()):
+        typer.echo(f"stopped {process.name} (pid {process.pid})")
+    for server in stop_embedded(settings()):
+        typer.echo(f"stopped embedded {server.kind} (pid {server.pid})")
+
+
+def dashboard(
+    port: Annotated[int, typer.Option(help="port to serve the dashboard on")] = 8501,
+    address: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+) -> None:
+    """Serve the dashboard (Streamlit; reads Postgres and Redis only) until stopped."""
+    import os
+    import sys
+
+    app_path = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+    if not app_path.is_file():
+        fail(f"{app_path}: the dashboard app is missing (run from a source checkout)")
+    # NOTE: exec, so Ctrl-C and the service manager's signals reach Streamlit itself.
+    os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.headless", "true",
+                              "--server.port", str(port), "--server.address", address,
+                              "--browser.gatherUsageStats", "false"])
+
+
+def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Run the API (FastAPI under uvicorn); it never loads torch."""
+    import uvicorn
+
+    # NOTE: named by string, not imported: the core never imports the process packages.
+    uvicorn.run("api.app:build", factory=True, host=host, port=port, workers=workers)
+
+
+def _run_module(*args: str) -> None:
+    import subprocess
+    import sys
+
+    raise typer.Exit(code=subprocess.call([sys.executable, "-m", *args]))
+
+
+def jobs_worker(concurrency: int = 2) -> None:
+    """Run the Celery jobs-worker (batch ingest, finalisation, cancel, expiry, reaper)."""
+    _run_module("worker.jobs", "worker", f"--concurrency={concurrency}", "--loglevel=INFO")
+
+
+def beat() -> None:
+    """Run Celery beat: it sweeps batch jobs every jobs_poll_s and reaps lost stream entries."""
+    _run_module("worker.jobs", "beat", "--loglevel=INFO")
