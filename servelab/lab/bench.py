@@ -21,6 +21,8 @@ import torch
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
+from servelab.lab.roofline import weights_roofline
+from servelab.lab.stats import interleaved_medians
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
@@ -45,7 +47,7 @@ class EngineBenchRow:
     tokens_per_s: float  # this engine, output tokens over prefill + decode
     decode_tokens_per_s: float  # this engine, decode steps only
     hf_tokens_per_s: float  # transformers generate(use_cache=True), output tokens over its whole call
-    roofline_tokens_per_s: float  # batch x bandwidth / weight bytes read per decode step
+    roofline_tokens_per_s: float  # weights_roofline: batch x bandwidth / weight bytes read per decode step
 
     @property
     def ratio_to_hf(self) -> float:
@@ -95,26 +97,21 @@ def bench_engines(
     num_rounds: int, bandwidth_gbs: float, progress=lambda message: None,
 ) -> list[EngineBenchRow]:
     """Interleaved rounds: every (engine, batch size) pair, ours then HF's, round after round; medians."""
-    samples: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
     for engine in engines:  # warm-up: first calls pay for lazy initialisation
         warm = bench_requests(engine, 1, 8, 2)
         time_engine(engine, warm), time_hf_generate(engine, warm)
-    for round_idx in range(num_rounds):
-        for e_idx, engine in enumerate(engines):
-            for batch_size in batch_sizes:
-                progress(f"round {round_idx + 1}/{num_rounds}: {engine.config.name} batch {batch_size}")
-                requests = bench_requests(engine, batch_size, num_prompt_tokens, num_new_tokens)
-                ours, decode = time_engine(engine, requests)
-                hf = time_hf_generate(engine, requests)
-                samples.setdefault((e_idx, batch_size), []).append((ours, decode, hf))
-    rows = []
-    for (e_idx, batch_size), runs in samples.items():
-        engine = engines[e_idx]
-        ours, decode, hf = (statistics.median(column) for column in zip(*runs))
-        roofline = batch_size * bandwidth_gbs * 1e9 / engine.weight_bytes
-        rows.append(EngineBenchRow(engine.config.name, engine.config.weights, batch_size, torch.get_num_threads(),
-                                   ours, decode, hf, roofline))
-    return rows
+
+    def measure(cell: tuple[int, int]) -> tuple[float, float, float]:
+        engine = engines[cell[0]]
+        requests = bench_requests(engine, cell[1], num_prompt_tokens, num_new_tokens)
+        return (*time_engine(engine, requests), time_hf_generate(engine, requests))
+
+    cells = [(e_idx, batch_size) for e_idx in range(len(engines)) for batch_size in batch_sizes]
+    medians = interleaved_medians(cells, measure, num_rounds=num_rounds, progress=progress,
+                                  label=lambda cell: f"{engines[cell[0]].config.name} batch {cell[1]}")
+    return [EngineBenchRow(engines[e].config.name, engines[e].config.weights, b, torch.get_num_threads(), ours, decode,
+                           hf, weights_roofline(engines[e].weight_bytes, bandwidth_gbs, b))
+            for (e, b), (ours, decode, hf) in medians.items()]
 
 
 def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float, kernels: dict[str, str]) -> str:
@@ -152,7 +149,7 @@ class StepRow:
     batch_size: int
     tokens_per_s: float  # output tokens over prefill + decode
     decode_tokens_per_s: float
-    roofline_tokens_per_s: float  # batch x bandwidth / weight bytes
+    roofline_tokens_per_s: float  # weights_roofline: batch x bandwidth / weight bytes
 
 
 def bench_steps(
@@ -160,21 +157,15 @@ def bench_steps(
     num_rounds: int, bandwidth_gbs: float, progress=lambda message: None,
 ) -> list[StepRow]:
     """Interleaved rounds over (batch size, step); medians. Every engine serves the same config but one setting."""
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for engine in engines.values():
         time_engine(engine, bench_requests(engine, 2, 8, 2))  # warm-up
-    for round_idx in range(num_rounds):
-        for batch_size in batch_sizes:
-            for step, engine in engines.items():
-                progress(f"round {round_idx + 1}/{num_rounds}: batch {batch_size}: {step}")
-                requests = bench_requests(engine, batch_size, num_prompt_tokens, num_new_tokens)
-                samples.setdefault((step, batch_size), []).append(time_engine(engine, requests))
-    rows = []
-    for (step, batch_size), runs in samples.items():
-        tokens, decode = (statistics.median(column) for column in zip(*runs))
-        roofline = batch_size * bandwidth_gbs * 1e9 / engines[step].weight_bytes
-        rows.append(StepRow(step, batch_size, tokens, decode, roofline))
-    return rows
+    cells = [(step, batch_size) for batch_size in batch_sizes for step in engines]
+    medians = interleaved_medians(
+        cells, lambda cell: time_engine(engines[cell[0]], bench_requests(engines[cell[0]], cell[1], num_prompt_tokens,
+                                                                         num_new_tokens)),
+        num_rounds=num_rounds, progress=progress, label=lambda cell: f"batch {cell[1]}: {cell[0]}")
+    return [StepRow(step, b, tokens, decode, weights_roofline(engines[step].weight_bytes, bandwidth_gbs, b))
+            for (step, b), (tokens, decode) in medians.items()]
 
 
 def format_steps_table(rows: list[StepRow], *, header: str) -> str:

@@ -43,6 +43,12 @@ class Machine:
     peak_flops_per_s: float  # matmul peak in the compute dtype
 
 
+def weights_roofline(weight_bytes: int, bandwidth_gbs: float, batch_size: int) -> float:
+    """Decode tokens/s if a step read only the weights, once, at the measured bandwidth (the KV reads left
+    out: the engine benches' roof at short contexts; `bandwidth_roofline` adds them)."""
+    return batch_size * bandwidth_gbs * 1e9 / weight_bytes
+
+
 def mean_decode_context(num_prompt_tokens: int, num_new_tokens: int) -> float:
     """Mean cached tokens per row over the decode steps: the prompt, then one more token each step."""
     return num_prompt_tokens + num_new_tokens / 2

@@ -7,8 +7,12 @@ data always gives the same interval. Does not know what the numbers measure.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Hashable, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 import numpy as np
 
@@ -138,3 +142,19 @@ def common_prefix_length(a: Sequence, b: Sequence) -> int:
             break
         count += 1
     return count
+
+
+def interleaved_medians(cells: Sequence[K], measure: Callable[[K], tuple[float, ...]], *, num_rounds: int,
+                        label: Callable[[K], str], progress: Callable[[str], None] = lambda message: None,
+                        ) -> dict[K, tuple[float, ...]]:
+    """Every cell measured once per round, in the order given, round after round; the median of each figure.
+
+    NOTE: the one harness of the benches and the sweep: on a shared machine only figures measured close
+    together compare, so no cell's rounds run back to back.
+    """
+    samples: dict[K, list[tuple[float, ...]]] = {cell: [] for cell in cells}
+    for round_idx in range(num_rounds):
+        for cell in cells:
+            progress(f"round {round_idx + 1}/{num_rounds}: {label(cell)}")
+            samples[cell].append(measure(cell))
+    return {cell: tuple(statistics.median(column) for column in zip(*runs)) for cell, runs in samples.items()}

@@ -18,6 +18,7 @@ from servelab.engine.engine import Engine
 from servelab.engine.loader import DTYPES
 from servelab.lab.bench import bench_requests
 from servelab.hardware import measure_bandwidth_gbs
+from servelab.lab.stats import interleaved_medians
 from servelab.lab.roofline import (
     DecodeCost,
     Machine,
@@ -100,17 +101,13 @@ def run_sweep(
     peaks = dict(peak_flops_per_s or measure_peaks(engines))
     for engine in engines:  # warm-up: first calls pay for lazy initialisation
         time_batch(engine, 1, 8, 2)
-    samples: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
-    for round_idx in range(num_rounds):
-        for e_idx, engine in enumerate(engines):
-            for batch_size in batch_sizes:
-                progress(f"round {round_idx + 1}/{num_rounds}: {engine.config.name} batch {batch_size}")
-                sample = time_batch(engine, batch_size, num_prompt_tokens, num_new_tokens)
-                samples.setdefault((e_idx, batch_size), []).append(sample)
+    cells = [(e_idx, batch_size) for e_idx in range(len(engines)) for batch_size in batch_sizes]
+    medians = interleaved_medians(
+        cells, lambda cell: time_batch(engines[cell[0]], cell[1], num_prompt_tokens, num_new_tokens),
+        num_rounds=num_rounds, progress=progress, label=lambda cell: f"{engines[cell[0]].config.name} batch {cell[1]}")
     points = []
-    for (e_idx, batch_size), runs in samples.items():
+    for (e_idx, batch_size), (decode, tpot, e2e) in medians.items():
         engine = engines[e_idx]
-        decode, tpot, e2e = (statistics.median(column) for column in zip(*runs))
         machine = Machine(bandwidth_gbs, peaks[compute_dtype_name(engine)])
         points.append(sweep_point(
             config=engine.config.name, weights=engine.config.weights, batch_size=batch_size,

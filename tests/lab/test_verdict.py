@@ -135,3 +135,15 @@ def test_repeats_that_agree_within_their_intervals_are_reported_so() -> None:
         (summary(50, 45, 55), summary(52, 48, 58)), metrics=("tpot_ms",))
     assert "DISAGREE" in repeat_agreement((summary(50, 45, 55), summary(80, 70, 90)), metrics=("tpot_ms",))
     assert "one run" in repeat_agreement((summary(50, 45, 55),))
+
+
+def test_interleaved_rounds_measure_every_cell_once_per_round_and_keep_medians() -> None:
+    from servelab.lab.stats import interleaved_medians
+
+    order, figures = [], {"a": iter([(1.0, 10.0), (3.0, 30.0), (2.0, 20.0)]), "b": iter([(5.0,), (4.0,), (6.0,)])}
+    messages = []
+    medians = interleaved_medians(["a", "b"], lambda cell: order.append(cell) or next(figures[cell]), num_rounds=3,
+                                  label=str.upper, progress=messages.append)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # never two rounds of one cell back to back
+    assert medians == {"a": (2.0, 20.0), "b": (5.0,)}
+    assert messages[:2] == ["round 1/3: A", "round 1/3: B"]
