@@ -35,6 +35,8 @@ class BatchingConfig(_Frozen):
     max_wait_ms: float = Field(default=20.0, ge=0.0, le=60_000.0)
     # NOTE: counted as the padded worst case of a batch: rows x (longest prompt + largest max_new_tokens).
     max_batch_tokens: int = Field(default=16_384, ge=1)
+    max_kv_cache_mib: int | None = Field(default=None, ge=1, description=(
+        "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens"))
 
 
 class DecodingConfig(_Frozen):

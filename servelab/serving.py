@@ -249,6 +249,12 @@ def _is_uuid(value: str) -> bool:
     return True
 
 
+def batch_policy(engine: Engine) -> BatchPolicy:
+    """The config's batching limits, its KV memory budget counted for this model's shape and cache dtype."""
+    return BatchPolicy.from_config(engine.config.batching, engine.loaded.shape,
+                                   bytes_per_element=engine.kv_bytes_per_element)
+
+
 def default_worker_name() -> str:
     """Unique per process and host, so scaled-out workers never share a consumer name."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -267,8 +273,7 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
                                         "bandwidth_gbs": round(measure_bandwidth_gbs(engine.device), 1)},
                               software=software_versions())
         store.save_serving_config(session, config=config)
-    policy = BatchPolicy.from_config(config.batching)
-    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=policy,
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),
                            faults=faults)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())

@@ -24,11 +24,10 @@ from servelab.engine.engine import Engine
 from servelab.lab.roofline import weights_roofline
 from servelab.lab.stats import interleaved_medians
 from servelab.request import GenerationRequest, SamplingParams
-from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.submit import submit_request
 from servelab.runtime import Runtime
-from servelab.serving import FaultPolicy, ServingWorker
+from servelab.serving import FaultPolicy, ServingWorker, batch_policy
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 
@@ -240,7 +239,7 @@ def start_bench_worker(config: ServingConfig, runtime: Runtime) -> Iterator[Serv
     engine = Engine.from_config(config, settings)
     streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
-                           policy=BatchPolicy.from_config(config.batching), faults=FaultPolicy.from_settings(settings))
+                           policy=batch_policy(engine), faults=FaultPolicy.from_settings(settings))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:

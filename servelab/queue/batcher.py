@@ -31,12 +31,13 @@ class BatchPolicy:
     max_batch_tokens: int
 
     @classmethod
-    def from_config(cls, batching: BatchingConfig, shape: ModelShape | None = None,
-                    *, bytes_per_element: float = 4, max_kv_cache_bytes: int | None = None) -> BatchPolicy:
+    def from_config(cls, batching: BatchingConfig, shape: ModelShape, *, bytes_per_element: float) -> BatchPolicy:
+        """The config's limits; a KV memory budget (max_kv_cache_mib) becomes tokens through the model's
+        shape and the cache's bytes per element, and the smaller token budget holds."""
         budget = batching.max_batch_tokens
-        if shape is not None and max_kv_cache_bytes is not None:
-            budget = min(budget, int(max_kv_cache_bytes // shape.kv_bytes_per_token(bytes_per_element)))
-        return cls(batching.max_batch_size, batching.max_wait_ms, budget)
+        if batching.max_kv_cache_mib is not None:
+            budget = min(budget, int(batching.max_kv_cache_mib * 2**20 // shape.kv_bytes_per_token(bytes_per_element)))
+        return cls(batching.max_batch_size, batching.max_wait_ms, max(budget, 1))
 
     def batch_tokens(self, batch: list[Candidate]) -> int:
         """KV tokens the batch may retain: every row padded to the longest prompt, plus the longest decode."""

@@ -67,6 +67,11 @@ def test_kv_byte_budget_from_model_shape_and_cache_dtype() -> None:
     shape = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, vocab_size=49152)
     per_token = shape.kv_bytes_per_token(2)  # bf16 cache
     assert per_token == 2 * 30 * 3 * 64 * 2
-    policy = BatchPolicy.from_config(BatchingConfig(max_batch_tokens=1_000_000), shape, bytes_per_element=2,
-                                     max_kv_cache_bytes=int(per_token * 5000))
-    assert policy.max_batch_tokens == 5000
+    policy = BatchPolicy.from_config(BatchingConfig(max_batch_tokens=1_000_000, max_kv_cache_mib=100), shape,
+                                     bytes_per_element=2)
+    assert policy.max_batch_tokens == 100 * 2**20 // per_token == 4551
+    fp32 = BatchPolicy.from_config(BatchingConfig(max_batch_tokens=1_000_000, max_kv_cache_mib=100), shape,
+                                   bytes_per_element=4)
+    assert fp32.max_batch_tokens == 4551 // 2  # twice the bytes per token: half the tokens
+    unset = BatchPolicy.from_config(BatchingConfig(max_batch_tokens=3000), shape, bytes_per_element=2)
+    assert unset.max_batch_tokens == 3000  # no memory budget: the token budget alone
