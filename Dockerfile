@@ -49,7 +49,7 @@ CMD ["sh", "-c", "python3.11 -m worker.gpu configs/${SERVELAB_WORKER_CONFIG:-fp3
 
 # The same worker on CPU only, for machines without a GPU (docker compose --profile cpu).
 FROM light AS gpu-worker-cpu
-# g++: servelab's AVX-512 matmul kernel is compiled on first use for the CPU it runs on (into /cache).
+# g++: servelab's kernels (AVX-512 or AVX2 build) are compiled on first use for the CPU they run on (into /cache).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install -e ".[engine]" && pip install --no-deps -r requirements-nodeps.txt
 CMD ["sh", "-c", "python -m worker.gpu configs/${SERVELAB_WORKER_CONFIG:-fp32}.yaml"]
