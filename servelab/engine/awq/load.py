@@ -51,9 +51,11 @@ def serving_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.float16  # what the CUDA AWQ kernels take
     # NOTE: the CPU int4 kernel computes in bf16 whatever the model dtype; the rest of the model runs
-    # in bf16 only where the CPU has native bf16 (AVX512-BF16 / AMX), else at ~1/50 of fp32 speed.
+    # in bf16 only where the CPU has native bf16 (AVX512-BF16 / AMX) and torch dispatches to it (not capped
+    # below AVX-512 by ATEN_CPU_CAPABILITY), else at ~1/50 of fp32 speed.
     has_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if has_bf16 else torch.float32
+    torch_uses_it = torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX512", "AMX"))
+    return torch.bfloat16 if has_bf16 and torch_uses_it else torch.float32
 
 
 def load_awq_model(config: ServingConfig, settings: Settings, *, method: QuantMethod | None = None) -> LoadedModel:
