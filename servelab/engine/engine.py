@@ -18,7 +18,7 @@ from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.decoder import build_decoder
 from servelab.engine.kvcache import KVCache, cache_bytes_per_element
-from servelab.engine.linear import LABELS, LinearKernelError, linear_kernel_reason
+from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
@@ -82,7 +82,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)
-        check_linear_kernel(config, settings)
+        check_configured_kernel(config, settings)
         return cls(load_model(config, settings), config, cache_dir=settings.cache_dir)
 
     # --- admission: text -> token ids, every limit checked per request ---
@@ -260,7 +260,7 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
-def check_linear_kernel(config: ServingConfig, settings: Settings) -> None:
+def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
     """A linear kernel named in the config that cannot run on this machine is refused before the model loads."""
     if config.decoder != "auto" or config.linear_kernel == "auto":
         return
@@ -271,6 +271,7 @@ def check_linear_kernel(config: ServingConfig, settings: Settings) -> None:
         dtype = serving_dtype(device)  # the dtype around the int4 layers: the output layer's
     else:
         dtype = DTYPES[config.weights]
-    reason = linear_kernel_reason(config.linear_kernel, device=device, dtype=dtype, cache_dir=settings.cache_dir)
-    if reason is not None:
-        raise LinearKernelError(f"{config.name}: linear_kernel {config.linear_kernel!r} cannot run here: {reason}")
+    try:
+        check_linear_kernel(config.linear_kernel, device=device, dtype=dtype, cache_dir=settings.cache_dir)
+    except LinearKernelError as exc:
+        raise LinearKernelError(f"{config.name}: {exc}") from None

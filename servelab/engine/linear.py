@@ -84,6 +84,14 @@ def linear_kernel_reason(choice: str, *, device: torch.device, dtype: torch.dtyp
     return None
 
 
+def check_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> None:
+    """Refuse a kernel that cannot run here, with the reason (before a model loads, and when one is served)."""
+    reason = linear_kernel_reason(choice, device=device, dtype=dtype, cache_dir=cache_dir)
+    if reason is not None:
+        raise LinearKernelError(reason if choice not in LINEAR_KERNELS
+                                else f"linear_kernel {choice!r} cannot run here: {reason}")
+
+
 @dataclass(frozen=True)
 class LinearKernel:
     """What serves the dense weights: one kernel, or ('auto') the measured best per number of rows."""
@@ -159,16 +167,12 @@ def _merged(by_rows: tuple[tuple[int | None, str], ...]) -> list[tuple[int | Non
 def choose_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtype, cache_dir: Path,
                          shapes: tuple[tuple[int, int], ...] = ((1536, 576), (576, 1536))) -> LinearKernel:
     """The kernel for this config; 'auto' measures (or reads the cached measurement for) `shapes`, (N, K)."""
-    reason = linear_kernel_reason(choice, device=device, dtype=dtype, cache_dir=cache_dir)
-    if reason is not None:
-        if choice not in LINEAR_KERNELS:
-            raise LinearKernelError(reason)
-        raise LinearKernelError(f"linear_kernel {choice!r} cannot run here: {reason}")
-    blocked, _ = _servelab_build("servelab", device, dtype, cache_dir) if choice == "auto" else (None, None)
-    if choice.startswith("servelab"):
-        return LinearKernel("servelab", _servelab_build(choice, device, dtype, cache_dir)[0])
-    if choice != "auto":
+    check_linear_kernel(choice, device=device, dtype=dtype, cache_dir=cache_dir)
+    if choice in ("onednn", "torch"):
         return LinearKernel(choice)
+    blocked, _ = _servelab_build("servelab" if choice == "auto" else choice, device, dtype, cache_dir)
+    if choice != "auto":
+        return LinearKernel("servelab", blocked)
     candidates = [k for k, ok in (("servelab", blocked is not None),
                                   ("onednn", onednn_reason(device, dtype) is None), ("torch", True)) if ok]
     if len(candidates) == 1:

@@ -56,8 +56,9 @@ class RequestStreams:
         """Committed request ids onto one stream, in one round trip; -> their entry ids."""
         self.ensure_groups()
         pipe = self.client.pipeline(transaction=True)
+        key = stream_key(self.prefix, self.config_name, kind)
         for request_id in request_ids:
-            pipe.xadd(stream_key(self.prefix, self.config_name, kind), {"request_id": request_id})
+            pipe.xadd(key, {"request_id": request_id})
             pipe.sadd(self.enqueued_key, request_id)  # NOTE: lets the reaper find rows whose entry was lost
         return [_text(entry_id) for entry_id in pipe.execute()[::2]]
 
