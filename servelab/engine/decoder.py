@@ -5,8 +5,8 @@ drives them the same way and never sees which one runs.
 
 `LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
 grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and gate/up are one matmul
-each, dense weights are laid out once for the matmul kernel that serves them (linear.py), keys and values are written in place into a cache allocated
-once per batch, and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
+each, dense weights are laid out once for the matmul kernel that serves them (linear.py), keys and values are written in place into caches allocated
+ahead (kvcache.py), and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
 slower for one query over a long cache; with the servelab kernels, one fused kernel). It keeps its own copy of the packed weights: transformers'
 model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
 
@@ -24,7 +24,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.kvcache import CACHE_DTYPES, KVCache, StaticKVCache, TransformersKVCache, new_cache
+from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, SlotKVCache, StaticKVCache,
+                                     TransformersBatchCache, TransformersKVCache, new_cache)
 from servelab.engine.linear import Int4Linear, LinearKernel, choose_linear_kernel, measured_shapes
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -33,11 +34,18 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 class Decoder(Protocol):
     name: str
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """A prefill's cache for a group of left-padded rows."""
+        ...
+
+    def new_batch_cache(self) -> BatchKVCache:
+        """An empty running batch, which prefilled groups join."""
+        ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
-        """input_ids, position_ids (B, T); attention_mask (B, cached + T) -> logits (B, V) of the last position."""
+                cache: KVCache | BatchKVCache) -> torch.Tensor:
+        """input_ids, position_ids (B, T); attention_mask (B, cached + T) -> logits (B, V) of the last position.
+        A prefill's cache takes T tokens per row; a running batch's one."""
         ...
 
 
@@ -77,9 +85,13 @@ class TransformersDecoder:
         config = self.model.config
         return TransformersKVCache(new_cache(config, config.num_hidden_layers, self.kv_cache_dtype, self.dtype))
 
-    def forward(self, input_ids, attention_mask, position_ids, cache: TransformersKVCache) -> torch.Tensor:
+    def new_batch_cache(self) -> BatchKVCache:
+        return TransformersBatchCache()
+
+    def forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        held = cache.cache if isinstance(cache, TransformersBatchCache) else cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache.cache, use_cache=True, logits_to_keep=1)
+                         cache=held.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
 
@@ -156,7 +168,11 @@ class LlamaDecoder:
                              capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
                              device=self.device)
 
-    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
+    def new_batch_cache(self) -> BatchKVCache:
+        return SlotKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           dtype=self.cache_dtype, device=self.device)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(input_ids, self.embed)  # (B, T, C)

@@ -1,8 +1,12 @@
-"""The engine: serves a batch of requests with KV-cached decoding, prefill and decode kept apart.
+"""The engine: serves requests with KV-cached decoding, one step at a time, rows joining and leaving.
 
-Knows tokenising, left-padded batches (attention mask, per-row positions), the decode loop in which
-finished rows leave the batch and its cache, stop conditions, timings and memory. Does not know
-queues, databases or how a batch was formed: a bad request fails alone, its batch-mates carry on.
+A running batch lives in the engine between calls: `add(requests)` prefills newcomers (one forward for
+the group, apart from the running rows) and joins them to the batch's cache; `step()` runs one decode
+step for every live row. Both return each row's new token and the rows that finished, whose cache space
+is free at once. `generate(requests)` is a closed batch: add, then step until every row has finished.
+Knows tokenising, left-padded prefill groups, stop conditions, per-row timings and the memory of each
+stretch of steps (`take_stats`). Does not know queues, databases or how rows were chosen: a bad request
+fails alone, its batch-mates carry on.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import torch
 from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.decoder import build_decoder
-from servelab.engine.kvcache import KVCache, cache_bytes_per_element
+from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
-from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, failed
+from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, StepOutput, failed
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, sample_next
 from servelab.settings import Settings
@@ -29,25 +33,35 @@ from servelab.settings import Settings
 
 @dataclass
 class _Row:
-    """Decoding state of one request while its batch runs."""
+    """Decoding state of one request while it is in the batch."""
 
     request: GenerationRequest
     prompt_ids: list[int]
     generator: torch.Generator | None
+    started: float = 0.0  # perf_counter when its prefill began; its times count from here
+    started_at_s: float = 0.0  # the same instant, Unix time
     token_ids: list[int] = field(default_factory=list)
     token_times_ms: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     text: str | None = None  # set when a stop string ended the row
 
+    @property
+    def num_columns(self) -> int:
+        """Cache columns the row may hold by its end: prompt and every new token."""
+        return len(self.prompt_ids) + self.request.params.max_new_tokens
+
 
 @dataclass
-class _Batch:
-    """The tensors that travel between decode steps; rows[i] owns row i of every tensor."""
+class _Meter:
+    """What a stretch of steps did, from the first add or step after `take_stats` to the next one."""
 
-    rows: list[_Row]
-    cache: KVCache
-    attention_mask: torch.Tensor  # (B, T_cache + 1 after the step's token is appended)
-    positions: torch.Tensor  # (B,) position of each row's last token
+    peak: measure.PeakMemory
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    num_rows_per_step: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
     peak_cache_tokens: int = 0
     peak_cache_allocated_bytes: int = 0
 
@@ -66,6 +80,9 @@ class Engine:
         self.decoder = build_decoder(self.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
                                      cache_dir=cache_dir)
+        self._rows: list[_Row] = []  # the running batch, row i of the cache is rows[i]
+        self._batch_cache: BatchKVCache | None = None
+        self._meter: _Meter | None = None
 
     @property
     def kernel(self) -> str:
@@ -113,48 +130,105 @@ class Engine:
             rows.append(_Row(request, prompt_ids, make_generator(request.params, self.device)))
         return rows, rejected
 
-    # --- the serving step ---
+    # --- the running batch: add, step, preempt ---
+
+    @property
+    def live_request_ids(self) -> list[str]:
+        return [r.request.request_id for r in self._rows]
+
+    @property
+    def num_live(self) -> int:
+        return len(self._rows)
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest]) -> BatchResult:
+    def add(self, requests: Sequence[GenerationRequest]) -> StepOutput:
+        """Prefill newcomers and join them to the batch; their first tokens come back. A request that
+        cannot be served (too long, bad parameters) finishes at once with an error."""
         rows, rejected = self._admit(requests)
-        with measure.PeakMemory(self.device) as peak:
-            started = time.perf_counter()
-            batch, logits = self._prefill(rows) if rows else (None, None)
-            prefill_done = time.perf_counter()
-            num_rows_per_step = self._decode_loop(batch, logits, started) if rows else []
-            finished = time.perf_counter()
-        by_id = {c.request_id: c for c in [*(self._complete(r, started) for r in rows), *rejected]}
+        if not rows:
+            return StepOutput((), tuple(rejected))
+        meter = self._open_meter()
+        started, started_at_s = time.perf_counter(), time.time()
+        for row in rows:
+            row.started, row.started_at_s = started, started_at_s
+        logits, prefilled, mask = self._prefill(rows)
+        self._cache.join(prefilled, mask, num_columns=max(r.num_columns for r in [*self._rows, *rows]),
+                         max_rows=self.config.batching.max_batch_size)
+        del prefilled
+        first = len(self._rows)
+        self._rows += rows
+        self._track_cache(meter)
+        tokens, finished = self._sample(logits, range(first, len(self._rows)))
+        meter.prefill_ms += (time.perf_counter() - started) * 1e3
+        meter.num_rows_per_step.append(len(rows))
+        meter.num_prefill_tokens += mask.numel()
+        return StepOutput(tokens, (*finished, *rejected))
+
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        """One decode step for every live row."""
+        if not self._rows:
+            return StepOutput((), ())
+        meter = self._open_meter()
+        started = time.perf_counter()
+        mask, positions = self._cache.next_inputs()
+        last_ids = torch.tensor([r.token_ids[-1] for r in self._rows], dtype=torch.long, device=self.device)
+        logits = self.decoder.forward(last_ids.view(-1, 1), mask, positions, self._cache)
+        self._track_cache(meter)
+        num_rows = len(self._rows)
+        tokens, finished = self._sample(logits, range(num_rows))
+        meter.decode_ms += (time.perf_counter() - started) * 1e3
+        meter.num_rows_per_step.append(num_rows)
+        meter.num_decode_tokens += num_rows
+        return StepOutput(tokens, finished)
+
+    def preempt(self, request_ids: Sequence[str]) -> list[GenerationRequest]:
+        """Take rows out of the batch unfinished (their cache is dropped); -> their requests, which start
+        over from the prompt when added again (same seed, so the same answer)."""
+        wanted = set(request_ids)
+        taken = [r.request for r in self._rows if r.request.request_id in wanted]
+        if taken:
+            self._open_meter().num_preempted += len(taken)
+            self._keep([i for i, r in enumerate(self._rows) if r.request.request_id not in wanted])
+        return taken
+
+    def take_stats(self) -> tuple[BatchTimings, MemoryBreakdown]:
+        """The timings and memory of the steps since the last call; the next add or step starts a new stretch."""
+        meter, self._meter = self._meter, None
+        if meter is None:
+            meter = _Meter(peak=measure.PeakMemory(self.device).__enter__())
+        meter.peak.__exit__(None, None, None)
         timings = BatchTimings(
-            prefill_ms=(prefill_done - started) * 1e3,
-            decode_ms=(finished - prefill_done) * 1e3,
-            num_rows_per_step=tuple(num_rows_per_step),
-            num_prefill_tokens=len(rows) * max((len(r.prompt_ids) for r in rows), default=0),
-            num_decode_tokens=sum(num_rows_per_step[1:]),
+            prefill_ms=meter.prefill_ms, decode_ms=meter.decode_ms,
+            num_rows_per_step=tuple(meter.num_rows_per_step), num_prefill_tokens=meter.num_prefill_tokens,
+            num_decode_tokens=meter.num_decode_tokens, num_preempted=meter.num_preempted,
         )
-        return BatchResult(
-            completions=tuple(by_id[r.request_id] for r in requests),
-            timings=timings,
-            memory=self._memory(batch, peak),
+        memory = MemoryBreakdown(
+            weight_bytes=self.weight_bytes,
+            kv_cache_bytes=self.loaded.shape.kv_cache_bytes(meter.peak_cache_tokens, self.kv_bytes_per_element),
+            kv_cache_allocated_bytes=meter.peak_cache_allocated_bytes,
+            peak_working_bytes=meter.peak.working_bytes,
+            peak_process_bytes=meter.peak.peak_bytes,
+            device=str(self.device),
+            kv_cache_tokens=meter.peak_cache_tokens,
         )
+        return timings, memory
 
-    def _decode_loop(self, batch: _Batch, logits: torch.Tensor, started: float) -> list[int]:
-        """Sample for every live row, retire finished rows, run one cached step; until none is left."""
-        num_rows_per_step = []
-        while batch.rows:
-            num_rows_per_step.append(len(batch.rows))
-            next_ids = sample_next(logits, [r.request.params for r in batch.rows], [r.generator for r in batch.rows])
-            now_ms = (time.perf_counter() - started) * 1e3
-            is_live = [self._append_token(row, int(t), now_ms) for row, t in zip(batch.rows, next_ids.tolist())]
-            if not all(is_live):
-                next_ids = self._retire(batch, is_live, next_ids)
-            if batch.rows:
-                logits = self._decode_step(batch, next_ids)
-        return num_rows_per_step
+    def generate(self, requests: Sequence[GenerationRequest]) -> BatchResult:
+        """A closed batch: every request added at once, stepped until the last row finishes."""
+        if self._rows:
+            raise RuntimeError("generate serves a closed batch; this engine has rows running")
+        self.take_stats()  # NOTE: the batch's figures start here
+        done = {c.request_id: c for c in self.add(requests).finished}
+        while self._rows:
+            done.update((c.request_id, c) for c in self.step().finished)
+        timings, memory = self.take_stats()
+        return BatchResult(completions=tuple(done[r.request_id] for r in requests), timings=timings, memory=memory)
 
-    # --- prefill and decode: the only two places the model runs ---
+    # --- prefill and sampling ---
 
-    def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, object, torch.Tensor]:
+        """One forward over the newcomers, left-padded to the longest prompt, in a cache of their own."""
         width = max(len(r.prompt_ids) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -163,24 +237,41 @@ class Engine:
             attention_mask[i, width - len(row.prompt_ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        # NOTE: a row's last sampled token is never fed back, so this capacity always suffices.
-        capacity = width + max(r.request.params.max_new_tokens for r in rows)
-        cache = self.decoder.new_cache(len(rows), capacity)
-        logits = self.decoder.forward(input_ids, attention_mask, position_ids, cache)
-        batch = _Batch(rows, cache, attention_mask, position_ids[:, -1])
-        self._track_cache(batch)
-        return batch, logits  # (B, V)
+        prefilled = self.decoder.new_cache(len(rows), width)
+        logits = self.decoder.forward(input_ids, attention_mask, position_ids, prefilled)
+        return logits, prefilled, attention_mask  # logits (B, V)
 
-    def _decode_step(self, batch: _Batch, next_ids: torch.Tensor) -> torch.Tensor:
-        ones = batch.attention_mask.new_ones((len(batch.rows), 1))
-        batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)  # (B, T + 1)
-        batch.positions = batch.positions + 1
-        logits = self.decoder.forward(next_ids.view(-1, 1).to(self.device), batch.attention_mask,
-                                      batch.positions.view(-1, 1), batch.cache)
-        self._track_cache(batch)
-        return logits  # (B, V)
+    def _sample(self, logits: torch.Tensor, indices: range) -> tuple[tuple[tuple[str, int], ...], tuple[Completion, ...]]:
+        """A token for each of these rows (logits row i is rows[indices[i]]); finished rows leave."""
+        rows = [self._rows[i] for i in indices]
+        next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows])
+        now = time.perf_counter()
+        tokens, finished = [], []
+        for row, token_id in zip(rows, next_ids.tolist()):
+            tokens.append((row.request.request_id, token_id))
+            if not self._append_token(row, token_id, (now - row.started) * 1e3):
+                finished.append(row)
+        if finished:
+            done = {id(r) for r in finished}
+            self._keep([i for i, r in enumerate(self._rows) if id(r) not in done])
+        return tuple(tokens), tuple(self._complete(r) for r in finished)
+
+    def _keep(self, indices: list[int]) -> None:
+        self._rows = [self._rows[i] for i in indices]
+        self._cache.keep(indices)
 
     # --- bookkeeping ---
+
+    @property
+    def _cache(self) -> BatchKVCache:
+        if self._batch_cache is None:
+            self._batch_cache = self.decoder.new_batch_cache()
+        return self._batch_cache
+
+    def _open_meter(self) -> _Meter:
+        if self._meter is None:
+            self._meter = _Meter(peak=measure.PeakMemory(self.device).__enter__())
+        return self._meter
 
     def _append_token(self, row: _Row, token_id: int, now_ms: float) -> bool:
         """Record a token; returns whether the row goes on decoding."""
@@ -201,30 +292,14 @@ class Engine:
             row.text = text[: min(cuts)]
         return bool(cuts)
 
-    def _retire(self, batch: _Batch, is_live: list[bool], next_ids: torch.Tensor) -> torch.Tensor:
-        """Drop finished rows from every batch tensor and the cache, then trim all-padding columns."""
-        keep = torch.tensor([i for i, live in enumerate(is_live) if live], dtype=torch.long)
-        batch.rows = [r for r, live in zip(batch.rows, is_live) if live]
-        if not batch.rows:
-            return next_ids[:0]
-        keep_dev = keep.to(self.device)
-        batch.cache.select_rows(keep_dev)
-        batch.attention_mask = batch.attention_mask[keep_dev]
-        batch.positions = batch.positions[keep_dev]
-        num_pad_columns = int(batch.attention_mask.any(dim=0).int().argmax())  # leading columns no row uses
-        if num_pad_columns:
-            batch.attention_mask = batch.attention_mask[:, num_pad_columns:]
-            batch.cache.drop_leading_columns(num_pad_columns)
-        return next_ids[keep_dev]
+    def _track_cache(self, meter: _Meter) -> None:
+        """After a forward, before rows leave: the cache at its fullest for this step."""
+        num_tokens = self._cache.num_tokens
+        if num_tokens > meter.peak_cache_tokens:
+            meter.peak_cache_tokens = num_tokens
+        meter.peak_cache_allocated_bytes = max(meter.peak_cache_allocated_bytes, self._cache.allocated_bytes)
 
-    def _track_cache(self, batch: _Batch) -> None:
-        num_tokens = len(batch.rows) * batch.cache.num_columns
-        if num_tokens > batch.peak_cache_tokens:
-            # NOTE: allocation peaks with the tokens (transformers' cache) or is largest at prefill (servelab's)
-            batch.peak_cache_tokens = num_tokens
-            batch.peak_cache_allocated_bytes = max(batch.peak_cache_allocated_bytes, batch.cache.allocated_bytes)
-
-    def _complete(self, row: _Row, started: float) -> Completion:
+    def _complete(self, row: _Row) -> Completion:
         text = row.text
         if text is None:
             text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
@@ -238,17 +313,7 @@ class Engine:
             ttft_ms=row.token_times_ms[0],
             token_times_ms=tuple(row.token_times_ms),
             e2e_ms=row.token_times_ms[-1],
-        )
-
-    def _memory(self, batch: _Batch | None, peak: measure.PeakMemory) -> MemoryBreakdown:
-        peak_tokens = batch.peak_cache_tokens if batch else 0
-        return MemoryBreakdown(
-            weight_bytes=self.weight_bytes,
-            kv_cache_bytes=self.loaded.shape.kv_cache_bytes(peak_tokens, self.kv_bytes_per_element),
-            kv_cache_allocated_bytes=batch.peak_cache_allocated_bytes if batch else 0,
-            peak_working_bytes=peak.working_bytes,
-            peak_process_bytes=peak.peak_bytes,
-            device=str(self.device),
+            started_at_s=row.started_at_s,
         )
 
 

@@ -1,8 +1,10 @@
 """The KV cache of a batch, in the config's cache precision, behind one interface for the engine.
 
-`StaticKVCache` (servelab's decoder): every layer's keys and values in tensors allocated once for the
-batch's capacity, written in place; rows leave by compaction, leading padding columns by moving a start
-index. `TransformersKVCache`: transformers' dynamic cache, for its forward. Both can store keys and values
+A batch is served in two kinds of cache. A prefill fills a group of newcomers' cache in one forward
+(`StaticKVCache` for servelab's decoder, `TransformersKVCache` for transformers'); the group then joins
+the running batch's cache (`SlotKVCache`: a slot per row with its own length, so rows of any length and
+start time decode together without padding; `TransformersBatchCache`: transformers' dynamic cache,
+left-padded to a shared width), which rows leave between decode steps. Both can store keys and values
 in a dtype narrower than the compute dtype (e.g. a bf16 cache under fp32 weights), so cache precision can
 be compared on its own; attention reads them back in the compute dtype. Does not know requests.
 """
@@ -53,30 +55,21 @@ def cache_bytes_per_element(kv_cache_dtype: str, compute_dtype: torch.dtype) -> 
 
 
 class KVCache(Protocol):
-    @property
-    def num_columns(self) -> int:
-        """Token columns held per row (padding included): the attention mask's width."""
-        ...
+    """A prefill's cache: a group of left-padded rows, filled by one forward, then joined to a BatchKVCache."""
 
     @property
     def allocated_bytes(self) -> int: ...
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep only these rows (indices), in this order."""
-        ...
-
-    def drop_leading_columns(self, num_columns: int) -> None: ...
-
 
 class StaticKVCache:
-    """(B, H_kv, capacity, D) keys and values per layer; columns [start, end) hold tokens."""
+    """(B, H_kv, capacity, D) keys and values per layer, columns [0, end) hold tokens: a prefill's cache."""
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.start = self.end = 0
+        self.end = 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write T new columns (B, H_kv, T, D) after the held ones; -> every held column plus these, as
@@ -87,27 +80,15 @@ class StaticKVCache:
         self.keys[layer][:, :, self.end:stop] = keys
         self.values[layer][:, :, self.end:stop] = values
         # NOTE: views in the storage dtype; attention reads them in the compute dtype (decoder.py)
-        return self.keys[layer][:, :, self.start:stop], self.values[layer][:, :, self.start:stop]
+        return self.keys[layer][:, :, :stop], self.values[layer][:, :, :stop]
 
     def advance(self, num_columns: int) -> None:
         """After every layer has appended: the new columns are held."""
         self.end += num_columns
 
     @property
-    def num_columns(self) -> int:
-        return self.end - self.start
-
-    @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def select_rows(self, keep: torch.Tensor) -> None:
-        # NOTE: a copy, so the memory of finished rows is returned; it happens once per retirement, not per token.
-        self.keys = [t.index_select(0, keep) for t in self.keys]
-        self.values = [t.index_select(0, keep) for t in self.values]
-
-    def drop_leading_columns(self, num_columns: int) -> None:
-        self.start += num_columns
 
 
 class TransformersKVCache:
@@ -115,10 +96,6 @@ class TransformersKVCache:
 
     def __init__(self, cache: Cache) -> None:
         self.cache = cache
-
-    @property
-    def num_columns(self) -> int:
-        return self.cache.get_seq_length()
 
     @property
     def allocated_bytes(self) -> int:
@@ -141,3 +118,211 @@ def cache_tensors(cache: Cache) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor):
                 tensors.append(t)
     return tensors
+
+
+class BatchKVCache(Protocol):
+    """The running batch's cache: rows join (prefilled elsewhere) and leave between decode steps."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Token columns held over all rows (padding included where the layout holds it)."""
+        ...
+
+    @property
+    def allocated_bytes(self) -> int: ...
+
+    def next_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one new token per row: (attention mask (B, S) over the held columns and the new one,
+        positions (B, 1) of the new tokens)."""
+        ...
+
+    def join(self, prefilled: KVCache, attention_mask: torch.Tensor, *, num_columns: int, max_rows: int) -> None:
+        """Append the rows of a prefilled cache (left-padded, attention_mask (b, T)) after the held ones;
+        num_columns: the most columns any row will hold, newcomers included; max_rows: the most rows
+        the batch may reach (how far room may grow ahead)."""
+        ...
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (ascending indices); the others' space is free at once."""
+        ...
+
+
+class SlotKVCache:
+    """servelab's running batch: row r's tokens sit in columns [0, lengths[r]) of its slot, so rows of any
+    length and start time decode together and nothing is padded.
+
+    Slots are (rows, H_kv, columns, D) per layer, allocated once for the room the batch needs and grown
+    (rows doubled up to the batch's limit, columns by half again) when a newcomer needs more; live rows stay in slots [0, n), so the
+    decode step reads a view, never a gathered copy. A leaving row's slot is reused by the next newcomer
+    (the rows after it move down, one row copy each); the tensors are dropped when the batch empties.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+        self._lengths_t: torch.Tensor | None = None  # lengths on the device, rebuilt when rows change
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def room(self) -> tuple[int, int]:
+        """(rows, columns) allocated."""
+        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+
+    def next_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = self._lengths()
+        width = max(self.lengths) + 1
+        mask = torch.arange(width, device=self.device)[None, :] <= lengths[:, None]  # (B, S)
+        return mask, lengths.view(-1, 1)
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row (B, H_kv, 1, D), written after each row's held ones; -> (B, H_kv, S, D)
+        views over every row's columns (a row's columns past its length are masked)."""
+        assert keys.shape[2] == 1, "a running batch takes one token per row; newcomers are prefilled apart"
+        B = self.num_rows
+        first = self.lengths[0]
+        if all(n == first for n in self.lengths):  # NOTE: the common case is a plain slice write
+            self.keys[layer][:B, :, first] = keys[:, :, 0]
+            self.values[layer][:B, :, first] = values[:, :, 0]
+        else:
+            rows, lengths = torch.arange(B, device=self.device), self._lengths()
+            # (B, H_kv, D) at column lengths[b], in the storage dtype
+            self.keys[layer][rows, :, lengths] = keys[:, :, 0].to(self.dtype)
+            self.values[layer][rows, :, lengths] = values[:, :, 0].to(self.dtype)
+        width = max(self.lengths) + 1
+        return self.keys[layer][:B, :, :width], self.values[layer][:B, :, :width]
+
+    def advance(self, num_columns: int) -> None:
+        self.lengths = [n + num_columns for n in self.lengths]
+        self._lengths_t = None
+
+    def join(self, prefilled: KVCache, attention_mask: torch.Tensor, *, num_columns: int, max_rows: int) -> None:
+        assert isinstance(prefilled, StaticKVCache)
+        new_lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+        start = self.num_rows
+        self._make_room(start + len(new_lengths), num_columns, max_rows)
+        width = attention_mask.shape[1]
+        for layer in range(self.num_layers):
+            src_k, src_v = prefilled.keys[layer], prefilled.values[layer]  # (b, H_kv, >= T, D), left-padded
+            for i, n in enumerate(new_lengths):  # NOTE: each row moves left to column 0: its padding is dropped
+                self.keys[layer][start + i, :, :n] = src_k[i, :, width - n:width]
+                self.values[layer][start + i, :, :n] = src_v[i, :, width - n:width]
+        self.lengths += new_lengths
+        self._lengths_t = None
+
+    def keep(self, rows: list[int]) -> None:
+        for new, old in enumerate(rows):  # ascending, so a row only moves down into a slot already vacated
+            if new != old:
+                n = self.lengths[old]
+                for t in (*self.keys, *self.values):
+                    t[new, :, :n] = t[old, :, :n]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._lengths_t = None
+        if not self.lengths:
+            self.keys, self.values = [], []  # an empty batch holds no memory
+
+    def _lengths(self) -> torch.Tensor:
+        if self._lengths_t is None:
+            self._lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        return self._lengths_t
+
+    def _make_room(self, num_rows: int, num_columns: int, max_rows: int) -> None:
+        have_rows, have_columns = self.room
+        if num_rows <= have_rows and num_columns <= have_columns:
+            return
+        # NOTE: the first room is what is asked (a closed batch knows all it needs); growth is geometric, so
+        # a batch that fills up one row at a time copies its held tokens a few times, not at every join.
+        rows = max(num_rows, min(2 * have_rows, max_rows)) if num_rows > have_rows else have_rows
+        columns = max(num_columns, have_columns + have_columns // 2) if num_columns > have_columns else have_columns
+        shape = (rows, self.num_kv_heads, columns, self.head_dim)
+        # NOTE: zeros, not empty: a masked column weighs 0 in attention, and 0 x NaN would still be NaN.
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        held, width = self.num_rows, max(self.lengths, default=0)
+        for old, new in zip((*self.keys, *self.values), (*keys, *values)):
+            new[:held, :, :width] = old[:held, :, :width]
+        self.keys, self.values = keys, values
+
+
+class TransformersBatchCache:
+    """transformers' running batch: its dynamic cache with rows left-padded to a shared width, the padding
+    mask and each row's position. A newcomer group is left-padded (or pads the held rows) to the wider of the
+    two and concatenated; leading columns no row uses are trimmed when rows leave."""
+
+    def __init__(self) -> None:
+        self.cache: TransformersKVCache | None = None
+        self.attention_mask: torch.Tensor | None = None  # (B, S) 1/0
+        self.positions: torch.Tensor | None = None  # (B,) position of each row's last held token
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.attention_mask is None else self.attention_mask.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.attention_mask is None else self.attention_mask.numel()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.allocated_bytes
+
+    def next_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: transformers' forward appends the new column itself; the mask and positions follow it here.
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((self.num_rows, 1))], dim=-1)
+        self.positions = self.positions + 1
+        return self.attention_mask, self.positions.view(-1, 1)
+
+    def join(self, prefilled: KVCache, attention_mask: torch.Tensor, *, num_columns: int, max_rows: int) -> None:
+        assert isinstance(prefilled, TransformersKVCache)
+        positions = attention_mask.sum(dim=1) - 1
+        if self.cache is None:
+            self.cache, self.attention_mask, self.positions = prefilled, attention_mask, positions
+            return
+        width = max(self.attention_mask.shape[1], attention_mask.shape[1])
+        held_layers, new_layers = self.cache.cache.layers, prefilled.cache.layers
+        for held, new in zip(held_layers, new_layers):
+            for name in ("keys", "values"):
+                joined = torch.cat([_pad_left(getattr(held, name), width), _pad_left(getattr(new, name), width)])
+                setattr(held, name, joined)
+        self.attention_mask = torch.cat([_pad_left(self.attention_mask, width, dim=1),
+                                         _pad_left(attention_mask, width, dim=1)])
+        self.positions = torch.cat([self.positions, positions])
+
+    def keep(self, rows: list[int]) -> None:
+        if not rows:
+            self.cache = self.attention_mask = self.positions = None
+            return
+        keep = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
+        self.cache.select_rows(keep)
+        self.attention_mask, self.positions = self.attention_mask[keep], self.positions[keep]
+        num_pad_columns = int(self.attention_mask.any(dim=0).int().argmax())  # leading columns no row uses
+        if num_pad_columns:
+            self.attention_mask = self.attention_mask[:, num_pad_columns:]
+            self.cache.drop_leading_columns(num_pad_columns)
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    """Zeros before the columns of t along dim, up to width."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

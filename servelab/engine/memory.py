@@ -34,6 +34,7 @@ class MemoryBreakdown:
     peak_working_bytes: int  # peak above what was resident when the batch started (activations etc.)
     peak_process_bytes: int  # CUDA: peak allocated; CPU: the process's resident high-water mark
     device: str
+    kv_cache_tokens: int = 0  # retained tokens at the KV peak (kv_cache_bytes = these x bytes per token)
 
     def as_dict(self) -> dict[str, int | str]:
         return dict(self.__dict__)

@@ -1,7 +1,7 @@
 """What the engine hands back: one Completion per request, and the batch's timings and memory.
 
 Plain frozen dataclasses, no torch: the worker stores them, the lab aggregates them.
-Times are milliseconds measured from the start of the batch's prefill.
+A request's times are milliseconds from the start of its own prefill (`started_at_s`, Unix time).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ class Completion:
     finish_reason: FinishReason
     error: str | None = None
     seed: int | None = None
-    ttft_ms: float | None = None  # from prefill start to the first generated token
-    token_times_ms: tuple[float, ...] = ()  # each generated token's time, from prefill start
+    ttft_ms: float | None = None  # from its prefill's start to the first generated token
+    token_times_ms: tuple[float, ...] = ()  # each generated token's time, from its prefill's start
     e2e_ms: float | None = None
+    started_at_s: float | None = None  # when its prefill began, Unix time
 
     @property
     def num_generated_tokens(self) -> int:
@@ -51,13 +52,22 @@ def failed(request_id: str, reason: str, num_prompt_tokens: int = 0) -> Completi
 class BatchTimings:
     prefill_ms: float
     decode_ms: float
-    num_rows_per_step: tuple[int, ...]  # rows still decoding at each step; step 0 is the prefill
-    num_prefill_tokens: int  # rows x padded prompt length
-    num_decode_tokens: int  # tokens produced by decode steps (not by the prefill)
+    num_rows_per_step: tuple[int, ...]  # rows that made a token at each pass: a prefill (its newcomers) or a decode step
+    num_prefill_tokens: int  # per prefill: rows x padded prompt length
+    num_decode_tokens: int  # tokens produced by decode steps (not by the prefills)
+    num_preempted: int = 0  # rows taken out unfinished, to start over later
 
     @property
     def total_ms(self) -> float:
         return self.prefill_ms + self.decode_ms
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one add or step did: each row's new token, in row order, and the requests that finished."""
+
+    new_tokens: tuple[tuple[str, int], ...]  # (request id, token id)
+    finished: tuple[Completion, ...]
 
 
 @dataclass(frozen=True)

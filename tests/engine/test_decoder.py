@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from servelab.engine.decoder import LlamaDecoder, build_decoder, unsupported_reason
 from servelab.engine.kernels import ISAS, best_isa, isa_reason, load_blocked_kernel
-from servelab.engine.kvcache import StaticKVCache
+from servelab.engine.kvcache import SlotKVCache, StaticKVCache
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
                                     TorchLinear, choose_linear_kernel, linear_kernel_reason)
 
@@ -226,22 +226,54 @@ def test_row_dispatch_sends_each_batch_to_its_kernel() -> None:
     assert kernel.label == "auto, measured: 1-4 rows torch F.linear, 5+ rows oneDNN pre-packed"
 
 
-def test_static_cache_holds_columns_rows_and_its_capacity() -> None:
+def test_static_cache_holds_a_prefill_in_its_capacity() -> None:
     cache = StaticKVCache(num_layers=1, batch_size=3, num_kv_heads=2, capacity=4, head_dim=8,
                           dtype=torch.bfloat16, device=CPU)
     keys = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 2, 3, 8)  # row i holds the value i
     held_keys, _ = cache.append(0, keys, keys)
     cache.advance(3)
     assert held_keys.dtype == cache.keys[0].dtype == torch.bfloat16  # stored narrower, read as stored
-    assert cache.num_columns == 3 and cache.allocated_bytes == 2 * 3 * 2 * 4 * 8 * 2
-    cache.select_rows(torch.tensor([2, 0]))
-    cache.drop_leading_columns(1)
-    held_keys, _ = cache.append(0, torch.full((2, 2, 1, 8), 9.0), torch.zeros(2, 2, 1, 8))
-    cache.advance(1)
-    assert cache.num_columns == 3 and held_keys.shape == (2, 2, 3, 8)
-    assert held_keys[:, 0, 0, 0].tolist() == [2.0, 0.0] and held_keys[:, 0, -1, 0].tolist() == [9.0, 9.0]
+    assert held_keys.shape == (3, 2, 3, 8) and cache.allocated_bytes == 2 * 3 * 2 * 4 * 8 * 2
     with pytest.raises(RuntimeError, match="capacity 4 exceeded"):
-        cache.append(0, torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8))
+        cache.append(0, torch.zeros(3, 2, 2, 8), torch.zeros(3, 2, 2, 8))
+
+
+def _prefilled(values: list[float], width: int, lengths: list[int]) -> tuple[StaticKVCache, torch.Tensor]:
+    """A one-layer prefill cache, row i left-padded to width, its real columns hold values[i] + column."""
+    cache = StaticKVCache(num_layers=1, batch_size=len(values), num_kv_heads=1, capacity=width, head_dim=4,
+                          dtype=torch.float32, device=CPU)
+    keys = torch.tensor(values).view(-1, 1, 1, 1) + torch.arange(width, dtype=torch.float32).view(1, 1, -1, 1)
+    cache.append(0, keys.expand(-1, 1, width, 4), keys.expand(-1, 1, width, 4))
+    cache.advance(width)
+    mask = torch.zeros(len(values), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, width - n:] = 1
+    return cache, mask
+
+
+def test_slot_cache_rows_join_step_and_leave_at_their_own_lengths() -> None:
+    cache = SlotKVCache(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=CPU)
+    prefilled, mask = _prefilled([100.0, 200.0], 3, [3, 1])
+    cache.join(prefilled, mask, num_columns=6, max_rows=8)
+    assert cache.lengths == [3, 1] and cache.room == (2, 6) and cache.num_tokens == 4
+    # a row moves left to column 0: row 1 held only its last column (200 + 2)
+    assert cache.keys[0][0, 0, :3, 0].tolist() == [100.0, 101.0, 102.0] and cache.keys[0][1, 0, 0, 0] == 202.0
+    mask, positions = cache.next_inputs()
+    assert positions.view(-1).tolist() == [3, 1]
+    assert mask.tolist() == [[True] * 4, [True, True, False, False]]
+    held, _ = cache.append(0, torch.full((2, 1, 1, 4), 7.0), torch.zeros(2, 1, 1, 4))
+    cache.advance(1)
+    assert held.shape == (2, 1, 4, 4) and cache.lengths == [4, 2]
+    assert held[0, 0, 3, 0] == 7.0 and held[1, 0, 1, 0] == 7.0  # each row's token at its own column
+    late, late_mask = _prefilled([300.0], 2, [2])
+    cache.join(late, late_mask, num_columns=8, max_rows=8)  # more columns than the room: it grows
+    assert cache.room == (4, 9) and cache.lengths == [4, 2, 2]
+    assert cache.keys[0][0, 0, 3, 0] == 7.0 and cache.keys[0][2, 0, :2, 0].tolist() == [300.0, 301.0]
+    cache.keep([1, 2])  # row 0 leaves; the others move down, their tokens with them
+    assert cache.lengths == [2, 2] and cache.keys[0][0, 0, :2, 0].tolist() == [202.0, 7.0]
+    assert cache.keys[0][1, 0, :2, 0].tolist() == [300.0, 301.0] and cache.num_tokens == 4
+    cache.keep([])
+    assert cache.allocated_bytes == 0 and cache.num_rows == 0  # an empty batch holds no memory
 
 
 def test_a_model_the_decoder_does_not_cover_is_served_by_transformers(settings) -> None:

@@ -56,8 +56,8 @@ def test_finished_rows_leave_the_batch(tiny_engine: Engine) -> None:
 
 
 def _allocated_tokens(engine: Engine, num_rows: int, num_retained: int, capacity: int) -> int:
-    """Tokens the cache tensors hold room for: servelab's static cache reserves the batch's capacity up
-    front (prompt width + largest max_new_tokens per row); transformers' cache grows to what is retained."""
+    """Tokens the cache tensors hold room for: servelab's slot cache reserves room for every row's end up
+    front (rows x the largest prompt + max_new_tokens); transformers' cache grows to what is retained."""
     return num_rows * capacity if engine.decoder.name == "servelab" else num_retained
 
 
@@ -75,12 +75,15 @@ def test_kv_cache_bytes_double_with_retained_tokens(either_engine: Engine) -> No
         assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
 
 
-def test_kv_cache_counts_padding_of_the_batch(either_engine: Engine) -> None:
+def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine) -> None:
     requests = [_greedy("cat " * 30, 1, "a"), _greedy("cat", 1, "b")]
     memory = either_engine.generate(requests).memory
-    width = len(either_engine.encode(requests[0]))
+    width, short = (len(either_engine.encode(r)) for r in requests)
     shape = either_engine.loaded.shape
-    assert memory.kv_cache_bytes == shape.kv_cache_bytes(2 * width, 4)
+    # NOTE: servelab's slots hold each row's own tokens; transformers' cache holds the short row left-padded
+    retained = width + short if either_engine.decoder.name == "servelab" else 2 * width
+    assert memory.kv_cache_tokens == retained
+    assert memory.kv_cache_bytes == shape.kv_cache_bytes(retained, 4)
     tokens = _allocated_tokens(either_engine, 2, 2 * width, width + 1)
     assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
 
@@ -220,7 +223,8 @@ def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Eng
     full = tiny_engine.generate(requests).memory  # the same batch with the fp32 cache
     assert engine.kv_bytes_per_element == 2 and tiny_engine.kv_bytes_per_element == 4
     assert result.memory.kv_cache_bytes * 2 == full.kv_cache_bytes
-    width = len(engine.encode(requests[0]))  # bf16 tensors really stored: 2 bytes per element
-    assert result.memory.kv_cache_allocated_bytes == engine.loaded.shape.kv_cache_bytes(2 * (width + 12), 2)
+    room = max(len(engine.encode(r)) + r.params.max_new_tokens for r in requests)  # the longest row's end
+    # NOTE: bf16 tensors really stored: 2 bytes per element
+    assert result.memory.kv_cache_allocated_bytes == engine.loaded.shape.kv_cache_bytes(2 * room, 2)
     assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
     assert result.timings.num_rows_per_step[-1] == 1
