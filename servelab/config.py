@@ -31,10 +31,15 @@ class _Frozen(BaseModel):
 
 
 class BatchingConfig(_Frozen):
+    policy: Literal["window", "continuous"] = Field(default="window", description=(
+        "window: a batch forms within max_wait_ms, then runs closed; continuous: requests join at every "
+        "decode step, and interactive ones preempt bulk rows when the batch is full"))
     max_batch_size: int = Field(default=16, ge=1, le=1024)
-    max_wait_ms: float = Field(default=20.0, ge=0.0, le=60_000.0)
-    # NOTE: counted as the padded worst case of a batch: rows x (longest prompt + largest max_new_tokens).
+    max_wait_ms: float = Field(default=20.0, ge=0.0, le=60_000.0, description="window: how long a batch forms")
+    # NOTE: counted as the room the batch's cache holds: rows x the longest row's prompt + max_new_tokens.
     max_batch_tokens: int = Field(default=16_384, ge=1)
+    min_bulk_rows: int = Field(default=1, ge=0, le=1024, description=(
+        "rows bulk work keeps while it waits, so interactive traffic cannot starve a bulk job"))
     max_kv_cache_mib: int | None = Field(default=None, ge=1, description=(
         "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens"))
 

@@ -1,7 +1,10 @@
-"""The GPU worker's serving loop: stream entries -> micro-batch -> engine -> store -> notify -> ack.
+"""The GPU worker's serving loop: stream entries -> admission -> engine steps -> store -> notify -> ack.
 
-Knows the order that makes redelivery harmless (claim rows, serve, write everything in one
-transaction, notify, then acknowledge), takes back its own pending entries on start, takes over
+Serves at token granularity: each turn admits what the policy lets in (a whole window-formed batch when
+idle; under `continuous`, newcomers at every step boundary, preempting a bulk row for an interactive
+request), runs one engine step, and finishes every row that ended in it at once.
+Knows the order that makes redelivery harmless (claim rows, serve, write a finished row's result and
+metrics in one transaction, notify, then acknowledge), takes back its own pending entries on start, takes over
 entries a dead worker left idle, renews the claim on everything it holds, fails a request that
 has crashed its worker `max_attempts` times, and re-adds ids whose stream entry was lost.
 Does not know HTTP or Celery; the engine and the batching policy are handed in.
@@ -24,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
-from servelab.engine.outputs import BatchResult
+from servelab.engine.outputs import BatchResult, Completion
 from servelab.request import ChatMessage, GenerationRequest, RequestError, SamplingParams
 from servelab.queue.batcher import BatchPolicy, Candidate
 from servelab.queue.reaper import reenqueue_lost
@@ -69,6 +72,7 @@ class ServingWorker:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.policy, self.faults, self.clock = policy, faults, clock
         self.held = _Held()
+        self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
         self.stop = threading.Event()
 
     # --- the loop ---
@@ -80,17 +84,21 @@ class ServingWorker:
         keeper.start()
         while not self.stop.is_set():
             self.step()
+        while self.running:  # NOTE: a clean stop admits nothing more and finishes the rows in hand
+            self._finish(list(self.engine.step().finished))
 
     def step(self) -> int:
-        """Serve one micro-batch; returns how many requests it finished."""
-        batch = self._collect()
-        runnable = self._claim(batch)
-        if not runnable:
-            return 0
-        started_at = datetime.now(UTC)
-        result = self.engine.generate([self.held.requests[c.request_id] for c in runnable])
-        self._finish(runnable, result, started_at)
-        return len(runnable)
+        """One turn: admit, one engine step, finish the rows that ended; returns how many requests finished."""
+        finished: list[Completion] = []
+        if not self.running:
+            finished += self._start(self._claim(self._collect()))
+        elif self.policy.is_continuous:
+            self._poll()
+            finished += self._start(self._claim(self._join()))
+        if self.running:
+            finished += self.engine.step().finished
+        self._finish(finished)
+        return len(finished)
 
     # --- forming a batch ---
 
@@ -113,6 +121,50 @@ class ServingWorker:
             taken = {c.entry_id for c in batch}
             self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
         return batch
+
+    def _poll(self) -> None:
+        """Between steps, without blocking: new entries for the free rows, or an interactive one when none is free."""
+        with self.held.lock:
+            num_waiting = len(self.held.waiting)
+            interactive_waiting = any(c.is_interactive for c in self.held.waiting)
+        free = self.policy.max_batch_size - len(self.running) - num_waiting
+        if free > 0:
+            self._admit(self.streams.read_new(self.name, count=free, block_ms=None))
+        elif not interactive_waiting:  # NOTE: full: only an interactive request can get in (by preemption)
+            self._admit(self.streams.read_new(self.name, count=1, block_ms=None, interactive_only=True))
+
+    def _join(self) -> list[Candidate]:
+        """Continuous: the waiting requests that join the running rows now, after preempting for the head."""
+        with self.held.lock:
+            victims = self.policy.victims(self.held.waiting, list(self.running.values()))
+        if victims:
+            self._preempt(victims)
+        with self.held.lock:
+            joining, _rest = self.policy.select(self.held.waiting, list(self.running.values()))
+            taken = {c.entry_id for c in joining}
+            self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
+        return joining
+
+    def _preempt(self, victims: list[Candidate]) -> None:
+        """Bulk rows leave the batch unfinished and wait again, still claimed: they start over later."""
+        requests = self.engine.preempt([c.request_id for c in victims])
+        with session_scope(self.sessions) as session:
+            store.count_preemptions(session, ids=[c.request_id for c in victims])
+        with self.held.lock:
+            for request in requests:  # NOTE: the engine's copy carries the seed it drew: the same answer again
+                self.held.requests[request.request_id] = request
+            for c in victims:
+                del self.running[c.request_id]
+                self.held.waiting.append(c.preempted())
+        log.info("preempted %d bulk row(s) for an interactive request", len(victims))
+
+    def _start(self, candidates: list[Candidate]) -> list[Completion]:
+        """Prefill claimed candidates into the batch; -> the ones that finished at once (errors, one token)."""
+        if not candidates:
+            return []
+        for c in candidates:
+            self.running[c.request_id] = c
+        return list(self.engine.add([self.held.requests[c.request_id] for c in candidates]).finished)
 
     def _admit(self, entries: list[Entry]) -> None:
         """Turn entries into candidates; entries of finished, missing or poison requests end here."""
@@ -146,7 +198,8 @@ class ServingWorker:
         request = to_generation_request(row)
         num_prompt_tokens = len(self.engine.encode(request))
         candidate = Candidate(entry.entry_id, row.id, num_prompt_tokens, request.params.max_new_tokens,
-                              entry.is_interactive, is_retry=row.num_attempts > 0)
+                              entry.is_interactive, is_retry=row.num_attempts > 0, priority=row.priority,
+                              enqueued_s=row.enqueued_at.timestamp())
         with self.held.lock:
             self.held.entries[entry.entry_id] = entry
             self.held.requests[row.id] = request
@@ -154,21 +207,29 @@ class ServingWorker:
             self.held.waiting.append(candidate)
 
     def _claim(self, batch: list[Candidate]) -> list[Candidate]:
-        if not batch:
-            return []
+        fresh = [c for c in batch if not c.is_claimed]  # NOTE: a preempted row is still claimed by this worker
+        if not fresh:
+            return batch
         with session_scope(self.sessions) as session:
-            claimed = store.claim_requests(session, ids=[c.request_id for c in batch], now=datetime.now(UTC))
-        skipped = [c for c in batch if c.request_id not in claimed]
+            claimed = store.claim_requests(session, ids=[c.request_id for c in fresh], now=datetime.now(UTC))
+        skipped = [c for c in fresh if c.request_id not in claimed]
         self._release(skipped, ack=True)  # finished meanwhile (cancelled, or served by another worker)
-        return [c for c in batch if c.request_id in claimed]
+        return [c for c in batch if c.is_claimed or c.request_id in claimed]
 
     # --- after the engine ---
 
-    def _finish(self, batch: list[Candidate], result: BatchResult, started_at: datetime) -> None:
+    def _finish(self, completions: list[Completion]) -> None:
+        """Rows that ended: their results and the steps since the last finish in one transaction, then
+        notify, then acknowledge; the other rows go on."""
+        if not completions:
+            return
+        timings, memory = self.engine.take_stats()
+        batch = [self.running.pop(c.request_id) for c in completions]
         with session_scope(self.sessions) as session:
             store.record_batch(
                 session, worker_name=self.name, serving_config_name=self.streams.config_name,
-                config_hash=self.engine.config.config_hash, result=result, started_at=started_at,
+                config_hash=self.engine.config.config_hash,
+                result=BatchResult(completions=tuple(completions), timings=timings, memory=memory),
                 enqueued_at={c.request_id: self.held.enqueued_at[c.request_id] for c in batch},
             )
         notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[c.request_id for c in batch])
@@ -261,7 +322,8 @@ def default_worker_name() -> str:
 
 
 def run_worker(config: ServingConfig, runtime: Runtime) -> None:
-    """Load the model once, register, serve until SIGTERM / SIGINT (the batch in hand is finished first)."""
+    """Load the model once, register, serve until SIGTERM / SIGINT (the step in hand is finished first; rows
+    still running are redelivered, to this worker's next start or to another worker)."""
     name = runtime.settings.worker_name or default_worker_name()
     faults = FaultPolicy.from_settings(runtime.settings)
     engine = Engine.from_config(config, runtime.settings)

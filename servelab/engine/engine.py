@@ -56,6 +56,7 @@ class _Meter:
     """What a stretch of steps did, from the first add or step after `take_stats` to the next one."""
 
     peak: measure.PeakMemory
+    started_at_s: float = field(default_factory=time.time)
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     num_rows_per_step: list[int] = field(default_factory=list)
@@ -202,6 +203,7 @@ class Engine:
             prefill_ms=meter.prefill_ms, decode_ms=meter.decode_ms,
             num_rows_per_step=tuple(meter.num_rows_per_step), num_prefill_tokens=meter.num_prefill_tokens,
             num_decode_tokens=meter.num_decode_tokens, num_preempted=meter.num_preempted,
+            started_at_s=meter.started_at_s, finished_at_s=time.time(),
         )
         memory = MemoryBreakdown(
             weight_bytes=self.weight_bytes,

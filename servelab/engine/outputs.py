@@ -56,6 +56,8 @@ class BatchTimings:
     num_prefill_tokens: int  # per prefill: rows x padded prompt length
     num_decode_tokens: int  # tokens produced by decode steps (not by the prefills)
     num_preempted: int = 0  # rows taken out unfinished, to start over later
+    started_at_s: float = 0.0  # Unix time of the first pass
+    finished_at_s: float = 0.0  # Unix time the figures were taken
 
     @property
     def total_ms(self) -> float:

@@ -38,6 +38,7 @@ class BatchSample:
     weight_bytes: int
     kv_cache_bytes: int
     peak_working_bytes: int
+    num_rows_per_step: tuple[int, ...] = ()  # rows that made a token at each pass
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,19 @@ def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, 
         latency={m: s for m in LATENCY_METRICS if (s := summarise_latency(latency_values(ok, m))) is not None},
         goodput_fraction=None if meets_slo is None else sum(meets_slo) / len(requests),
         goodput_requests_per_s=None if meets_slo is None else sum(meets_slo) / duration_s,
-        batch_size_counts=dict(sorted(Counter(b.num_requests for b in batches).items())),
-        mean_batch_size=sum(b.num_requests for b in batches) / len(batches) if batches else 0.0,
+        # NOTE: the batch size is the rows of each pass (decode step or prefill), the same under every policy
+        batch_size_counts=dict(sorted(Counter(n for b in batches for n in b.num_rows_per_step).items())),
+        mean_batch_size=_mean([n for b in batches for n in b.num_rows_per_step]),
         weight_bytes=max((b.weight_bytes for b in batches), default=0),
         kv_cache_peak_bytes=max((b.kv_cache_bytes for b in batches), default=0),
         working_peak_bytes=max((b.peak_working_bytes for b in batches), default=0),
         cost_per_request=cost / max(len(ok), 1),
         cost_per_1k_output_tokens=cost / max(output_tokens, 1) * 1000,
     )
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def latency_values(requests: list[RequestSample], metric: str) -> list[float]:

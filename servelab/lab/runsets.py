@@ -108,7 +108,8 @@ def batch_samples(session: Session, *, request_ids: list[str]) -> list[BatchSamp
     batch_ids = select(RequestMetricsRow.batch_id).where(
         RequestMetricsRow.request_id.in_([uuid.UUID(i) for i in request_ids])).distinct()
     rows = session.scalars(select(BatchRow).where(BatchRow.id.in_(batch_ids))).all()
-    return [BatchSample(b.num_requests, b.weight_bytes, b.kv_cache_bytes, b.peak_working_bytes) for b in rows]
+    return [BatchSample(b.num_requests, b.weight_bytes, b.kv_cache_bytes, b.peak_working_bytes,
+                        tuple(b.num_rows_per_step)) for b in rows]
 
 
 def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:

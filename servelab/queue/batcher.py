@@ -1,17 +1,28 @@
-"""The micro-batching policy: which waiting requests form the next batch, and when it closes.
+"""The admission policy: which waiting requests join the batch, when, and which running row makes room.
 
-Pure policy: no Redis, no clock of its own (time is an argument), no torch. Knows the three limits
-(max_batch_size, max_wait_ms after the first request, and the KV-cache token budget counted as the
-padded worst case), and that interactive requests go before bulk ones. Does not know where
-candidates come from or how they are served.
+Pure policy: no Redis, no clock of its own (time is an argument), no torch. Two policies share the same
+limits (max_batch_size, and the KV-cache token budget counted as the room the batch's cache holds:
+rows x the longest row's prompt + max_new_tokens):
+- `window`: a batch forms within max_wait_ms after its first request, then runs closed until its last
+  row ends (the card's time-window micro-batching);
+- `continuous`: waiting requests join at every step boundary while rows and the budget allow, and an
+  interactive request that finds no room preempts the newest bulk row.
+Order of service: interactive before bulk, then higher `priority`, then age. Bulk progress is guaranteed
+by two rules: while bulk work waits, bulk keeps at least `min_bulk_rows` rows of the batch (its next
+request goes first when it holds fewer, and preemption never takes it below), and a row is preempted at
+most once.
+Does not know where candidates come from or how they are served.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal, Sequence
 
 from servelab.config import BatchingConfig
 from servelab.engine.memory import ModelShape
+
+AdmissionPolicy = Literal["window", "continuous"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,18 @@ class Candidate:
     max_new_tokens: int
     is_interactive: bool
     is_retry: bool = False  # started before and not finished: maybe it crashed its worker
+    priority: int = 0
+    enqueued_s: float = 0.0  # Unix time it was enqueued: its age
+    num_preemptions: int = 0
+    is_claimed: bool = False  # already running in the store (a preempted row going back in)
+
+    @property
+    def num_columns(self) -> int:
+        """KV-cache columns the row may hold by its end."""
+        return self.num_prompt_tokens + self.max_new_tokens
+
+    def preempted(self) -> Candidate:
+        return replace(self, num_preemptions=self.num_preemptions + 1, is_claimed=True)
 
 
 @dataclass(frozen=True)
@@ -29,6 +52,8 @@ class BatchPolicy:
     max_batch_size: int
     max_wait_ms: float
     max_batch_tokens: int
+    policy: AdmissionPolicy = "window"
+    min_bulk_rows: int = 1
 
     @classmethod
     def from_config(cls, batching: BatchingConfig, shape: ModelShape, *, bytes_per_element: float) -> BatchPolicy:
@@ -37,34 +62,79 @@ class BatchPolicy:
         budget = batching.max_batch_tokens
         if batching.max_kv_cache_mib is not None:
             budget = min(budget, int(batching.max_kv_cache_mib * 2**20 // shape.kv_bytes_per_token(bytes_per_element)))
-        return cls(batching.max_batch_size, batching.max_wait_ms, max(budget, 1))
+        return cls(batching.max_batch_size, batching.max_wait_ms, max(budget, 1), batching.policy,
+                   batching.min_bulk_rows)
 
-    def batch_tokens(self, batch: list[Candidate]) -> int:
-        """KV tokens the batch may retain: every row padded to the longest prompt, plus the longest decode."""
-        if not batch:
-            return 0
-        return len(batch) * (max(c.num_prompt_tokens for c in batch) + max(c.max_new_tokens for c in batch))
+    @property
+    def is_continuous(self) -> bool:
+        return self.policy == "continuous"
 
-    def fits(self, batch: list[Candidate], candidate: Candidate) -> bool:
-        if not batch:
+    @property
+    def bulk_share(self) -> int:
+        """Rows bulk keeps while it has work; never the whole batch, so interactive always gets in."""
+        return max(0, min(self.min_bulk_rows, self.max_batch_size - 1))
+
+    def batch_tokens(self, rows: Sequence[Candidate]) -> int:
+        """The room the rows' cache holds: every row as long as the longest prompt + max_new_tokens."""
+        return len(rows) * max((c.num_columns for c in rows), default=0)
+
+    def fits(self, rows: Sequence[Candidate], candidate: Candidate) -> bool:
+        if not rows:
             return True  # NOTE: a lone request is always served, even past the budget, so nothing starves
-        if len(batch) >= self.max_batch_size or candidate.is_retry or any(c.is_retry for c in batch):
+        if len(rows) >= self.max_batch_size or candidate.is_retry or any(c.is_retry for c in rows):
             return False  # NOTE: a retried request runs alone, so a poison request cannot take batch-mates down
-        return self.batch_tokens([*batch, candidate]) <= self.max_batch_tokens
+        return self.batch_tokens([*rows, candidate]) <= self.max_batch_tokens
 
-    def select(self, waiting: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
-        """-> (the batch, the rest). Interactive first, then arrival order; stops at the first misfit."""
-        ordered = sorted(waiting, key=lambda c: not c.is_interactive)  # stable: keeps arrival order
-        batch: list[Candidate] = []
+    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+        """Interactive first, then higher priority, then older."""
+        return sorted(waiting, key=lambda c: (not c.is_interactive, -c.priority, c.enqueued_s))
+
+    def select(self, waiting: Sequence[Candidate], running: Sequence[Candidate] = ()
+               ) -> tuple[list[Candidate], list[Candidate]]:
+        """-> (what joins now, the rest), in order of service; stops at the first that does not fit. While
+        bulk holds fewer rows than its share, bulk's next request goes first if it fits."""
+        ordered = self.order(waiting)
+        rows, joining = list(running), []
+        first_bulk = next((c for c in ordered if not c.is_interactive), None)
+        bulk_running = sum(not c.is_interactive for c in running)
+        if first_bulk is not None and bulk_running < self.bulk_share and self.fits(rows, first_bulk):
+            ordered.remove(first_bulk)
+            rows.append(first_bulk)
+            joining.append(first_bulk)
         for i, candidate in enumerate(ordered):
-            if not self.fits(batch, candidate):
-                return batch, ordered[i:]
-            batch.append(candidate)
-        return batch, []
+            if not self.fits(rows, candidate):
+                return joining, ordered[i:]
+            rows.append(candidate)
+            joining.append(candidate)
+        return joining, []
+
+    def victims(self, waiting: Sequence[Candidate], running: Sequence[Candidate]) -> list[Candidate]:
+        """Continuous only: the running bulk rows to preempt so that the interactive request at the head
+        fits (the newest first, each row at most once, bulk keeping its share); [] when none would do."""
+        ordered = self.order(waiting)
+        if not self.is_continuous or not ordered or not ordered[0].is_interactive:
+            return []
+        head = ordered[0]
+        if any(c.is_retry for c in running) or head.is_retry:
+            return []  # NOTE: a retry runs alone and ends; preempting it would only run it again
+        rows = list(running)
+        bulk_left = sum(not c.is_interactive for c in rows)
+        victims = []
+        for row in reversed(running):  # the newest row has done the least work
+            if self.fits(rows, head):
+                return victims
+            if row.is_interactive or row.num_preemptions > 0 or bulk_left <= self.bulk_share:
+                continue
+            rows.remove(row)
+            victims.append(row)
+            bulk_left -= 1
+        return victims if self.fits(rows, head) else []
 
     def is_closed(self, batch: list[Candidate], rest: list[Candidate], *, first_seen_s: float, now_s: float) -> bool:
-        """Closed when full, when something waiting does not fit, or when the window after the first ran out."""
-        return len(batch) >= self.max_batch_size or bool(rest) or now_s - first_seen_s >= self.max_wait_ms / 1e3
+        """Window: closed when full, when something waiting does not fit, or when the window after the
+        first ran out. Continuous: at once (later arrivals join at the next step)."""
+        return (self.is_continuous or len(batch) >= self.max_batch_size or bool(rest)
+                or now_s - first_seen_s >= self.max_wait_ms / 1e3)
 
     def wait_left_s(self, *, first_seen_s: float, now_s: float) -> float:
         return max(0.0, first_seen_s + self.max_wait_ms / 1e3 - now_s)

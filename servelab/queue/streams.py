@@ -62,16 +62,20 @@ class RequestStreams:
             pipe.sadd(self.enqueued_key, request_id)  # NOTE: lets the reaper find rows whose entry was lost
         return [_text(entry_id) for entry_id in pipe.execute()[::2]]
 
-    def read_new(self, consumer: str, *, count: int, block_ms: int) -> list[Entry]:
-        return self._read(consumer, ">", count=count, block_ms=block_ms)
+    def read_new(self, consumer: str, *, count: int, block_ms: int | None,
+                 interactive_only: bool = False) -> list[Entry]:
+        """Entries never delivered to the group, up to count per stream; block_ms None: do not wait."""
+        return self._read(consumer, ">", count=count, block_ms=block_ms, keys=self.keys[:1] if interactive_only else None)
 
     def read_own_pending(self, consumer: str, *, count: int = 10_000) -> list[Entry]:
         """Entries delivered to this consumer name and never acknowledged: a restart takes them back."""
         return self._read(consumer, "0", count=count, block_ms=None)
 
-    def _read(self, consumer: str, start: str, *, count: int, block_ms: int | None) -> list[Entry]:
+    def _read(self, consumer: str, start: str, *, count: int, block_ms: int | None,
+              keys: list[str] | None = None) -> list[Entry]:
         try:
-            reply = self.client.xreadgroup(GROUP, consumer, {k: start for k in self.keys}, count=count, block=block_ms)
+            reply = self.client.xreadgroup(GROUP, consumer, {k: start for k in keys or self.keys}, count=count,
+                                           block=block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise

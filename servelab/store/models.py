@@ -104,6 +104,7 @@ class RequestRow(Base):
     custom_id: Mapped[str | None] = mapped_column(Text)
     # Started executions, counted by the worker when it claims the row (the stream's counter over-counts).
     num_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    num_preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))  # left a batch unfinished
     enqueued_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(Timestamp)
     first_token_at: Mapped[datetime | None] = mapped_column(Timestamp)
@@ -129,7 +130,8 @@ class ResultRow(Base):
 
 
 class BatchRow(Base):
-    """One engine batch: its shape per step, timings and memory (BatchTimings + MemoryBreakdown)."""
+    """A stretch of engine steps, up to a step in which rows finished: rows per pass, timings and memory
+    (BatchTimings + MemoryBreakdown). Under the window policy, a closed batch is one or more of these."""
 
     __tablename__ = "batches"
     __table_args__ = (Index("ix_batches_serving_config_name_started_at", "serving_config_name", "started_at"),)
@@ -150,6 +152,9 @@ class BatchRow(Base):
     kv_cache_allocated_bytes: Mapped[int] = mapped_column(BigInteger)
     peak_working_bytes: Mapped[int] = mapped_column(BigInteger)
     peak_process_bytes: Mapped[int] = mapped_column(BigInteger)
+    # NOTE: None on batches stored before token-level serving; queries.peak_retained_tokens rebuilds them
+    kv_cache_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    num_preempted: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     started_at: Mapped[datetime] = mapped_column(Timestamp)
     finished_at: Mapped[datetime] = mapped_column(Timestamp)
 

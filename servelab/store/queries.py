@@ -230,10 +230,8 @@ def latest_comparison_runs(session: Session) -> tuple[list[str], list[str]] | No
 def batch_points(session: Session, *, run_ids: list[str]) -> list[BatchPoint]:
     """Every batch that served a request of these runs, with the retained tokens at its KV peak.
 
-    NOTE: retained tokens are not stored; they are rebuilt from the batch's shape. After step s (0 = the
-    prefill) the cache holds rows_s x (padded prompt length + s) tokens; the engine's kv_cache_bytes is the
-    peak of that over the batch, so the same peak is taken here. Exact while no finished row's padding is
-    trimmed; an upper bound otherwise.
+    NOTE: retained tokens are stored with each batch (kv_cache_tokens); for batches stored before they
+    were, they are rebuilt from the batch's shape (peak_retained_tokens).
     """
     served = (select(RunRequestRow.run_id, RequestMetricsRow.batch_id)
               .join(RequestMetricsRow, RequestMetricsRow.request_id == RunRequestRow.request_id)
@@ -242,16 +240,18 @@ def batch_points(session: Session, *, run_ids: list[str]) -> list[BatchPoint]:
         select(served.c.run_id, RunRow.serving_config_name, RunRow.config["weights"].astext,
                RunRow.config["kv_cache_dtype"].astext, BatchRow.num_requests, BatchRow.kv_cache_bytes,
                BatchRow.num_rows_per_step, BatchRow.num_prefill_tokens, BatchRow.weight_bytes,
-               BatchRow.peak_working_bytes)
+               BatchRow.peak_working_bytes, BatchRow.kv_cache_tokens)
         .join(BatchRow, BatchRow.id == served.c.batch_id).join(RunRow, RunRow.id == served.c.run_id)
         .order_by(RunRow.serving_config_name, BatchRow.started_at)
     ).all()
     return [BatchPoint(str(run_id), name, weights or "-", kv or "-", num, kv_bytes,
-                       peak_retained_tokens(steps, prefill), wb, work)
-            for run_id, name, weights, kv, num, kv_bytes, steps, prefill, wb, work in rows]
+                       tokens if tokens is not None else peak_retained_tokens(steps, prefill), wb, work)
+            for run_id, name, weights, kv, num, kv_bytes, steps, prefill, wb, work, tokens in rows]
 
 
 def peak_retained_tokens(num_rows_per_step: list[int], num_prefill_tokens: int) -> int:
+    """A closed batch stored before retained tokens were: after step s (0 = the prefill) the cache held
+    rows_s x (padded prompt length + s) tokens; an upper bound once a finished row's padding was trimmed."""
     if not num_rows_per_step or num_rows_per_step[0] == 0:
         return 0
     prompt_len = num_prefill_tokens // num_rows_per_step[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -48,6 +48,7 @@ class StoredRequest:
     sampling: dict[str, Any]  # as stored: the worker reads it with SamplingParams.from_stored
     num_attempts: int
     enqueued_at: datetime
+    priority: int = 0
 
 
 def create_request(
@@ -70,7 +71,7 @@ def load_requests(session: Session, ids: list[str]) -> dict[str, StoredRequest]:
     rows = session.scalars(select(RequestRow).where(RequestRow.id.in_(_uuids(ids)))).all()
     return {
         str(r.id): StoredRequest(str(r.id), r.serving_config_name, r.status, r.prompt, r.messages, r.sampling,
-                                 r.num_attempts, r.enqueued_at)
+                                 r.num_attempts, r.enqueued_at, r.priority)
         for r in rows
     }
 
@@ -107,12 +108,13 @@ def fail_requests(session: Session, *, ids: list[str], reason: str, now: datetim
 
 def record_batch(
     session: Session, *, worker_name: str, serving_config_name: str, config_hash: str, result: BatchResult,
-    started_at: datetime, enqueued_at: dict[str, datetime],
+    enqueued_at: dict[str, datetime],
 ) -> str:
-    """Write the batch record, every request's result and metrics, and finish the request rows."""
+    """Write the batch record (the engine steps since the last record), every finished request's result
+    and metrics, and finish the request rows."""
     batch_id = uuid.uuid4()
-    finished_at = started_at + timedelta(milliseconds=result.timings.total_ms)
     t, m = result.timings, result.memory
+    started_at, finished_at = _utc(t.started_at_s), _utc(t.finished_at_s)
     session.add(BatchRow(
         id=batch_id, worker_name=worker_name, serving_config_name=serving_config_name, config_hash=config_hash,
         num_requests=len(result.completions), num_rows_per_step=list(t.num_rows_per_step),
@@ -120,12 +122,24 @@ def record_batch(
         num_decode_tokens=t.num_decode_tokens, device=m.device, weight_bytes=m.weight_bytes,
         kv_cache_bytes=m.kv_cache_bytes, kv_cache_allocated_bytes=m.kv_cache_allocated_bytes,
         peak_working_bytes=m.peak_working_bytes, peak_process_bytes=m.peak_process_bytes,
+        kv_cache_tokens=m.kv_cache_tokens, num_preempted=t.num_preempted,
         started_at=started_at, finished_at=finished_at,
     ))
     session.flush()
     for c in result.completions:
-        _finish(session, c, batch_id=batch_id, started_at=started_at, enqueued_at=enqueued_at[c.request_id])
+        _finish(session, c, batch_id=batch_id, started_at=_utc(c.started_at_s or t.finished_at_s),
+                enqueued_at=enqueued_at[c.request_id])
     return str(batch_id)
+
+
+def _utc(unix_s: float) -> datetime:
+    return datetime.fromtimestamp(unix_s, UTC)
+
+
+def count_preemptions(session: Session, *, ids: list[str]) -> None:
+    """These running requests left their batch unfinished and wait to start over."""
+    session.execute(update(RequestRow).where(RequestRow.id.in_(_uuids(ids)))
+                    .values(num_preemptions=RequestRow.num_preemptions + 1))
 
 
 def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at: datetime,

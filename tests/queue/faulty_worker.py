@@ -1,12 +1,15 @@
 """Test-only: the real gpu-worker process, with an engine that crashes or stalls on marked prompts.
 
-A prompt containing CRASH kills the process (os._exit) whenever it is served; one containing STALL
-hangs the first time it is served (it leaves the file named by SERVELAB_TEST_STALL_MARKER), so the
-test can kill -9 the worker in the middle of that batch.
+A prompt containing CRASH kills the process (os._exit) at any step it is in; SLOW makes each step it is
+in take 50 ms longer (so others can join it mid-way); one containing STALL
+hangs the first time it has made two tokens (it leaves the file named by SERVELAB_TEST_STALL_MARKER,
+holding the request ids in the batch and their token counts), so the test can kill -9 the worker in the
+middle of a step, with rows at different stages.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,21 +17,24 @@ from pathlib import Path
 
 from servelab.engine.engine import Engine
 
-_real_generate = Engine.generate
+_real_step = Engine.step
 
 
-def _faulty_generate(self, requests):
-    prompts = [r.prompt or "" for r in requests]
-    if any("CRASH" in p for p in prompts):
+def _faulty_step(self):
+    prompts = {r.request.request_id: r.request.prompt or "" for r in self._rows}
+    if any("CRASH" in p for p in prompts.values()):
         os._exit(17)
+    if any("SLOW" in p for p in prompts.values()):
+        time.sleep(0.05)
     marker = Path(os.environ["SERVELAB_TEST_STALL_MARKER"])
-    if any("STALL" in p for p in prompts) and not marker.exists():
-        marker.write_text(str(len(requests)))
+    stalling = [r for r in self._rows if "STALL" in (r.request.prompt or "") and len(r.token_ids) >= 2]
+    if stalling and not marker.exists():
+        marker.write_text(json.dumps({r.request.request_id: len(r.token_ids) for r in self._rows}))
         time.sleep(3600)
-    return _real_generate(self, requests)
+    return _real_step(self)
 
 
-Engine.generate = _faulty_generate
+Engine.step = _faulty_step
 
 if __name__ == "__main__":
     from worker.gpu import main

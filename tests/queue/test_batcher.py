@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from servelab.config import BatchingConfig
 from servelab.engine.memory import ModelShape
 from servelab.queue.batcher import BatchPolicy, Candidate
 
 
-def cand(i: int, prompt: int = 10, new: int = 10, interactive: bool = True, retry: bool = False) -> Candidate:
-    return Candidate(f"e{i}", f"r{i}", prompt, new, interactive, retry)
+def cand(i: int, prompt: int = 10, new: int = 10, interactive: bool = True, retry: bool = False,
+         priority: int = 0, preemptions: int = 0) -> Candidate:
+    return Candidate(f"e{i}", f"r{i}", prompt, new, interactive, retry, priority=priority, enqueued_s=float(i),
+                     num_preemptions=preemptions)
 
 
 POLICY = BatchPolicy(max_batch_size=4, max_wait_ms=50, max_batch_tokens=10_000)
@@ -49,18 +53,57 @@ def test_a_lone_request_over_the_budget_is_still_served() -> None:
     assert [c.entry_id for c in batch] == ["e0"] and [c.entry_id for c in rest] == ["e1"]
 
 
-def test_interactive_requests_go_before_bulk() -> None:
+def test_interactive_requests_go_before_bulk_and_bulk_keeps_its_share() -> None:
     waiting = [cand(0, interactive=False), cand(1, interactive=False), cand(2), cand(3, interactive=False), cand(4)]
-    batch, rest = BatchPolicy(max_batch_size=3, max_wait_ms=0, max_batch_tokens=10_000).select(waiting)
+    policy = BatchPolicy(max_batch_size=3, max_wait_ms=0, max_batch_tokens=10_000, min_bulk_rows=0)
+    batch, rest = policy.select(waiting)
     assert [c.entry_id for c in batch] == ["e2", "e4", "e0"]
     assert [c.entry_id for c in rest] == ["e1", "e3"]
+    # with a bulk share of one row, interactive traffic alone cannot fill the batch
+    flood = [cand(i) for i in range(10, 16)]
+    batch, rest = replace(policy, min_bulk_rows=1).select([*flood, cand(0, interactive=False)])
+    assert [c.entry_id for c in batch] == ["e0", "e10", "e11"]
+    batch, _ = replace(policy, min_bulk_rows=1).select(flood, running=[cand(0, interactive=False)])
+    assert [c.entry_id for c in batch] == ["e10", "e11"]  # bulk already holds its share
+
+
+def test_priority_then_age_orders_each_class() -> None:
+    waiting = [cand(5, interactive=False, priority=9), cand(3, priority=-1), cand(4, priority=2), cand(1), cand(2, priority=2)]
+    assert [c.entry_id for c in POLICY.order(waiting)] == ["e2", "e4", "e1", "e3", "e5"]
+
+
+CONTINUOUS = BatchPolicy(max_batch_size=3, max_wait_ms=50, max_batch_tokens=10_000, policy="continuous")
+
+
+def test_continuous_admits_into_a_running_batch_up_to_its_limits() -> None:
+    running = [cand(0, interactive=False), cand(1, interactive=False)]
+    batch, rest = CONTINUOUS.select([cand(2, interactive=False), cand(3, interactive=False)], running=running)
+    assert [c.entry_id for c in batch] == ["e2"] and [c.entry_id for c in rest] == ["e3"]
+    tight = replace(CONTINUOUS, max_batch_tokens=3 * 20)
+    batch, _ = tight.select([cand(2, prompt=40, interactive=False)], running=running)
+    assert batch == []  # the room the cache would hold: 3 rows x 50 columns > 60
+    assert CONTINUOUS.is_closed([cand(0)], [], first_seen_s=0.0, now_s=0.0)  # no window to wait for
+
+
+def test_an_interactive_request_preempts_the_newest_bulk_row_once() -> None:
+    running = [cand(0, interactive=False), cand(1, interactive=False), cand(2, interactive=False)]
+    assert [c.entry_id for c in CONTINUOUS.victims([cand(9)], running)] == ["e2"]
+    assert CONTINUOUS.victims([cand(9, interactive=False)], running) == []  # bulk never preempts
+    twice = [cand(0, interactive=False), cand(1, interactive=False), cand(2, interactive=False, preemptions=1)]
+    assert [c.entry_id for c in CONTINUOUS.victims([cand(9)], twice)] == ["e1"]
+    full_of_interactive = [cand(0), cand(1), cand(2, interactive=False)]
+    assert CONTINUOUS.victims([cand(9)], full_of_interactive) == []  # bulk keeps its one row
+    assert replace(CONTINUOUS, min_bulk_rows=0).victims([cand(9)], full_of_interactive) == [full_of_interactive[2]]
+    assert CONTINUOUS.victims([cand(9)], running[:2]) == []  # a free row: nothing to preempt
+    assert replace(CONTINUOUS, policy="window").victims([cand(9)], running) == []
+    assert CONTINUOUS.victims([cand(9)], [cand(0, interactive=False, retry=True)]) == []  # a retry runs out
 
 
 def test_a_retried_request_runs_alone() -> None:
     batch, rest = POLICY.select([cand(0, retry=True), cand(1), cand(2)])
     assert [c.entry_id for c in batch] == ["e0"]
-    batch, rest = POLICY.select([cand(1), cand(0, retry=True), cand(2)])
-    assert [c.entry_id for c in batch] == ["e1"]
+    batch, rest = POLICY.select([cand(1), cand(2, retry=True), cand(3)])
+    assert [c.entry_id for c in batch] == ["e1"]  # stops at the retry: it waits for a batch of its own
 
 
 def test_kv_byte_budget_from_model_shape_and_cache_dtype() -> None:

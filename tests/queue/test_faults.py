@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,11 +27,12 @@ GREEDY = SamplingParams(max_new_tokens=5)
 class WorkerProcesses:
     """Starts real `python -m worker.gpu`-equivalent processes (with the faulty engine) and kills them."""
 
-    def __init__(self, tmp_path: Path, tiny_folder: Path, service_settings, config_name: str) -> None:
+    def __init__(self, tmp_path: Path, tiny_folder: Path, service_settings, config_name: str,
+                 policy: str = "window") -> None:
         self.config = tmp_path / f"{config_name}.yaml"
         self.config.write_text(
             f"name: {config_name}\nmodel: {tiny_folder}\nweights: fp32\ndevice: cpu\nnum_threads: 1\n"
-            "batching:\n  max_batch_size: 8\n  max_wait_ms: 300\n"
+            f"batching:\n  policy: {policy}\n  max_batch_size: 8\n  max_wait_ms: 300\n"
             "decoding:\n  max_new_tokens: 32\n  max_context_tokens: 128\n")
         self.marker = tmp_path / "stalled"
         self.env = {**os.environ, "SERVELAB_REDIS_URL": service_settings.redis_url,
@@ -60,9 +62,10 @@ class WorkerProcesses:
             proc.wait(timeout=30)
 
 
-@pytest.fixture
-def workers(tmp_path, tiny_folder, service_settings):
-    procs = WorkerProcesses(tmp_path, tiny_folder, service_settings, f"faulty-{uuid.uuid4().hex[:8]}")
+@pytest.fixture(params=["window", "continuous"])
+def workers(request, tmp_path, tiny_folder, service_settings):
+    procs = WorkerProcesses(tmp_path, tiny_folder, service_settings, f"faulty-{uuid.uuid4().hex[:8]}",
+                            policy=request.param)
     yield procs
     procs.close()
 
@@ -73,9 +76,22 @@ def queue(workers, engine, redis_client, service_settings):
     return streams, session_factory(engine)
 
 
-def submit_all(queue, prompts: list[str]) -> list[str]:
+def submit_all(queue, prompts: list[str], sampling: SamplingParams = GREEDY) -> list[str]:
     streams, sessions = queue
-    return [submit_request(sessions=sessions, streams=streams, prompt=p, sampling=GREEDY) for p in prompts]
+    return [submit_request(sessions=sessions, streams=streams, prompt=p, sampling=sampling) for p in prompts]
+
+
+def wait_status(queue, ids: list[str], status: RequestStatus, timeout_s: float = 60.0) -> None:
+    _, sessions = queue
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with session_scope(sessions) as session:
+            statuses = session.scalars(select(RequestRow.status).where(
+                RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
+        if statuses and all(s is status for s in statuses):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"requests not {status} within {timeout_s} s")
 
 
 def wait_finished(queue, ids: list[str], *, timeout_s: float = 120.0, until_exit: subprocess.Popen | None = None) -> bool:
@@ -117,6 +133,36 @@ def test_kill_9_mid_batch_then_restart_finishes_every_request_exactly_once(worke
     result = outcomes(queue, ids)
     assert all(status is RequestStatus.SUCCEEDED and num_results == 1 for status, _, num_results, _ in result.values())
     assert all(attempts == 2 for _, attempts, _, _ in result.values())  # the killed run, then the finishing one
+
+
+def test_kill_9_mid_step_with_rows_joined_at_different_steps_loses_and_repeats_nothing(tmp_path, tiny_folder,
+                                                                                       service_settings, engine,
+                                                                                       redis_client) -> None:
+    workers = WorkerProcesses(tmp_path, tiny_folder, service_settings, f"faulty-{uuid.uuid4().hex[:8]}",
+                              policy="continuous")
+    streams = RequestStreams(redis_client, prefix=service_settings.key_prefix, config_name=workers.config.stem)
+    queue = (streams, session_factory(engine))
+    try:
+        early = submit_all(queue, ["SLOW river", "SLOW house"], SamplingParams(max_new_tokens=32))
+        first = workers.start("w-steps")
+        wait_status(queue, early, RequestStatus.RUNNING)
+        short = submit_all(queue, ["a cat"], SamplingParams(max_new_tokens=1))  # joins, ends at its first token
+        wait_finished(queue, short)
+        late = submit_all(queue, ["STALL here", "blue mat"], SamplingParams(max_new_tokens=10))
+        workers.wait_for_stall()
+        stages = json.loads(workers.marker.read_text())  # request id -> tokens made when the step hung
+        assert set(stages) == {*early, *late} and len(set(stages.values())) > 1, stages
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        workers.start("w-steps")
+        ids = [*early, *short, *late]
+        assert wait_finished(queue, ids)
+        result = outcomes(queue, ids)
+        assert all(status is RequestStatus.SUCCEEDED and num_results == 1 for status, _, num_results, _ in result.values())
+        assert result[short[0]][1] == 1  # finished and acknowledged before the kill: never run again
+        assert all(result[i][1] == 2 for i in [*early, *late])  # in flight at the kill: run once more
+    finally:
+        workers.close()
 
 
 def test_a_live_worker_takes_over_a_dead_workers_pending_requests(workers, queue) -> None:

@@ -157,3 +157,82 @@ def test_a_workers_kv_budget_counts_the_models_shape_and_cache_dtype(tiny_engine
         config = tiny_engine.config.model_copy(update={"batching": batching, "kv_cache_dtype": cache_dtype})
         policy = batch_policy(Engine(tiny_engine.loaded, config))
         assert policy.max_batch_tokens == 2**20 // int(shape.kv_bytes_per_token(bytes_per_element))
+
+
+# --- token-level serving, driven step by step: each worker.step() is one admission + one engine step ---
+
+def statuses(served, ids: list[str]) -> list[RequestStatus]:
+    with session_scope(served.sessions) as session:
+        rows = {str(r.id): r.status for r in session.scalars(
+            select(RequestRow).where(RequestRow.id.in_([uuid.UUID(i) for i in ids])))}
+    return [rows[i] for i in ids]
+
+
+def step_until(served, ids: list[str], *, max_steps: int = 500) -> int:
+    """Step the worker until these requests are finished; -> the steps it took."""
+    for n in range(1, max_steps + 1):
+        served.worker.step()
+        if all(s.is_terminal for s in statuses(served, ids)):
+            return n
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+CONTINUOUS = BatchPolicy(max_batch_size=4, max_wait_ms=0, max_batch_tokens=100_000, policy="continuous")
+LONG = SamplingParams(max_new_tokens=40)
+
+
+def test_a_rows_result_is_stored_when_it_finishes_not_when_its_batch_does(make_served) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=0, max_batch_tokens=100_000))
+    served.streams.ensure_groups()
+    long = submit(served, 1, kind=StreamKind.BULK, sampling=LONG)
+    short = submit(served, 1, kind=StreamKind.BULK, sampling=SamplingParams(max_new_tokens=2))
+    step_until(served, short)
+    assert statuses(served, long) == [RequestStatus.RUNNING]  # its batch-mate still decodes
+    assert wait_all(served, short, timeout_s=1)[short[0]].status is RequestStatus.SUCCEEDED  # notified already
+    late = submit(served, 1)
+    served.worker.step()
+    assert served.worker.engine.live_request_ids == long  # window: nothing joins a running batch
+    step_until(served, long + late)
+
+
+def test_under_continuous_an_interactive_request_joins_running_rows_and_leaves_first(make_served) -> None:
+    served = make_served(CONTINUOUS)
+    served.streams.ensure_groups()
+    bulk = submit(served, 2, kind=StreamKind.BULK, sampling=LONG)
+    for _ in range(5):
+        served.worker.step()
+    interactive = submit(served, 1, sampling=SamplingParams(max_new_tokens=3))
+    served.worker.step()
+    assert set(served.worker.engine.live_request_ids) == {*bulk, *interactive}  # joined at the next step
+    steps = step_until(served, interactive)
+    assert steps <= 3 and statuses(served, bulk) == [RequestStatus.RUNNING] * 2
+    step_until(served, bulk)
+    assert served.streams.depth() == {"interactive": 0, "bulk": 0}
+
+
+def test_a_full_batch_preempts_its_newest_bulk_row_which_still_finishes_once(make_served, tiny_engine) -> None:
+    served = make_served(BatchPolicy(max_batch_size=2, max_wait_ms=0, max_batch_tokens=100_000, policy="continuous"))
+    served.streams.ensure_groups()
+    bulk = submit(served, 2, kind=StreamKind.BULK, sampling=LONG)
+    for _ in range(5):
+        served.worker.step()
+    assert served.worker.engine.live_request_ids == bulk
+    interactive = submit(served, 1, sampling=SamplingParams(max_new_tokens=3))
+    served.worker.step()
+    assert served.worker.engine.live_request_ids == [bulk[0], interactive[0]]  # the newest bulk row made room
+    step_until(served, interactive)
+    assert statuses(served, bulk) == [RequestStatus.RUNNING] * 2
+    step_until(served, bulk)
+    with session_scope(served.sessions) as session:
+        rows = {str(r.id): r for r in session.scalars(select(RequestRow).where(
+            RequestRow.id.in_([uuid.UUID(i) for i in bulk])))}
+        results = {str(r.request_id): r for r in session.scalars(select(ResultRow).where(
+            ResultRow.request_id.in_([uuid.UUID(i) for i in bulk])))}
+        preempted = sum(b.num_preempted for b in session.scalars(
+            select(BatchRow).where(BatchRow.serving_config_name == served.streams.config_name)))
+    assert [rows[i].num_preemptions for i in bulk] == [0, 1] and preempted == 1
+    assert all(rows[i].num_attempts == 1 and rows[i].status is RequestStatus.SUCCEEDED for i in bulk)
+    from servelab.request import GenerationRequest
+
+    alone = tiny_engine.generate([GenerationRequest("x", prompt="the cat sat 1", params=LONG)]).completions[0]
+    assert tuple(results[bulk[1]].token_ids) == alone.token_ids  # started over: the same answer, stored once
