@@ -60,7 +60,7 @@ class _Held:
     """Entries this worker holds (read, not yet acknowledged) and the candidates built from them."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    entries: dict[str, Entry] = field(default_factory=dict)  # by entry id
+    entries: dict[str, Entry] = field(default_factory=dict)  # by Entry.key
     waiting: list[Candidate] = field(default_factory=list)
     requests: dict[str, GenerationRequest] = field(default_factory=dict)  # by request id
     enqueued_at: dict[str, datetime] = field(default_factory=dict)
@@ -168,7 +168,7 @@ class ServingWorker:
 
     def _admit(self, entries: list[Entry]) -> None:
         """Turn entries into candidates; entries of finished, missing or poison requests end here."""
-        entries = [e for e in entries if e.entry_id not in self.held.entries]
+        entries = [e for e in entries if e.key not in self.held.entries]
         if not entries:
             return
         done, valid = [], []
@@ -197,11 +197,11 @@ class ServingWorker:
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
         request = to_generation_request(row)
         num_prompt_tokens = len(self.engine.encode(request))
-        candidate = Candidate(entry.entry_id, row.id, num_prompt_tokens, request.params.max_new_tokens,
+        candidate = Candidate(entry.key, row.id, num_prompt_tokens, request.params.max_new_tokens,
                               entry.is_interactive, is_retry=row.num_attempts > 0, priority=row.priority,
                               enqueued_s=row.enqueued_at.timestamp())
         with self.held.lock:
-            self.held.entries[entry.entry_id] = entry
+            self.held.entries[entry.key] = entry
             self.held.requests[row.id] = request
             self.held.enqueued_at[row.id] = row.enqueued_at
             self.held.waiting.append(candidate)

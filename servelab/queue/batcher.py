@@ -27,7 +27,7 @@ AdmissionPolicy = Literal["window", "continuous"]
 
 @dataclass(frozen=True)
 class Candidate:
-    entry_id: str
+    entry_id: str  # unique among the config's streams (Entry.key)
     request_id: str
     num_prompt_tokens: int
     max_new_tokens: int

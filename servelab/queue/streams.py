@@ -28,6 +28,11 @@ class Entry:
     def is_interactive(self) -> bool:
         return self.stream.endswith(":" + StreamKind.INTERACTIVE.value)
 
+    @property
+    def key(self) -> str:
+        """Unique among the config's streams: ids are per stream, and two streams can mint the same one."""
+        return f"{self.stream} {self.entry_id}"
+
 
 class RequestStreams:
     """The streams of one serving config, under one key prefix."""

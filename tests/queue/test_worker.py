@@ -236,3 +236,19 @@ def test_a_full_batch_preempts_its_newest_bulk_row_which_still_finishes_once(mak
 
     alone = tiny_engine.generate([GenerationRequest("x", prompt="the cat sat 1", params=LONG)]).completions[0]
     assert tuple(results[bulk[1]].token_ids) == alone.token_ids  # started over: the same answer, stored once
+
+
+def test_entries_with_the_same_id_in_both_streams_are_both_served(make_served) -> None:
+    """Redis mints entry ids per stream: an interactive and a bulk entry can share one."""
+    from servelab.store import requests as store
+
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=0, max_batch_tokens=100_000))
+    served.streams.ensure_groups()
+    ids = []
+    for kind, key in zip((StreamKind.INTERACTIVE, StreamKind.BULK), served.streams.keys):
+        with session_scope(served.sessions) as session:
+            ids.append(store.create_request(session, serving_config_name=served.streams.config_name, stream=kind,
+                                            prompt="the cat", sampling=GREEDY))
+        served.streams.client.xadd(key, {"request_id": ids[-1]}, id="1-1")
+    served.streams.client.sadd(served.streams.enqueued_key, *ids)
+    step_until(served, ids, max_steps=40)  # both, long before a take-over could find one left idle
