@@ -1,4 +1,5 @@
-"""The `bench` group: engine against transformers, the speed steps, in-process against the queue.
+"""The `bench` group: engine against transformers, the speed steps, in-process against the queue, and
+interactive calls behind a bulk job per admission policy.
 
 Knows these commands' options and what they print. Does not know how anything is timed or started:
 servelab/lab/bench.py does. torch and the engine are imported inside the commands.
@@ -125,3 +126,44 @@ def bench_queue(
         typer.echo(format_queue_table(config_pairs))
     if len(workers) > 1:
         typer.echo(format_queue_comparison([c.name for c in serving], pairs))
+
+
+@app.command("hol")
+def bench_head_of_line(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    policies: Annotated[str, typer.Option(help="comma-separated admission policies, ratios to the first")] = "window,continuous",
+    bulk: Annotated[int, typer.Option(min=1, help="requests in the bulk job")] = 48,
+    bulk_prompt_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    bulk_tokens: Annotated[int, typer.Option(min=1, help="new tokens per bulk request")] = 200,
+    calls: Annotated[int, typer.Option(min=1, help="interactive calls, alone and during the bulk job")] = 8,
+    call_tokens: Annotated[int, typer.Option(min=1, help="new tokens per interactive call")] = 8,
+    interval: Annotated[float, typer.Option(min=0.0, help="seconds between interactive calls during the bulk job")] = 2.0,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds, policies interleaved; medians are printed")] = 1,
+    threads: ThreadsOption = None,
+) -> None:
+    """Head of line: interactive end-to-end time alone and while a bulk job runs, per admission policy,
+    through the real queue; one engine, only the policy differs."""
+    from servelab.lab.hol import HolWorkload, format_head_of_line, run_head_of_line
+    from servelab.queue.batcher import BatchPolicy
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in ("window", "continuous")]
+    if not names or unknown:
+        fail(f"--policies: {', '.join(unknown) or 'none given'} is not a policy; use window and/or continuous")
+    serving = load_config(config)
+    if bulk_tokens > serving.decoding.max_new_tokens or call_tokens > serving.decoding.max_new_tokens:
+        fail(f"--bulk-tokens {bulk_tokens} / --call-tokens {call_tokens}: above the config's "
+             f"decoding.max_new_tokens ({serving.decoding.max_new_tokens})")
+    engine = load_engines([serving], threads)[0]
+    shape, per_element = engine.loaded.shape, engine.kv_bytes_per_element
+    by_policy = {name: BatchPolicy.from_config(serving.batching.model_copy(update={"policy": name}), shape,
+                                               bytes_per_element=per_element) for name in names}
+    workload = HolWorkload(bulk, bulk_prompt_tokens, bulk_tokens, calls, call_tokens, interval)
+    with connected() as runtime:
+        rounds_by_policy = run_head_of_line(engine, runtime, by_policy, workload, num_rounds=rounds, progress=progress)
+    b = serving.batching
+    typer.echo(f"config {serving.name} ({serving.weights}, {engine.kernel}), max_batch_size {b.max_batch_size}, "
+               f"max_wait_ms {b.max_wait_ms}, threads {engine_threads()}; bulk job {bulk} x ({bulk_prompt_tokens} "
+               f"prompt + {bulk_tokens} new tokens), {calls} interactive calls of {call_tokens} tokens, "
+               f"every {interval:g} s during it; {rounds} round(s)")
+    typer.echo(format_head_of_line(rounds_by_policy))

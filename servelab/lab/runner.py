@@ -103,7 +103,8 @@ def replay(workload: Workload, *, runtime: Runtime, streams: RequestStreams) -> 
         if item.offset_s is not None:
             time.sleep(max(0.0, start + item.offset_s - time.monotonic()))
         request_id = submit_request(
-            sessions=runtime.sessions, streams=streams, kind=StreamKind.INTERACTIVE, prompt=item.prompt,
+            sessions=runtime.sessions, streams=streams, prompt=item.prompt,
+            kind=StreamKind.BULK if item.is_bulk else StreamKind.INTERACTIVE,
             messages=list(item.messages) if item.messages else None, sampling=item.sampling(spec),
         )
         if not wait_done(runtime.redis, prefix=streams.prefix, request_id=request_id, timeout_s=REQUEST_TIMEOUT_S):

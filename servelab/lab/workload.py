@@ -1,4 +1,5 @@
-"""Workloads: a prompt set, output caps, an arrival process and SLOs, replayed identically for every config.
+"""Workloads: a prompt set, output caps, an arrival process, an optional bulk backlog and SLOs, replayed
+identically for every config.
 
 Knows the YAML format, the built-in prompt sets, the seeded arrival schedule and the fingerprint
 (prompts, lengths and arrival times) that keeps runs on different workloads from being compared.
@@ -57,6 +58,23 @@ class SLOSpec(_Frozen):
     e2e_ms: float | None = Field(default=None, gt=0)
 
 
+class BulkSpec(_Frozen):
+    """A bulk backlog enqueued at the start, on the bulk stream, beside the interactive arrivals."""
+
+    num_requests: int = Field(ge=1, le=100_000)
+    min_new_tokens: int = Field(default=16, ge=1, le=8192)
+    max_new_tokens: int = Field(default=256, ge=1, le=8192, description="each request's cap is drawn uniformly "
+                                                                        "between min_new_tokens and this")
+    ignore_eos: bool = Field(default=True, description="every bulk request decodes exactly its drawn cap")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _range(self) -> BulkSpec:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) is above max_new_tokens ({self.max_new_tokens})")
+        return self
+
+
 class WorkloadSpec(_Frozen):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     prompts: PromptSpec
@@ -64,6 +82,7 @@ class WorkloadSpec(_Frozen):
     temperature: float = Field(default=0.0, ge=0.0, le=10.0, description="0: greedy, so outputs can be compared")
     ignore_eos: bool = Field(default=False, description="every request decodes exactly max_new_tokens")
     arrival: ArrivalSpec = ArrivalSpec()
+    bulk: BulkSpec | None = Field(default=None, description="a bulk backlog sent at the start on the bulk stream")
     slo: SLOSpec = SLOSpec()
 
 
@@ -74,11 +93,13 @@ class WorkloadItem:
     messages: tuple[dict[str, str], ...] | None
     max_new_tokens: int
     offset_s: float | None  # scheduled arrival after the start; None for closed-loop clients
+    is_bulk: bool = False
 
     def sampling(self, spec: WorkloadSpec) -> SamplingParams:
         seed = spec.arrival.seed * 100_003 + self.index if spec.temperature > 0 else None  # same in every replay
+        ignore_eos = spec.bulk.ignore_eos if self.is_bulk and spec.bulk else spec.ignore_eos
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=spec.temperature,
-                              ignore_eos=spec.ignore_eos, seed=seed)
+                              ignore_eos=ignore_eos, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -110,7 +131,19 @@ def build_workload(spec: WorkloadSpec, *, base_dir: Path = Path(".")) -> Workloa
                      offset)
         for i, (record, offset) in enumerate(zip(prompts, offsets))
     )
+    if spec.bulk is not None:
+        items += _bulk_items(spec, base_dir, first_index=len(items))
     return Workload(spec, items, fingerprint(spec, items))
+
+
+def _bulk_items(spec: WorkloadSpec, base_dir: Path, *, first_index: int) -> tuple[WorkloadItem, ...]:
+    """The backlog: prompts from the same source (its own seeded draw), caps drawn between the bounds."""
+    bulk = spec.bulk
+    draw = spec.prompts.model_copy(update={"num_prompts": bulk.num_requests, "seed": bulk.seed})
+    records = _sample(_read_prompt_file(_prompt_path(spec.prompts, base_dir)), draw)
+    caps = np.random.default_rng(bulk.seed).integers(bulk.min_new_tokens, bulk.max_new_tokens + 1, bulk.num_requests)
+    return tuple(WorkloadItem(first_index + i, *_as_prompt(record, spec.prompts.chat), int(cap), 0.0, is_bulk=True)
+                 for i, (record, cap) in enumerate(zip(records, caps.tolist())))
 
 
 def arrival_offsets(arrival: ArrivalSpec, num_requests: int) -> list[float | None]:
@@ -126,9 +159,12 @@ def arrival_offsets(arrival: ArrivalSpec, num_requests: int) -> list[float | Non
 def fingerprint(spec: WorkloadSpec, items: tuple[WorkloadItem, ...]) -> str:
     """Hash of what is replayed: every prompt, its output cap, its arrival time, and how it is sampled."""
     body = {
-        "items": [[it.prompt, it.messages, it.max_new_tokens, it.offset_s] for it in items],
+        "items": [[it.prompt, it.messages, it.max_new_tokens, it.offset_s, *(["bulk"] if it.is_bulk else [])]
+                  for it in items],
         "arrival": spec.arrival.model_dump(), "temperature": spec.temperature, "ignore_eos": spec.ignore_eos,
     }
+    if spec.bulk is not None:  # NOTE: only then, so fingerprints of workloads without a backlog stay as they were
+        body["bulk"] = spec.bulk.model_dump()
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -219,6 +219,12 @@ def count_generated_tokens(session: Session, *, ids: list[str]) -> int:
     return int(total or 0)
 
 
+def count_preempted(session: Session, *, ids: list[str]) -> int:
+    total = session.scalar(select(func.coalesce(func.sum(RequestRow.num_preemptions), 0))
+                           .where(RequestRow.id.in_(_uuids(ids))))
+    return int(total or 0)
+
+
 class QueueFull(Exception):
     """The tenant has its limit of queued requests; the message says how many."""
 

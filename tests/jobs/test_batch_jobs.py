@@ -116,16 +116,18 @@ def test_job_past_its_window_ends_expired_with_its_finished_results(make_stack) 
 
 
 class CrashingEngine:
-    """The tiny engine, except that its n-th batch kills the serving thread mid-batch, as a kill -9 would."""
+    """The tiny engine, except that its n-th step kills the serving thread mid-step, as a kill -9 would."""
 
     def __init__(self, engine, *, crash_on: int) -> None:
         self._engine, self._left = engine, crash_on
 
-    def generate(self, requests):
+    def step(self):
         self._left -= 1
         if self._left == 0:
-            raise SystemExit("killed mid-batch")
-        return self._engine.generate(requests)
+            self._engine.preempt(self._engine.live_request_ids)  # NOTE: the running batch dies with the process
+            self._engine.take_stats()
+            raise SystemExit("killed mid-step")
+        return self._engine.step()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -140,7 +142,7 @@ def test_worker_killed_during_a_batch_job_still_answers_every_line_once(make_sta
 
     policy = BatchPolicy(max_batch_size=8, max_wait_ms=5, max_batch_tokens=100_000)
     streams = stack_streams(stack)
-    first = ServingWorker(engine=CrashingEngine(tiny_engine, crash_on=5), streams=streams,
+    first = ServingWorker(engine=CrashingEngine(tiny_engine, crash_on=20), streams=streams,
                           sessions=session_factory(stack.runtime.db), name=f"w-{uuid.uuid4().hex[:6]}",
                           policy=policy, faults=faults)
     stack.served = Served(first, streams, first.sessions)

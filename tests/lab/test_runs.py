@@ -14,7 +14,7 @@ from servelab.lab.runner import run_workload, start_worker
 from servelab.lab.workload import load_workload
 from servelab.runtime import connect
 from servelab.store.db import session_scope
-from servelab.store.models import ComparisonRow, RequestRow, ResultRow, RunRequestRow, RunRow
+from servelab.store.models import ComparisonRow, RequestRow, ResultRow, RunRequestRow, RunRow, StreamKind
 from tests.engine.kernel_labels import auto_kernel_label
 
 
@@ -35,8 +35,9 @@ def tiny_config(tmp_path: Path, tiny_folder: Path, name: str, *, weights: str = 
 
 def workload_file(tmp_path: Path) -> Path:
     path = tmp_path / "burst.yaml"
-    path.write_text("prompts: {set: chat, num_prompts: 6, seed: 2}\nmax_new_tokens: 4\nignore_eos: true\n"
-                    "arrival: {process: burst}\nslo: {ttft_ms: 600000}\n")
+    path.write_text("prompts: {set: chat, num_prompts: 4, seed: 2}\nmax_new_tokens: 4\nignore_eos: true\n"
+                    "arrival: {process: burst}\nbulk: {num_requests: 2, min_new_tokens: 4, max_new_tokens: 4}\n"
+                    "slo: {ttft_ms: 600000}\n")
     return path
 
 
@@ -51,16 +52,19 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
         sent = session.scalars(select(RunRequestRow.request_id).where(RunRequestRow.run_id == run.id)).all()
         tokens = session.scalar(select(func.sum(ResultRow.num_generated_tokens)).where(ResultRow.request_id.in_(sent)))
         configs = set(session.scalars(select(RequestRow.serving_config_name).where(RequestRow.id.in_(sent))))
+        streams = sorted(session.scalars(select(RequestRow.stream).where(RequestRow.id.in_(sent))))
     assert run.config == config.model_dump(mode="json") and run.config_hash == config.config_hash
     assert run.workload_fingerprint == workload.fingerprint
     assert run.hardware["bandwidth_gbs"] > 0 and run.hardware["cpu"] and "torch" in run.software
     expected = f"servelab decoder, dense float32, {auto_kernel_label(runtime.settings.cache_dir, tiny_folder)}"
     assert run.hardware["kernel"] == outcome.kernel == expected
     assert len(sent) == 6 and configs == {config.name}
+    assert streams == [StreamKind.BULK] * 2 + [StreamKind.INTERACTIVE] * 4  # the backlog went to the bulk stream
     summary = run.summary
     assert summary["num_succeeded"] == 6
     assert summary["output_tokens"] == tokens == 6 * 4  # the figure traces to the stored results
-    assert sum(size * n for size, n in ((int(k), v) for k, v in summary["batch_size_counts"].items())) == 6
+    # every token came from a pass (a prefill or a decode step) with that many rows
+    assert sum(size * n for size, n in ((int(k), v) for k, v in summary["batch_size_counts"].items())) == 6 * 4
     assert summary["goodput_fraction"] == 1.0
     assert summary["weight_bytes"] > 0 and summary["kv_cache_peak_bytes"] > 0
 

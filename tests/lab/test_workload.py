@@ -68,3 +68,26 @@ def test_bad_workload_files_are_named(tmp_path: Path, text: str, lines: str | No
         (tmp_path / "p.jsonl").write_text(lines)
     with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace("'", "'")):
         load_workload(write(tmp_path, text))
+
+
+def test_a_bulk_backlog_comes_at_the_start_with_mixed_seeded_lengths(tmp_path: Path) -> None:
+    base = "prompts: {set: chat, num_prompts: 4, seed: 3}\nmax_new_tokens: 8\n"
+    text = base + "bulk: {num_requests: 20, min_new_tokens: 5, max_new_tokens: 60, seed: 1}\n"
+    workload = load_workload(write(tmp_path, text))
+    interactive, bulk = workload.items[:4], workload.items[4:]
+    assert not any(it.is_bulk for it in interactive) and all(it.is_bulk for it in bulk) and len(bulk) == 20
+    assert [it.index for it in workload.items] == list(range(24))
+    assert all(it.offset_s == 0.0 and 5 <= it.max_new_tokens <= 60 for it in bulk)
+    assert len({it.max_new_tokens for it in bulk}) > 5  # mixed lengths
+    assert all(it.sampling(workload.spec).ignore_eos for it in bulk)  # each decodes exactly its drawn length
+    assert not interactive[0].sampling(workload.spec).ignore_eos
+    assert load_workload(write(tmp_path, text, "again.yaml")).items == workload.items
+    other = load_workload(write(tmp_path, text.replace("seed: 1", "seed: 2"), "other.yaml"))
+    assert other.fingerprint != workload.fingerprint
+    assert load_workload(write(tmp_path, base, "none.yaml")).fingerprint != workload.fingerprint
+
+
+def test_a_bulk_range_upside_down_is_named(tmp_path: Path) -> None:
+    text = "prompts: {set: chat}\nbulk: {num_requests: 2, min_new_tokens: 50, max_new_tokens: 10}\n"
+    with pytest.raises(WorkloadError, match="min_new_tokens \\(50\\) is above max_new_tokens \\(10\\)"):
+        load_workload(write(tmp_path, text))

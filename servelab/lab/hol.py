@@ -1,0 +1,146 @@
+"""Head-of-line benchmark: interactive calls alone and behind a bulk job, per admission policy.
+
+One engine serves every policy in turn (a worker per policy on a private stream, one at a time), so only
+the policy differs. Per round and policy: interactive calls sent one after another on an idle worker
+(alone), then a bulk job enqueued at once with interactive calls sent at a fixed interval while it runs
+(during). Everything goes through the real queue: commit + XADD, the worker, the store, the notification.
+Policies are interleaved round after round, since only figures measured close together on a shared
+machine compare. Does not parse options or print: the CLI does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from servelab.engine.engine import Engine
+from servelab.lab.bench import bench_requests
+from servelab.queue.batcher import BatchPolicy
+from servelab.queue.streams import RequestStreams, wait_done
+from servelab.queue.submit import submit_request
+from servelab.request import GenerationRequest, SamplingParams
+from servelab.runtime import Runtime
+from servelab.serving import FaultPolicy, ServingWorker
+from servelab.store import requests as store
+from servelab.store.db import session_scope
+from servelab.store.models import StreamKind
+
+INTERACTIVE_PROMPT = "What is the capital of France?"
+
+
+@dataclass(frozen=True)
+class HolWorkload:
+    num_bulk: int = 48
+    bulk_prompt_tokens: int = 64
+    bulk_new_tokens: int = 200
+    num_interactive: int = 8
+    interactive_new_tokens: int = 8
+    interval_s: float = 2.0  # between interactive calls during the bulk job
+
+
+@dataclass(frozen=True)
+class HolRound:
+    policy: str
+    alone_ms: tuple[float, ...]  # each interactive call's end-to-end time, idle worker
+    during_ms: tuple[float, ...]  # the same calls while the bulk job runs
+    bulk_tokens: int
+    bulk_wall_s: float
+    num_preempted: int
+
+    @property
+    def bulk_tokens_per_s(self) -> float:
+        return self.bulk_tokens / self.bulk_wall_s
+
+
+def percentile(values: tuple[float, ...], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_head_of_line(engine: Engine, runtime: Runtime, policies: dict[str, BatchPolicy], workload: HolWorkload,
+                     *, num_rounds: int, progress=lambda message: None) -> dict[str, list[HolRound]]:
+    bulk = bench_requests(engine, workload.num_bulk, workload.bulk_prompt_tokens, workload.bulk_new_tokens)
+    interactive = GenerationRequest("interactive", prompt=INTERACTIVE_PROMPT,
+                                    params=SamplingParams(max_new_tokens=workload.interactive_new_tokens,
+                                                          ignore_eos=True))
+    engine.generate([interactive])  # warm-up
+    rounds: dict[str, list[HolRound]] = {name: [] for name in policies}
+    for round_idx in range(num_rounds):
+        for name, policy in policies.items():
+            progress(f"round {round_idx + 1}/{num_rounds}: {name}")
+            rounds[name].append(_one_round(engine, runtime, name, policy, bulk, interactive, workload))
+    return rounds
+
+
+def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy, bulk: list[GenerationRequest],
+               interactive: GenerationRequest, workload: HolWorkload) -> HolRound:
+    settings = runtime.settings
+    streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"hol-{uuid.uuid4().hex[:8]}")
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=f"hol-{name}",
+                           policy=policy, faults=FaultPolicy.from_settings(settings))
+    streams.ensure_groups()
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        alone = tuple(_call(worker, interactive, StreamKind.INTERACTIVE) for _ in range(workload.num_interactive))
+        started = time.perf_counter()
+        bulk_ids = [_submit(worker, r, StreamKind.BULK) for r in bulk]
+        with ThreadPoolExecutor(max_workers=workload.num_interactive) as pool:
+            calls = []
+            for i in range(workload.num_interactive):
+                time.sleep(workload.interval_s if i else min(1.0, workload.interval_s))
+                calls.append(pool.submit(_call, worker, interactive, StreamKind.INTERACTIVE))
+            during = tuple(c.result() for c in calls)
+        for request_id in bulk_ids:
+            assert wait_done(streams.client, prefix=streams.prefix, request_id=request_id, timeout_s=3600)
+        bulk_wall_s = time.perf_counter() - started
+    finally:
+        worker.stop.set()
+        thread.join(timeout=120)
+    with session_scope(runtime.sessions) as session:
+        bulk_tokens = store.count_generated_tokens(session, ids=bulk_ids)
+        num_preempted = store.count_preempted(session, ids=bulk_ids)
+    return HolRound(name, alone, during, bulk_tokens, bulk_wall_s, num_preempted)
+
+
+def _submit(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> str:
+    return submit_request(sessions=worker.sessions, streams=worker.streams, kind=kind, prompt=request.prompt,
+                          sampling=request.params)
+
+
+def _call(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> float:
+    """One call as a client sees it: submit, wait for the notification; -> end-to-end ms."""
+    sent = time.perf_counter()
+    request_id = _submit(worker, request, kind)
+    assert wait_done(worker.streams.client, prefix=worker.streams.prefix, request_id=request_id, timeout_s=3600)
+    return (time.perf_counter() - sent) * 1e3
+
+
+def format_head_of_line(rounds: dict[str, list[HolRound]]) -> str:
+    """Per policy, medians over rounds: interactive p50 / p95 alone and during the bulk job, their ratio,
+    and the bulk job's tokens/s; then every policy against the first."""
+    def median(name: str, what) -> float:
+        return statistics.median(what(r) for r in rounds[name])
+
+    lines = [f"{'policy':<12} {'alone p50':>9} {'p95':>7} {'during p50':>10} {'p95':>8} {'p95 x':>7} "
+             f"{'bulk tok/s':>10} {'preempted':>9}"]
+    for name in rounds:
+        a50, a95 = median(name, lambda r: percentile(r.alone_ms, 50)), median(name, lambda r: percentile(r.alone_ms, 95))
+        d50, d95 = median(name, lambda r: percentile(r.during_ms, 50)), median(name, lambda r: percentile(r.during_ms, 95))
+        lines.append(f"{name:<12} {a50:>7.0f}ms {a95:>5.0f}ms {d50:>8.0f}ms {d95:>6.0f}ms {d95 / a95:>6.1f}x "
+                     f"{median(name, lambda r: r.bulk_tokens_per_s):>10.1f} "
+                     f"{median(name, lambda r: float(r.num_preempted)):>9.0f}")
+    names = list(rounds)
+    if len(names) > 1:
+        base = names[0]
+        for name in names[1:]:
+            p95 = median(name, lambda r: percentile(r.during_ms, 95)) / median(base, lambda r: percentile(r.during_ms, 95))
+            tps = median(name, lambda r: r.bulk_tokens_per_s) / median(base, lambda r: r.bulk_tokens_per_s)
+            lines.append(f"{name} against {base}: interactive p95 during the bulk job x{p95:.3f}, "
+                         f"bulk tokens/s x{tps:.3f}")
+    lines.append("p95 x = interactive p95 during the bulk job / alone (medians over rounds)")
+    return "\n".join(lines)
