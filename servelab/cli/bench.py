@@ -143,7 +143,7 @@ def bench_head_of_line(
 ) -> None:
     """Head of line: interactive end-to-end time alone and while a bulk job runs, per admission policy,
     through the real queue; one engine, only the policy differs."""
-    from servelab.lab.hol import HolWorkload, format_head_of_line, run_head_of_line
+    from servelab.lab.hol import HolWorkload, format_head_of_line, run_head_of_line, time_join_cost
     from servelab.queue.batcher import BatchPolicy
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -161,9 +161,13 @@ def bench_head_of_line(
     workload = HolWorkload(bulk, bulk_prompt_tokens, bulk_tokens, calls, call_tokens, interval)
     with connected() as runtime:
         rounds_by_policy = run_head_of_line(engine, runtime, by_policy, workload, num_rounds=rounds, progress=progress)
+    join = time_join_cost(engine, num_rows=min(serving.batching.max_batch_size, bulk), num_prompt_tokens=bulk_prompt_tokens)
     b = serving.batching
     typer.echo(f"config {serving.name} ({serving.weights}, {engine.kernel}), max_batch_size {b.max_batch_size}, "
                f"max_wait_ms {b.max_wait_ms}, threads {engine_threads()}; bulk job {bulk} x ({bulk_prompt_tokens} "
                f"prompt + {bulk_tokens} new tokens), {calls} interactive calls of {call_tokens} tokens, "
                f"every {interval:g} s during it; {rounds} round(s)")
     typer.echo(format_head_of_line(rounds_by_policy))
+    typer.echo(f"a newcomer's prefill ({join.num_prompt_tokens} tokens) between two steps of {join.num_rows} running "
+               f"rows: {join.prefill_ms:.1f} ms beside a {join.step_ms:.1f} ms step, so the running rows' token "
+               f"after a join takes x{join.tpot_factor:.2f} a plain one (medians of 7 interleaved rounds)")

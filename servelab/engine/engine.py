@@ -183,6 +183,7 @@ class Engine:
         meter.num_decode_tokens += num_rows
         return StepOutput(tokens, finished)
 
+    @torch.inference_mode()
     def preempt(self, request_ids: Sequence[str]) -> list[GenerationRequest]:
         """Take rows out of the batch unfinished (their cache is dropped); -> their requests, which start
         over from the prompt when added again (same seed, so the same answer)."""

@@ -107,6 +107,42 @@ def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy,
     return HolRound(name, alone, during, bulk_tokens, bulk_wall_s, num_preempted)
 
 
+@dataclass(frozen=True)
+class JoinCost:
+    """What a newcomer's prefill costs the rows already decoding: it runs between two of their steps."""
+
+    num_rows: int
+    num_prompt_tokens: int
+    step_ms: float  # one decode step of the running rows
+    prefill_ms: float  # one newcomer's prefill, joined between two steps
+
+    @property
+    def tpot_factor(self) -> float:
+        """The running rows' time for the token after a join, over a plain step."""
+        return (self.step_ms + self.prefill_ms) / self.step_ms
+
+
+def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num_rounds: int = 7) -> JoinCost:
+    """Medians over interleaved rounds of a plain decode step and of one newcomer's prefill, with num_rows
+    running (each round's newcomer leaves after its first token: max_new_tokens 1)."""
+    running = bench_requests(engine, num_rows, num_prompt_tokens, 4 * num_rounds + 8)
+    newcomer = bench_requests(engine, 1, num_prompt_tokens, 1)[0]
+    engine.take_stats()
+    engine.add(running)
+    steps, prefills = [], []
+    for i in range(num_rounds):
+        started = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        engine.add([GenerationRequest(f"join-{i}", prompt=newcomer.prompt, params=newcomer.params)])
+        prefills.append((time.perf_counter() - started) * 1e3)
+    while engine.num_live:
+        engine.step()
+    engine.take_stats()
+    return JoinCost(num_rows, num_prompt_tokens, statistics.median(steps), statistics.median(prefills))
+
+
 def _submit(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> str:
     return submit_request(sessions=worker.sessions, streams=worker.streams, kind=kind, prompt=request.prompt,
                           sampling=request.params)

@@ -96,18 +96,26 @@ def test_kv_tokens_follow_the_rows_held_at_every_step(either_engine: Engine) -> 
     assert memory.kv_cache_allocated_bytes > 0
 
 
-def test_a_preempted_row_starts_over_and_ends_with_the_same_answer(tiny_engine: Engine) -> None:
+def test_a_preempted_row_starts_over_and_ends_with_the_same_answer(either_engine: Engine) -> None:
     bulk = GenerationRequest("bulk", prompt="seven houses", params=SamplingParams(max_new_tokens=12,
                                                                                  temperature=0.9, seed=4))
-    alone = tiny_engine.generate([bulk]).completions[0]
-    tiny_engine.add([bulk])
-    for _ in range(4):
-        tiny_engine.step()
-    assert tiny_engine.preempt(["bulk"]) == [bulk] and tiny_engine.num_live == 0
-    timings, _memory = tiny_engine.take_stats()
+    rng = random.Random(8)
+    before, after = _request(rng, "before"), _request(rng, "after")
+    alone = either_engine.generate([bulk]).completions[0]
+    done = {c.request_id: c for c in either_engine.add([before, bulk, after]).finished}
+    for _ in range(2):
+        done.update((c.request_id, c) for c in either_engine.step().finished)
+    assert either_engine.preempt(["bulk"]) == [bulk] and "bulk" not in either_engine.live_request_ids
+    # the rows around it go on as if it had never been there
+    done.update(_run_schedule(either_engine, {0: []}))
+    for request in (before, after):
+        expected = naive_greedy(either_engine.model, either_engine.encode(request), request.params.max_new_tokens,
+                                either_engine.eos_token_ids)
+        assert list(done[request.request_id].token_ids) == expected
+    timings, _memory = either_engine.take_stats()
     assert timings.num_preempted == 1
-    done = _run_schedule(tiny_engine, {0: [bulk]})
-    assert done["bulk"].token_ids == alone.token_ids
+    again = _run_schedule(either_engine, {0: [bulk]})
+    assert again["bulk"].token_ids == alone.token_ids
 
 
 def test_generate_refuses_to_run_beside_a_running_batch(tiny_engine: Engine) -> None:
@@ -116,3 +124,20 @@ def test_generate_refuses_to_run_beside_a_running_batch(tiny_engine: Engine) -> 
         tiny_engine.generate([GenerationRequest("y", prompt="cat", params=SamplingParams(max_new_tokens=1))])
     while tiny_engine.num_live:
         tiny_engine.step()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_rows_joining_and_leaving_on_cuda_decode_like_naive(tiny_folder, settings) -> None:
+    from tests.engine.conftest import make_config
+
+    engine = Engine.from_config(make_config(str(tiny_folder), device="cuda"), settings)
+    rng = random.Random(3)
+    arrivals = {0: [_request(rng, "a"), _request(rng, "b")], 4: [_request(rng, "c")], 9: [_request(rng, "d")]}
+    done = _run_schedule(engine, arrivals)
+    for request in (r for group in arrivals.values() for r in group):
+        expected = naive_greedy(engine.model, engine.encode(request), request.params.max_new_tokens,
+                                engine.eos_token_ids)
+        assert list(done[request.request_id].token_ids) == expected
+    _timings, memory = engine.take_stats()
+    assert memory.device.startswith("cuda")
