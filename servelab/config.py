@@ -40,6 +40,9 @@ class BatchingConfig(_Frozen):
     max_batch_tokens: int = Field(default=16_384, ge=1)
     min_bulk_rows: int = Field(default=1, ge=0, le=1024, description=(
         "rows bulk work keeps while it waits, so interactive traffic cannot starve a bulk job"))
+    max_prefill_tokens: int = Field(default=256, ge=1, description=(
+        "continuous: prompt tokens (rows x longest prompt) prefilled between two decode steps; one "
+        "newcomer always joins"))
     max_kv_cache_mib: int | None = Field(default=None, ge=1, description=(
         "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens"))
 

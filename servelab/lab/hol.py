@@ -115,6 +115,7 @@ class JoinCost:
     num_prompt_tokens: int
     step_ms: float  # one decode step of the running rows
     prefill_ms: float  # one newcomer's prefill, joined between two steps
+    alone_step_ms: float  # one decode step of one row: what a call pays per token alone
 
     @property
     def tpot_factor(self) -> float:
@@ -124,10 +125,17 @@ class JoinCost:
 
 def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num_rounds: int = 7) -> JoinCost:
     """Medians over interleaved rounds of a plain decode step and of one newcomer's prefill, with num_rows
-    running (each round's newcomer leaves after its first token: max_new_tokens 1)."""
+    running (each round's newcomer leaves after its first token: max_new_tokens 1); and of a lone row's step."""
     running = bench_requests(engine, num_rows, num_prompt_tokens, 4 * num_rounds + 8)
     newcomer = bench_requests(engine, 1, num_prompt_tokens, 1)[0]
     engine.take_stats()
+    engine.add(running[:1])
+    alone = []
+    for _ in range(num_rounds):
+        started = time.perf_counter()
+        engine.step()
+        alone.append((time.perf_counter() - started) * 1e3)
+    engine.preempt(engine.live_request_ids)
     engine.add(running)
     steps, prefills = [], []
     for i in range(num_rounds):
@@ -140,7 +148,8 @@ def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num
     while engine.num_live:
         engine.step()
     engine.take_stats()
-    return JoinCost(num_rows, num_prompt_tokens, statistics.median(steps), statistics.median(prefills))
+    return JoinCost(num_rows, num_prompt_tokens, statistics.median(steps), statistics.median(prefills),
+                    statistics.median(alone))
 
 
 def _submit(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> str:

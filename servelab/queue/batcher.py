@@ -5,8 +5,10 @@ limits (max_batch_size, and the KV-cache token budget counted as the room the ba
 rows x the longest row's prompt + max_new_tokens):
 - `window`: a batch forms within max_wait_ms after its first request, then runs closed until its last
   row ends (the card's time-window micro-batching);
-- `continuous`: waiting requests join at every step boundary while rows and the budget allow, and an
-  interactive request that finds no room preempts the newest bulk row.
+- `continuous`: waiting requests join at every step boundary while rows and the budget allow; an
+  interactive request that finds no room preempts the newest bulk row, and bulk newcomers wait while an
+  interactive row decodes (their prefill would run between its tokens); the newcomers of one step are
+  prefilled within max_prefill_tokens, so no step is held up by a large group's prefill.
 Order of service: interactive before bulk, then higher `priority`, then age. Bulk progress is guaranteed
 by two rules: while bulk work waits, bulk keeps at least `min_bulk_rows` rows of the batch (its next
 request goes first when it holds fewer, and preemption never takes it below), and a row is preempted at
@@ -54,6 +56,7 @@ class BatchPolicy:
     max_batch_tokens: int
     policy: AdmissionPolicy = "window"
     min_bulk_rows: int = 1
+    max_prefill_tokens: int = 256
 
     @classmethod
     def from_config(cls, batching: BatchingConfig, shape: ModelShape, *, bytes_per_element: float) -> BatchPolicy:
@@ -63,7 +66,7 @@ class BatchPolicy:
         if batching.max_kv_cache_mib is not None:
             budget = min(budget, int(batching.max_kv_cache_mib * 2**20 // shape.kv_bytes_per_token(bytes_per_element)))
         return cls(batching.max_batch_size, batching.max_wait_ms, max(budget, 1), batching.policy,
-                   batching.min_bulk_rows)
+                   batching.min_bulk_rows, batching.max_prefill_tokens)
 
     @property
     def is_continuous(self) -> bool:
@@ -102,11 +105,25 @@ class BatchPolicy:
             rows.append(first_bulk)
             joining.append(first_bulk)
         for i, candidate in enumerate(ordered):
-            if not self.fits(rows, candidate):
+            if (self.bulk_waits(rows, candidate) or not self.fits(rows, candidate)
+                    or not self.prefill_fits(joining, candidate)):
                 return joining, ordered[i:]
             rows.append(candidate)
             joining.append(candidate)
         return joining, []
+
+    def prefill_fits(self, joining: Sequence[Candidate], candidate: Candidate) -> bool:
+        """Continuous: the newcomers of one step are prefilled together (padded to the longest prompt)
+        between two decode steps; their tokens stay within max_prefill_tokens (one newcomer always joins)."""
+        if not self.is_continuous or not joining:
+            return True
+        group = [*joining, candidate]
+        return len(group) * max(c.num_prompt_tokens for c in group) <= self.max_prefill_tokens
+
+    def bulk_waits(self, rows: Sequence[Candidate], candidate: Candidate) -> bool:
+        """Continuous: a bulk newcomer waits while an interactive row decodes, since its prefill runs between
+        that row's tokens (bulk's share is exempt, see select)."""
+        return self.is_continuous and not candidate.is_interactive and any(c.is_interactive for c in rows)
 
     def victims(self, waiting: Sequence[Candidate], running: Sequence[Candidate]) -> list[Candidate]:
         """Continuous only: the running bulk rows to preempt so that the interactive request at the head

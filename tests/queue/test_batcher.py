@@ -85,6 +85,30 @@ def test_continuous_admits_into_a_running_batch_up_to_its_limits() -> None:
     assert CONTINUOUS.is_closed([cand(0)], [], first_seen_s=0.0, now_s=0.0)  # no window to wait for
 
 
+def test_under_continuous_bulk_newcomers_wait_while_an_interactive_row_decodes() -> None:
+    running = [cand(0), cand(1, interactive=False)]
+    batch, rest = CONTINUOUS.select([cand(2, interactive=False)], running=running)
+    assert batch == [] and [c.entry_id for c in rest] == ["e2"]
+    batch, _ = CONTINUOUS.select([cand(3), cand(2, interactive=False)], running=running[1:])
+    assert [c.entry_id for c in batch] == ["e3"]  # an interactive newcomer joins; bulk waits behind it
+    batch, _ = CONTINUOUS.select([cand(2, interactive=False)], running=[cand(0)])
+    assert [c.entry_id for c in batch] == ["e2"]  # unless bulk holds less than its share
+    window = replace(CONTINUOUS, policy="window")
+    assert [c.entry_id for c in window.select([cand(2, interactive=False)], running=running)[0]] == ["e2"]
+
+
+def test_under_continuous_one_steps_newcomers_stay_within_the_prefill_budget() -> None:
+    budget = replace(CONTINUOUS, max_batch_size=16, max_prefill_tokens=100)
+    batch, rest = budget.select([cand(i, prompt=30, interactive=False) for i in range(5)])
+    assert len(batch) == 3 and len(rest) == 2  # 3 x 30 padded tokens fit, 4 x 30 do not
+    batch, _ = budget.select([cand(0, prompt=500, interactive=False)])
+    assert len(batch) == 1  # one newcomer always joins, however long its prompt
+    batch, _ = budget.select([cand(0, prompt=10), cand(1, prompt=60)])
+    assert len(batch) == 1  # padded to the longest: 2 x 60 > 100
+    window = replace(budget, policy="window")
+    assert len(window.select([cand(i, prompt=30) for i in range(5)])[0]) == 5  # a window batch is whole
+
+
 def test_an_interactive_request_preempts_the_newest_bulk_row_once() -> None:
     running = [cand(0, interactive=False), cand(1, interactive=False), cand(2, interactive=False)]
     assert [c.entry_id for c in CONTINUOUS.victims([cand(9)], running)] == ["e2"]

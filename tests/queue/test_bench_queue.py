@@ -30,3 +30,24 @@ def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder
     compared = {line.split()[0]: line.split() for line in lines[lines.index(next(
         line for line in lines if line.startswith("through the queue"))) + 2:]}
     assert compared["tiny-transformers"][2] == "1.00x" and float(compared["tiny"][1]) > 0
+
+
+def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Path, tiny_folder: Path,
+                                                                    service_settings) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 2\n"
+                      "  max_wait_ms: 10\ndecoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
+    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
+           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    result = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--bulk", "4", "--bulk-prompt-tokens",
+                                      "8", "--bulk-tokens", "16", "--calls", "2", "--call-tokens", "2", "--interval",
+                                      "0.05"], env=env)
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ("window", "continuous")}
+    assert set(rows) == {"window", "continuous"}
+    assert all(float(row[-2]) > 0 for row in rows.values())  # the bulk job's tokens/s: all 4 x 16 tokens made
+    assert "continuous against window: interactive p95 during the bulk job x" in result.stdout
+    assert "a newcomer's prefill (8 tokens) between two steps of 2 running rows" in result.stdout
+    bad = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--policies", "fifo"], env=env)
+    assert bad.exit_code != 0 and "fifo is not a policy" in bad.output
