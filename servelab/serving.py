@@ -117,10 +117,7 @@ class ServingWorker:
             self._admit(self.streams.read_new(self.name, count=count, block_ms=max(1, int(wait_s * 1e3))))
         else:
             return []
-        with self.held.lock:
-            taken = {c.entry_id for c in batch}
-            self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
-        return batch
+        return self._take(batch)
 
     def _poll(self) -> None:
         """Between steps, without blocking: new entries for the free rows, or an interactive one when none is free."""
@@ -141,9 +138,14 @@ class ServingWorker:
             self._preempt(victims)
         with self.held.lock:
             joining, _rest = self.policy.select(self.held.waiting, list(self.running.values()))
-            taken = {c.entry_id for c in joining}
+        return self._take(joining)
+
+    def _take(self, batch: list[Candidate]) -> list[Candidate]:
+        """These candidates stop waiting: they are about to start."""
+        with self.held.lock:
+            taken = {c.entry_id for c in batch}
             self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
-        return joining
+        return batch
 
     def _preempt(self, victims: list[Candidate]) -> None:
         """Bulk rows leave the batch unfinished and wait again, still claimed: they start over later."""

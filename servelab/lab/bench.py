@@ -12,7 +12,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -197,8 +197,13 @@ class PathTiming:
         return self.output_tokens / self.wall_s
 
     def latency_percentile_ms(self, q: float) -> float:
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+        return nearest_rank(self.latencies_ms, q)
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The value at rank q % of the sorted values (no interpolation: a latency someone saw), q in 0..100."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def time_in_process(engine: Engine, requests: list[GenerationRequest], max_batch_size: int) -> PathTiming:

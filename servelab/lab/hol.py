@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from servelab.engine.engine import Engine
-from servelab.lab.bench import bench_requests
+from servelab.lab.bench import bench_requests, nearest_rank as percentile
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.submit import submit_request
@@ -54,11 +54,6 @@ class HolRound:
     @property
     def bulk_tokens_per_s(self) -> float:
         return self.bulk_tokens / self.bulk_wall_s
-
-
-def percentile(values: tuple[float, ...], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def run_head_of_line(engine: Engine, runtime: Runtime, policies: dict[str, BatchPolicy], workload: HolWorkload,
