@@ -81,13 +81,16 @@ def submit_all(queue, prompts: list[str], sampling: SamplingParams = GREEDY) -> 
     return [submit_request(sessions=sessions, streams=streams, prompt=p, sampling=sampling) for p in prompts]
 
 
-def wait_status(queue, ids: list[str], status: RequestStatus, timeout_s: float = 60.0) -> None:
+def statuses_of(queue, ids: list[str]) -> list[RequestStatus]:
     _, sessions = queue
+    with session_scope(sessions) as session:
+        return list(session.scalars(select(RequestRow.status).where(RequestRow.id.in_([uuid.UUID(i) for i in ids]))))
+
+
+def wait_status(queue, ids: list[str], status: RequestStatus, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with session_scope(sessions) as session:
-            statuses = session.scalars(select(RequestRow.status).where(
-                RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
+        statuses = statuses_of(queue, ids)
         if statuses and all(s is status for s in statuses):
             return
         time.sleep(0.02)
@@ -96,13 +99,9 @@ def wait_status(queue, ids: list[str], status: RequestStatus, timeout_s: float =
 
 def wait_finished(queue, ids: list[str], *, timeout_s: float = 120.0, until_exit: subprocess.Popen | None = None) -> bool:
     """Poll until every request is finished (True) or the given process exits first (False)."""
-    _, sessions = queue
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with session_scope(sessions) as session:
-            statuses = session.scalars(select(RequestRow.status).where(
-                RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
-        if all(s.is_terminal for s in statuses):
+        if all(s.is_terminal for s in statuses_of(queue, ids)):
             return True
         if until_exit is not None and until_exit.poll() is not None:
             return False
