@@ -121,6 +121,8 @@ def outcomes(queue, ids: list[str]) -> dict[str, tuple[RequestStatus, int, int, 
     return {str(i): (status, attempts, num_results, error) for i, status, attempts, num_results, error in rows}
 
 
+# NOTE: kill -9 and restart under continuous is its own test below, with rows at different stages
+@pytest.mark.parametrize("workers", ["window"], indirect=True)
 def test_kill_9_mid_batch_then_restart_finishes_every_request_exactly_once(workers, queue) -> None:
     ids = submit_all(queue, ["STALL here", *[f"the cat sat {i}" for i in range(5)]])
     first = workers.start("w-restart")
