@@ -1,25 +1,35 @@
-"""Routes that generate: POST /v1/requests (202 with an id) and GET /v1/requests/{id} (?wait=S), and the
-OpenAI-compatible POST /v1/completions and POST /v1/chat/completions, which enqueue and wait.
+"""Routes that generate: POST /v1/requests (202 with an id) and GET /v1/requests/{id} (?wait=S, or as
+server-sent events with Accept: text/event-stream), and the OpenAI-compatible POST /v1/completions and
+POST /v1/chat/completions, which enqueue and wait, or stream (stream: true).
 
 Thin: bodies are checked against servelab.request's bounds by servelab.protocol, rows written by the store,
-ids added to the serving config's stream after the commit. Waits block a worker thread, never the event loop.
+ids added to the serving config's stream after the commit. Blocking waits and database calls run in the
+thread pool, streams in the event loop (api/streaming.py); neither blocks the loop.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
+from functools import partial
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from anyio.to_thread import run_sync
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.deps import ApiState, State, Tenant
 from api.errors import ApiError
+from api.streaming import openai_stream, request_event_stream
 from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
                               FinishReason, SamplingParams)
 from servelab.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
     Answer,
     ChatCompletionBody,
+    ChunkWriter,
     CompletionBody,
     Rejection,
     Submission,
@@ -164,11 +174,16 @@ def create_request(body: RequestIn, state: State, tenant: Tenant) -> RequestAcce
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestOut, tags=["requests"])
-def read_request(request_id: str, state: State, tenant: Tenant,
-                 wait: float = Query(default=0.0, ge=0.0, le=3600.0, description="seconds to wait for the result")
-                 ) -> RequestOut:
-    """Status, result and timings; with ?wait=S, waits up to S seconds (capped by the server) for the end."""
-    return RequestOut.of(wait_for(state, tenant, request_id, min(wait, state.settings.max_wait_s)))
+async def read_request(request_id: str, http: Request, state: State, tenant: Tenant,
+                       wait: float = Query(default=0.0, ge=0.0, le=3600.0,
+                                           description="seconds to wait for the result")) -> RequestOut | StreamingResponse:
+    """Status, result and timings; with ?wait=S, waits up to S seconds (capped by the server) for the end.
+    With `Accept: text/event-stream`: the request as events (status, token..., end) while it is made."""
+    if "text/event-stream" in http.headers.get("accept", ""):
+        await run_sync(view, state, tenant, request_id)  # NOTE: a 404 before the stream starts
+        return request_event_stream(http, state, request_id=request_id,
+                                    read_view=partial(view, state, tenant, request_id))
+    return RequestOut.of(await run_sync(wait_for, state, tenant, request_id, min(wait, state.settings.max_wait_s)))
 
 
 def _answer(state: ApiState, tenant: str, submission: Submission) -> Answer:
@@ -183,13 +198,30 @@ def _answer(state: ApiState, tenant: str, submission: Submission) -> Answer:
                    f"read it later with GET /v1/requests/{request_id}", code="timeout")
 
 
-@router.post("/v1/completions", tags=["openai"])
-def create_completion(body: CompletionBody, state: State, tenant: Tenant) -> dict[str, Any]:
-    """OpenAI completions: queued like any request, answered when done (model = serving config name)."""
-    return completion_object(_answer(state, tenant, check(state, body)))
+async def _stream(http: Request, state: ApiState, tenant: str, body: CompletionBody | ChatCompletionBody,
+                  endpoint: str) -> StreamingResponse:
+    arrived_s = time.time()
+    submission = await run_sync(check, state, body)
+    request_id = await run_sync(submit, state, tenant, submission)
+    writer = ChunkWriter(endpoint, request_id, submission.serving_config_name, int(arrived_s), body.include_usage)
+    return openai_stream(http, state, writer=writer, arrived_s=arrived_s)
 
 
-@router.post("/v1/chat/completions", tags=["openai"])
-def create_chat_completion(body: ChatCompletionBody, state: State, tenant: Tenant) -> dict[str, Any]:
-    """OpenAI chat completions: queued like any request, answered when done (model = serving config name)."""
-    return chat_completion_object(_answer(state, tenant, check(state, body)))
+@router.post("/v1/completions", response_model=None, tags=["openai"])
+async def create_completion(body: CompletionBody, http: Request, state: State, tenant: Tenant
+                            ) -> dict[str, Any] | StreamingResponse:
+    """OpenAI completions: queued like any request, answered when done, or streamed as server-sent events
+    with stream: true (model = serving config name)."""
+    if body.stream:
+        return await _stream(http, state, tenant, body, COMPLETIONS)
+    return completion_object(await run_sync(_answer, state, tenant, await run_sync(check, state, body)))
+
+
+@router.post("/v1/chat/completions", response_model=None, tags=["openai"])
+async def create_chat_completion(body: ChatCompletionBody, http: Request, state: State, tenant: Tenant
+                                 ) -> dict[str, Any] | StreamingResponse:
+    """OpenAI chat completions: queued like any request, answered when done, or streamed as server-sent events
+    with stream: true (model = serving config name)."""
+    if body.stream:
+        return await _stream(http, state, tenant, body, CHAT_COMPLETIONS)
+    return chat_completion_object(await run_sync(_answer, state, tenant, await run_sync(check, state, body)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from servelab.config import ServingConfig
 from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
@@ -32,9 +32,14 @@ class Rejection(ValueError):
         self.kind, self.code, self.param = kind, code, param
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class _Body(BaseModel):
     # NOTE: extra fields are ignored, not refused: OpenAI clients send options (user, logit_bias, ...) that
-    # change nothing here; the ones that would (n > 1, stream) are refused explicitly below.
+    # change nothing here; the ones that would (n > 1) are refused explicitly below.
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=256, description="a serving config name")
@@ -45,14 +50,18 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
-    stream: bool | None = Field(default=False, description="streaming is not supported")
+    stream: bool | None = Field(default=False, description="answer as server-sent events, chunk by chunk")
+    stream_options: StreamOptions | None = None
 
-    @field_validator("stream")
-    @classmethod
-    def _no_streaming(cls, value: bool | None) -> bool:
-        if value:
-            raise ValueError("streaming is not supported; send stream: false and wait for the whole answer")
-        return False
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Body:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @field_validator("stop")
     @classmethod
@@ -190,6 +199,47 @@ def chat_completion_object(answer: Answer) -> dict[str, Any]:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
                      "finish_reason": _finish_reason(answer.finish_reason)}],
     }
+
+
+@dataclass(frozen=True)
+class ChunkWriter:
+    """The chunks of one streamed answer, as OpenAI sends them: chat opens with the assistant's role, every
+    text piece is a chunk, the last choice chunk carries the finish reason, and with include_usage every
+    chunk has `usage: null` and a last chunk with no choices carries the usage."""
+
+    endpoint: str
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        return self.endpoint == CHAT_COMPLETIONS
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""})] if self.is_chat else []
+
+    def text(self, piece: str) -> dict[str, Any]:
+        return self._chunk({"content": piece} if self.is_chat else piece)
+
+    def closing(self, finish_reason: FinishReason, usage: dict[str, int] | None) -> list[dict[str, Any]]:
+        last = self._chunk({} if self.is_chat else "", finish_reason=_finish_reason(finish_reason))
+        if not self.include_usage:
+            return [last]
+        return [last, {**self._chunk(None), "choices": [], "usage": usage}]
+
+    def _chunk(self, delta: dict[str, str] | str | None, *, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.is_chat:
+            head = {"id": f"chatcmpl-{self.request_id}", "object": "chat.completion.chunk"}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            head = {"id": f"cmpl-{self.request_id}", "object": "text_completion"}
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**head, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
 
 def response_object(endpoint: str, answer: Answer) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Serves at token granularity: each turn admits what the policy lets in (a whole window-formed batch when
 idle; under `continuous`, newcomers at every step boundary, preempting a bulk row for an interactive
-request), runs one engine step, and finishes every row that ended in it at once.
+request), runs one engine step, publishes the text its streamed rows released and reads their cancel flags
+(one round trip), drops cancelled rows, and finishes every row that ended in it at once.
 Knows the order that makes redelivery harmless (claim rows, serve, write a finished row's result and
 metrics in one transaction, notify, then acknowledge), takes back its own pending entries on start, takes over
 entries a dead worker left idle, renews the claim on everything it holds, fails a request that
@@ -27,12 +28,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
-from servelab.engine.outputs import BatchResult, Completion
-from servelab.request import ChatMessage, GenerationRequest, RequestError, SamplingParams
+from servelab.engine.outputs import BatchResult, Completion, StepOutput
+from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
 from servelab.queue.batcher import BatchPolicy, Candidate
 from servelab.queue.reaper import reenqueue_lost
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
-from servelab.queue.streams import Entry, RequestStreams, notify_done
+from servelab.queue.streams import Entry, RequestStreams, end_event, notify_done
+from servelab.queue.tokens import StepEvents, publish_step
 from servelab.runtime import Runtime
 from servelab.store import requests as store
 from servelab.store.db import session_scope
@@ -64,13 +66,19 @@ class _Held:
     waiting: list[Candidate] = field(default_factory=list)
     requests: dict[str, GenerationRequest] = field(default_factory=dict)  # by request id
     enqueued_at: dict[str, datetime] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)  # by request id: started executions, from the claim
+
+
+STREAMED_KINDS = frozenset({StreamKind.INTERACTIVE})  # NOTE: bulk rows publish only their end: nobody watches them
 
 
 class ServingWorker:
     def __init__(self, *, engine: Engine, streams: RequestStreams, sessions: sessionmaker[Session],
-                 name: str, policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(), clock=time.monotonic) -> None:
+                 name: str, policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(), clock=time.monotonic,
+                 streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.policy, self.faults, self.clock = policy, faults, clock
+        self.streamed = streamed  # which streams' rows publish their text as it is made
         self.held = _Held()
         self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
         self.stop = threading.Event()
@@ -85,20 +93,46 @@ class ServingWorker:
         while not self.stop.is_set():
             self.step()
         while self.running:  # NOTE: a clean stop admits nothing more and finishes the rows in hand
-            self._finish(list(self.engine.step().finished))
+            self._advance([])
 
     def step(self) -> int:
-        """One turn: admit, one engine step, finish the rows that ended; returns how many requests finished."""
-        finished: list[Completion] = []
+        """One turn: admit, one engine step, publish, finish the rows that ended; -> how many requests ended."""
+        started: list[Candidate] = []
         if not self.running:
-            finished += self._start(self._claim(self._collect()))
+            started = self._claim(self._collect())
         elif self.policy.is_continuous:
             self._poll()
-            finished += self._start(self._claim(self._join()))
+            started = self._claim(self._join())
+        return self._advance(started)
+
+    def _advance(self, started: list[Candidate]) -> int:
+        outputs = [self._start(started)] if started else []
         if self.running:
-            finished += self.engine.step().finished
+            outputs.append(self.engine.step())
+        finished = [c for out in outputs for c in out.finished]
+        finished += self._publish(started, outputs, ended={c.request_id for c in finished})
         self._finish(finished)
         return len(finished)
+
+    def _publish(self, started: list[Candidate], outputs: list[StepOutput], *, ended: set[str]) -> list[Completion]:
+        """The step's text for streamed rows and their cancel flags, one round trip; -> the rows cancelled now."""
+        streamed = {rid for rid, c in self.running.items() if self._is_streamed(c)}
+        if not streamed:
+            return []
+        events = StepEvents(
+            started=tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
+                          if c.request_id in streamed),
+            texts=tuple((rid, piece) for out in outputs for rid, piece in out.new_text if rid in streamed),
+            watched=tuple(rid for rid in streamed if rid not in ended),
+        )
+        cancelled = publish_step(self.streams.client, prefix=self.streams.prefix, events=events)
+        if not cancelled:
+            return []
+        log.info("dropped %d row(s) whose client left", len(cancelled))
+        return self.engine.cancel(cancelled)
+
+    def _is_streamed(self, c: Candidate) -> bool:
+        return (StreamKind.INTERACTIVE if c.is_interactive else StreamKind.BULK) in self.streamed
 
     # --- forming a batch ---
 
@@ -160,13 +194,11 @@ class ServingWorker:
                 self.held.waiting.append(c.preempted())
         log.info("preempted %d bulk row(s) for an interactive request", len(victims))
 
-    def _start(self, candidates: list[Candidate]) -> list[Completion]:
-        """Prefill claimed candidates into the batch; -> the ones that finished at once (errors, one token)."""
-        if not candidates:
-            return []
+    def _start(self, candidates: list[Candidate]) -> StepOutput:
+        """Prefill claimed candidates into the batch; -> their first tokens, and the ones that finished at once."""
         for c in candidates:
             self.running[c.request_id] = c
-        return list(self.engine.add([self.held.requests[c.request_id] for c in candidates]).finished)
+        return self.engine.add([self.held.requests[c.request_id] for c in candidates])
 
     def _admit(self, entries: list[Entry]) -> None:
         """Turn entries into candidates; entries of finished, missing or poison requests end here."""
@@ -216,6 +248,8 @@ class ServingWorker:
             claimed = store.claim_requests(session, ids=[c.request_id for c in fresh], now=datetime.now(UTC))
         skipped = [c for c in fresh if c.request_id not in claimed]
         self._release(skipped, ack=True)  # finished meanwhile (cancelled, or served by another worker)
+        with self.held.lock:
+            self.held.attempts.update(claimed)
         return [c for c in batch if c.is_claimed or c.request_id in claimed]
 
     # --- after the engine ---
@@ -234,13 +268,14 @@ class ServingWorker:
                 result=BatchResult(completions=tuple(completions), timings=timings, memory=memory),
                 enqueued_at={c.request_id: self.held.enqueued_at[c.request_id] for c in batch},
             )
-        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[c.request_id for c in batch])
+        notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
         self._release(batch, ack=True)
 
     def _fail(self, entries: list[Entry], reason: str) -> None:
         with session_scope(self.sessions) as session:
             store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
-        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[e.request_id for e in entries])
+        notify_done(self.streams.client, prefix=self.streams.prefix,
+                    ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         self.streams.ack(entries)
 
     def _dead_letter(self, entries: list[Entry], reason: str) -> None:
@@ -248,7 +283,8 @@ class ServingWorker:
             return
         with session_scope(self.sessions) as session:
             store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
-        notify_done(self.streams.client, prefix=self.streams.prefix, request_ids=[e.request_id for e in entries])
+        notify_done(self.streams.client, prefix=self.streams.prefix,
+                    ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         for e in entries:
             self.streams.dead_letter(e, reason)
         log.warning("dead-lettered %d request(s): %s", len(entries), reason)
@@ -259,6 +295,7 @@ class ServingWorker:
             for c in batch:
                 self.held.requests.pop(c.request_id, None)
                 self.held.enqueued_at.pop(c.request_id, None)
+                self.held.attempts.pop(c.request_id, None)
         if ack:
             self.streams.ack(entries)
 
@@ -292,6 +329,12 @@ class ServingWorker:
         if lost:
             log.warning("re-enqueued %d request(s) whose stream entry was lost", lost)
         return lost
+
+
+def _end_of(c: Completion) -> dict:
+    status = {FinishReason.ERROR: "failed", FinishReason.CANCELLED: "cancelled"}.get(c.finish_reason, "succeeded")
+    return end_event(status, finish_reason=c.finish_reason.value, prompt_tokens=c.num_prompt_tokens,
+                     completion_tokens=c.num_generated_tokens, error=c.error)
 
 
 def to_generation_request(row: store.StoredRequest) -> GenerationRequest:

@@ -21,6 +21,7 @@ import torch
 from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.decoder import build_decoder
+from servelab.engine.detokenize import Detokenizer
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
@@ -38,12 +39,12 @@ class _Row:
     request: GenerationRequest
     prompt_ids: list[int]
     generator: torch.Generator | None
+    detok: Detokenizer
     started: float = 0.0  # perf_counter when its prefill began; its times count from here
     started_at_s: float = 0.0  # the same instant, Unix time
     token_ids: list[int] = field(default_factory=list)
     token_times_ms: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    text: str | None = None  # set when a stop string ended the row
 
     @property
     def num_columns(self) -> int:
@@ -128,7 +129,8 @@ class Engine:
                 continue
             if not request.params.is_greedy and request.params.seed is None:
                 request = replace(request, params=replace(request.params, seed=random.getrandbits(63)))
-            rows.append(_Row(request, prompt_ids, make_generator(request.params, self.device)))
+            rows.append(_Row(request, prompt_ids, make_generator(request.params, self.device),
+                             Detokenizer(self.tokenizer, request.params.stop)))
         return rows, rejected
 
     # --- the running batch: add, step, preempt ---
@@ -159,11 +161,11 @@ class Engine:
         first = len(self._rows)
         self._rows += rows
         self._track_cache(meter)
-        tokens, finished = self._sample(logits, range(first, len(self._rows)))
+        tokens, texts, finished = self._sample(logits, range(first, len(self._rows)))
         meter.prefill_ms += (time.perf_counter() - started) * 1e3
         meter.num_rows_per_step.append(len(rows))
         meter.num_prefill_tokens += mask.numel()
-        return StepOutput(tokens, (*finished, *rejected))
+        return StepOutput(tokens, (*finished, *rejected), texts)
 
     @torch.inference_mode()
     def step(self) -> StepOutput:
@@ -177,11 +179,11 @@ class Engine:
         logits = self.decoder.forward(last_ids.view(-1, 1), mask, positions, self._cache)
         self._track_cache(meter)
         num_rows = len(self._rows)
-        tokens, finished = self._sample(logits, range(num_rows))
+        tokens, texts, finished = self._sample(logits, range(num_rows))
         meter.decode_ms += (time.perf_counter() - started) * 1e3
         meter.num_rows_per_step.append(num_rows)
         meter.num_decode_tokens += num_rows
-        return StepOutput(tokens, finished)
+        return StepOutput(tokens, finished, texts)
 
     @torch.inference_mode()
     def preempt(self, request_ids: Sequence[str]) -> list[GenerationRequest]:
@@ -193,6 +195,18 @@ class Engine:
             self._open_meter().num_preempted += len(taken)
             self._keep([i for i, r in enumerate(self._rows) if r.request.request_id not in wanted])
         return taken
+
+    @torch.inference_mode()
+    def cancel(self, request_ids: Sequence[str]) -> list[Completion]:
+        """Take rows out of the batch for good (their client left); -> their completions, finish reason
+        `cancelled`, holding the text released so far (what a streaming client was shown)."""
+        wanted = set(request_ids)
+        taken = [r for r in self._rows if r.request.request_id in wanted]
+        if taken:
+            self._keep([i for i, r in enumerate(self._rows) if r.request.request_id not in wanted])
+        for row in taken:
+            row.finish_reason = FinishReason.CANCELLED
+        return [self._complete(r, text=r.detok.text[:r.detok.released]) for r in taken]
 
     def take_stats(self) -> tuple[BatchTimings, MemoryBreakdown]:
         """The timings and memory of the steps since the last call; the next add or step starts a new stretch."""
@@ -244,20 +258,26 @@ class Engine:
         logits = self.decoder.forward(input_ids, attention_mask, position_ids, prefilled)
         return logits, prefilled, attention_mask  # logits (B, V)
 
-    def _sample(self, logits: torch.Tensor, indices: range) -> tuple[tuple[tuple[str, int], ...], tuple[Completion, ...]]:
-        """A token for each of these rows (logits row i is rows[indices[i]]); finished rows leave."""
+    def _sample(self, logits: torch.Tensor, indices: range
+                ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...], tuple[Completion, ...]]:
+        """A token for each of these rows (logits row i is rows[indices[i]]), the text each released, and
+        the rows that finished (they leave)."""
         rows = [self._rows[i] for i in indices]
         next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows])
         now = time.perf_counter()
-        tokens, finished = [], []
+        tokens, texts, finished = [], [], []
         for row, token_id in zip(rows, next_ids.tolist()):
             tokens.append((row.request.request_id, token_id))
-            if not self._append_token(row, token_id, (now - row.started) * 1e3):
+            going_on = self._append_token(row, token_id, (now - row.started) * 1e3)
+            piece = row.detok.release() if going_on else row.detok.finish()
+            if piece:
+                texts.append((row.request.request_id, piece))
+            if not going_on:
                 finished.append(row)
         if finished:
             done = {id(r) for r in finished}
             self._keep([i for i, r in enumerate(self._rows) if id(r) not in done])
-        return tuple(tokens), tuple(self._complete(r) for r in finished)
+        return tuple(tokens), tuple(texts), tuple(self._complete(r) for r in finished)
 
     def _keep(self, indices: list[int]) -> None:
         self._rows = [self._rows[i] for i in indices]
@@ -280,20 +300,14 @@ class Engine:
         """Record a token; returns whether the row goes on decoding."""
         row.token_ids.append(token_id)
         row.token_times_ms.append(now_ms)
+        hit_stop_string = row.detok.push(token_id)
         if token_id in self.eos_token_ids and not row.request.params.ignore_eos:
             row.finish_reason = FinishReason.STOP
-        elif row.request.params.stop and self._hit_stop_string(row):
+        elif hit_stop_string:
             row.finish_reason = FinishReason.STOP
         elif len(row.token_ids) >= row.request.params.max_new_tokens:
             row.finish_reason = FinishReason.LENGTH
         return row.finish_reason is None
-
-    def _hit_stop_string(self, row: _Row) -> bool:
-        text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in row.request.params.stop if s in text]
-        if cuts:
-            row.text = text[: min(cuts)]
-        return bool(cuts)
 
     def _track_cache(self, meter: _Meter) -> None:
         """After a forward, before rows leave: the cache at its fullest for this step."""
@@ -302,13 +316,10 @@ class Engine:
             meter.peak_cache_tokens = num_tokens
         meter.peak_cache_allocated_bytes = max(meter.peak_cache_allocated_bytes, self._cache.allocated_bytes)
 
-    def _complete(self, row: _Row) -> Completion:
-        text = row.text
-        if text is None:
-            text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+    def _complete(self, row: _Row, *, text: str | None = None) -> Completion:
         return Completion(
             request_id=row.request.request_id,
-            text=text,
+            text=row.detok.final_text if text is None else text,
             token_ids=tuple(row.token_ids),
             num_prompt_tokens=len(row.prompt_ids),
             finish_reason=row.finish_reason,

@@ -66,10 +66,12 @@ class BatchTimings:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one add or step did: each row's new token, in row order, and the requests that finished."""
+    """What one add or step did: each row's new token, in row order, the requests that finished, and the text
+    each row released (final: complete characters, never a possible stop-string start; only non-empty pieces)."""
 
     new_tokens: tuple[tuple[str, int], ...]  # (request id, token id)
     finished: tuple[Completion, ...]
+    new_text: tuple[tuple[str, str], ...] = ()  # (request id, piece)
 
 
 @dataclass(frozen=True)

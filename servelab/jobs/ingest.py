@@ -82,6 +82,9 @@ def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catal
                       custom_id)
     try:
         body = body_model(endpoint).model_validate(line.body)
+        if body.stream:
+            raise Rejection("a batch line cannot stream; send stream: false (its answer goes to the output file)",
+                            param="stream")
         submission = to_submission(body, catalog=catalog, max_prompt_chars=max_prompt_chars)
     except ValidationError as exc:
         return refuse("invalid_request", "body." + describe_validation_error(exc), custom_id)

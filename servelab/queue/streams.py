@@ -9,9 +9,11 @@ in Postgres is the truth, and is committed before its id is added here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
+from servelab.queue.tokens import add_end_events
 from servelab.request import StreamKind
 
 GROUP = "workers"
@@ -144,15 +146,23 @@ def done_key(prefix: str, request_id: str) -> str:
     return f"{prefix}:done:{request_id}"
 
 
-def notify_done(client: redis.Redis, *, prefix: str, request_ids: list[str]) -> None:
-    """Wake callers waiting on these requests; a list per request, so a late waiter still sees it."""
-    if not request_ids:
+def notify_done(client: redis.Redis, *, prefix: str, ends: dict[str, dict[str, Any]]) -> None:
+    """Wake callers waiting on these requests (a list per request, so a late waiter still sees it) and end
+    their token streams with each one's outcome (`end_event`), in one round trip."""
+    if not ends:
         return
     pipe = client.pipeline(transaction=False)
-    for request_id in request_ids:
+    for request_id in ends:
         pipe.rpush(done_key(prefix, request_id), "1")
         pipe.expire(done_key(prefix, request_id), NOTIFY_TTL_S)
+    add_end_events(pipe, prefix=prefix, ends=ends)
     pipe.execute()
+
+
+def end_event(status: str, *, finish_reason: str | None = None, prompt_tokens: int | None = None,
+              completion_tokens: int | None = None, error: str | None = None) -> dict[str, Any]:
+    return {"status": status, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens, "error": error}
 
 
 def wait_done(client: redis.Redis, *, prefix: str, request_id: str, timeout_s: float) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -176,6 +177,22 @@ class RequestMetricsRow(Base):
     itl_ms: Mapped[list[float]] = mapped_column(ARRAY(Double), default=list, server_default=text("'{}'"))
 
 
+class StreamMetricsRow(Base):
+    """One streamed request as its client saw it: the API's time from arrival to the first chunk, the gaps
+    between chunks; written by the API at the end of the stream, beside the worker's figures."""
+
+    __tablename__ = "stream_metrics"
+
+    request_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True
+    )
+    ttft_ms: Mapped[float | None] = mapped_column(Double)
+    itl_ms: Mapped[list[float]] = mapped_column(ARRAY(Double), default=list, server_default=text("'{}'"))
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    num_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    disconnected: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+
+
 class WorkerRow(Base):
     """A GPU worker process: the one serving config it serves, where it runs, and when it was last alive."""
 
@@ -194,7 +211,7 @@ class WorkerRow(Base):
 # --- bulk jobs, files and keys (migration 0002) ---
 
 # NOTE: imported here, not in the header, so that this section is a pure append.
-from sqlalchemy import Boolean, LargeBinary  # noqa: E402
+from sqlalchemy import LargeBinary  # noqa: E402
 
 
 class BatchStatus(str, enum.Enum):

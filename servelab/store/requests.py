@@ -30,6 +30,7 @@ from servelab.store.models import (
     ResultRow,
     ServingConfigRow,
     StreamKind,
+    StreamMetricsRow,
     WorkerRow,
 )
 
@@ -146,15 +147,19 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
             enqueued_at: datetime) -> None:
     finished_at = started_at + timedelta(milliseconds=c.e2e_ms or 0.0)
     is_error = c.finish_reason is FinishReason.ERROR
+    first_token_at = None if c.ttft_ms is None else started_at + timedelta(milliseconds=c.ttft_ms)
+    if c.finish_reason is FinishReason.CANCELLED:
+        # NOTE: its client cancelled it (the row already says so): keep the partial text and the figures
+        where = RequestRow.status.in_((RequestStatus.RUNNING, RequestStatus.CANCELLED))
+        values = dict(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED,
+                      error=func.coalesce(RequestRow.error, CANCELLED_BY_CLIENT))
+    else:
+        where = RequestRow.status == RequestStatus.RUNNING
+        values = dict(status=RequestStatus.FAILED if is_error else RequestStatus.SUCCEEDED,
+                      finish_reason=c.finish_reason, error=c.error, finished_at=finished_at)
     updated = session.execute(
-        update(RequestRow)
-        .where(RequestRow.id == uuid.UUID(c.request_id), RequestRow.status == RequestStatus.RUNNING)
-        .values(
-            status=RequestStatus.FAILED if is_error else RequestStatus.SUCCEEDED, finish_reason=c.finish_reason,
-            error=c.error, finished_at=finished_at,
-            first_token_at=None if c.ttft_ms is None else started_at + timedelta(milliseconds=c.ttft_ms),
-        )
-        .returning(RequestRow.id)
+        update(RequestRow).where(RequestRow.id == uuid.UUID(c.request_id), where)
+        .values(**values, first_token_at=first_token_at).returning(RequestRow.id)
     ).first()
     if updated is None or is_error:
         return  # NOTE: finished elsewhere (cancelled, or a duplicate run): the first outcome stands
@@ -225,6 +230,30 @@ def count_preempted(session: Session, *, ids: list[str]) -> int:
     return int(total or 0)
 
 
+CANCELLED_BY_CLIENT = "cancelled: the client disconnected"
+
+
+def cancel_request(session: Session, *, request_id: str, now: datetime, reason: str = CANCELLED_BY_CLIENT) -> bool:
+    """Cancel an unfinished request: queued, it will never start; running, its worker drops the row (told
+    through Redis) and stores the text made so far. -> whether it was cancelled now."""
+    result = session.execute(
+        update(RequestRow)
+        .where(RequestRow.id == uuid.UUID(request_id), RequestRow.status.in_(UNFINISHED))
+        .values(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, error=reason, finished_at=now)
+        .returning(RequestRow.id)
+    ).first()
+    return result is not None
+
+
+def record_stream(session: Session, *, request_id: str, ttft_ms: float | None, itl_ms: list[float],
+                  num_chunks: int, num_restarts: int, disconnected: bool) -> None:
+    """What the streaming client saw of a request (once: the first stream that ends records it)."""
+    session.execute(insert(StreamMetricsRow).values(
+        request_id=uuid.UUID(request_id), ttft_ms=ttft_ms, itl_ms=itl_ms, num_chunks=num_chunks,
+        num_restarts=num_restarts, disconnected=disconnected,
+    ).on_conflict_do_nothing(index_elements=["request_id"]))
+
+
 class QueueFull(Exception):
     """The tenant has its limit of queued requests; the message says how many."""
 
@@ -245,7 +274,7 @@ class RequestView:
     text: str | None
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
-    timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms
+    timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms; streamed_ttft_ms, streamed_itl_ms
 
 
 def admit_request(session: Session, *, tenant: str, max_queued: int, serving_config_name: str, kind: StreamKind,
@@ -266,16 +295,20 @@ def get_request_view(session: Session, *, request_id: str, tenant: str) -> Reque
     except ValueError:
         return None
     row = session.execute(
-        select(RequestRow, ResultRow, RequestMetricsRow)
+        select(RequestRow, ResultRow, RequestMetricsRow, StreamMetricsRow)
         .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
         .outerjoin(RequestMetricsRow, RequestMetricsRow.request_id == RequestRow.id)
+        .outerjoin(StreamMetricsRow, StreamMetricsRow.request_id == RequestRow.id)
         .where(RequestRow.id == key, RequestRow.tenant == tenant)
     ).first()
     if row is None:
         return None
-    r, result, m = row
+    r, result, m, streamed = row
     timings = None if m is None else {"queue_ms": m.queue_ms, "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms,
                                       "e2e_ms": m.e2e_ms}
+    if streamed is not None:  # NOTE: as its streaming client saw it: TTFT from arrival at the API, mean chunk gap
+        timings = {**(timings or {}), "streamed_ttft_ms": streamed.ttft_ms,
+                   "streamed_itl_ms": sum(streamed.itl_ms) / len(streamed.itl_ms) if streamed.itl_ms else None}
     return RequestView(
         str(r.id), r.tenant, r.serving_config_name, r.status, r.priority, r.enqueued_at, r.started_at,
         r.first_token_at, r.finished_at, r.finish_reason, r.error, result.text if result else None,

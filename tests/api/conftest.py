@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -39,15 +40,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def served_api(jobs_worker: Stack) -> Iterator[str]:
+@contextmanager
+def api_process(stack: Stack) -> Iterator[str]:
     """The real api process (uvicorn --factory api.app:build) on a free port, configured only through SERVELAB_*
-    variables, beside an in-thread GPU worker and jobs-worker; -> its base URL.
+    variables; -> its base URL.
 
     NOTE: a subprocess, so the test goes through the real entry point and its Settings.
     """
     port = _free_port()
-    env = service_env(jobs_worker.settings)
+    env = service_env(stack.settings)
     process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:build", "--host", "127.0.0.1",
                                 "--port", str(port), "--log-level", "warning"], cwd=REPO, env=env)
     try:
@@ -64,3 +65,10 @@ def served_api(jobs_worker: Stack) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=15)
+
+
+@pytest.fixture
+def served_api(jobs_worker: Stack) -> Iterator[str]:
+    """The real api process beside an in-thread GPU worker and jobs-worker; -> its base URL."""
+    with api_process(jobs_worker) as url:
+        yield url

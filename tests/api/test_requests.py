@@ -127,9 +127,9 @@ def test_bad_parameters_are_400_naming_the_field(stack) -> None:
     api = client_for(stack, stack.key("acme"))
     negative = api.post("/v1/completions", json={"model": stack.model, "prompt": "hi", "max_tokens": -1})
     assert negative.status_code == 400 and negative.json()["error"]["param"] == "max_tokens"
-    streamed = api.post("/v1/chat/completions", json={"model": stack.model, "stream": True,
-                                                      "messages": [{"role": "user", "content": "hi"}]})
-    assert streamed.status_code == 400 and "streaming is not supported" in streamed.json()["error"]["message"]
+    options = api.post("/v1/chat/completions", json={"model": stack.model, "stream_options": {"include_usage": True},
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert options.status_code == 400 and "only allowed when stream is true" in options.json()["error"]["message"]
     too_many = api.post("/v1/completions", json={"model": stack.model, "prompt": "hi", "max_tokens": 65})
     assert too_many.status_code == 400 and "at most 64" in too_many.json()["error"]["message"]
     purpose = api.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}")})

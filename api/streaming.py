@@ -1,0 +1,187 @@
+"""Server-sent events: a completion's OpenAI chunk stream, and the event stream of GET /v1/requests/{id}.
+
+Reads a request's token stream (servelab.queue.tokens) with an asyncio Redis client of its own, so the event
+loop never blocks on Redis and a slow client holds a coroutine, never a thread; database calls go to the
+thread pool. A completion stream whose client leaves before its end cancels the request (queued: it never
+starts; running: its worker drops the row at its next step, keeping the text made so far), and records what
+the client saw (time to the first chunk from the request's arrival, the gaps between chunks).
+A retried generation (its worker died) is relayed without repeating text: the stream shows a comment line
+(`: restarted ...`) on the OpenAI endpoints and a `restart` event on GET /v1/requests/{id}, and carries on
+where the client was, or ends with an error event if the retried text differs from what was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from anyio.to_thread import run_sync
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from api.deps import ApiState
+from servelab.protocol import ChunkWriter
+from servelab.queue.streams import notify_done, end_event
+from servelab.queue.tokens import (Diverged, Ended, Relay, RelayItem, Restarted, Shown, StreamClock, decode_event,
+                                   request_cancel, tokens_key)
+from servelab.request import FinishReason
+from servelab.store import requests as store
+from servelab.store.db import session_scope
+
+BLOCK_MS = 1_000  # one read waits this long at most; between reads the relay checks its client and deadline
+KEEP_ALIVE_S = 15.0  # an idle stream sends a comment line this often (proxies, and finding a gone client)
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
+    body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {body}\n\n".encode()
+
+
+async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Awaitable[bool]],
+                deadline_s: float) -> AsyncIterator[RelayItem | None]:
+    """The request's stream from its first event, through a Relay; None on an idle read (the caller may send
+    a keep-alive). Ends after the last item, when the client is gone, or at the deadline (monotonic seconds)."""
+    client = aioredis.Redis.from_url(state.runtime.urls.redis_url)
+    key, last, items = tokens_key(state.settings.key_prefix, request_id), "0", Relay()
+    try:
+        while not items.done and time.monotonic() < deadline_s:
+            reply = await client.xread({key: last}, count=256, block=BLOCK_MS)
+            if not reply:
+                if await is_gone():
+                    return
+                yield None
+                continue
+            for _key, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    for item in items.feed([decode_event(fields)]):
+                        yield item
+    finally:
+        with anyio.CancelScope(shield=True):  # NOTE: the client left: the stream's task is being cancelled
+            await client.aclose()
+
+
+def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrived_s: float) -> StreamingResponse:
+    """The chunks of a queued completion, as they are made; `data: [DONE]` at the end."""
+    return StreamingResponse(_openai_chunks(http, state, writer, arrived_s), media_type="text/event-stream",
+                             headers=HEADERS)
+
+
+async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, arrived_s: float) -> AsyncIterator[bytes]:
+    request_id, clock = writer.request_id, StreamClock(arrived_s)
+    ended, restarts, last_sent = False, 0, time.monotonic()
+    try:
+        for chunk in writer.opening():
+            yield sse(chunk)
+        async for item in relay(state, request_id, is_gone=http.is_disconnected,
+                                deadline_s=time.monotonic() + state.settings.max_wait_s):
+            if item is None:
+                if time.monotonic() - last_sent >= KEEP_ALIVE_S:
+                    last_sent = time.monotonic()
+                    yield b": keep-alive\n\n"
+                continue
+            last_sent = time.monotonic()
+            if isinstance(item, Shown):
+                clock.mark(time.time())
+                yield sse(writer.text(item.text))
+            elif isinstance(item, Restarted):
+                restarts += 1
+                yield (f": restarted: the worker serving this request stopped; attempt {item.attempt} generates "
+                       "it again and the stream goes on after the text already sent\n\n").encode()
+            elif isinstance(item, Ended):
+                ended = True
+                if item.status == "succeeded":
+                    usage = {"prompt_tokens": item.prompt_tokens or 0, "completion_tokens": item.completion_tokens or 0,
+                             "total_tokens": (item.prompt_tokens or 0) + (item.completion_tokens or 0)}
+                    for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage):
+                        yield sse(chunk)
+                else:
+                    yield sse(_error(item.error or f"the request ended {item.status}", code=f"request_{item.status}"))
+            elif isinstance(item, Diverged):
+                ended = True
+                yield sse(_error(_diverged(request_id), code="stream_diverged", kind="server_error"))
+        if not ended:
+            if await http.is_disconnected():
+                return
+            ended = True  # NOTE: past the wait limit: the request goes on; the client can read it later
+            yield sse(_error(f"request {request_id} is still running after {state.settings.max_wait_s} s; read it "
+                             f"later with GET /v1/requests/{request_id}", code="timeout", kind="server_error"))
+        yield b"data: [DONE]\n\n"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_sync(_close_stream, state, request_id, clock, restarts, not ended)
+
+
+def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool) -> None:
+    """After a completion stream: cancel the request if its client left first; record what the client saw."""
+    with session_scope(state.runtime.sessions) as session:
+        cancelled = disconnected and store.cancel_request(session, request_id=request_id, now=datetime.now(UTC))
+        store.record_stream(session, request_id=request_id, ttft_ms=clock.ttft_ms, itl_ms=clock.itl_ms,
+                            num_chunks=len(clock.shown_at_s), num_restarts=restarts, disconnected=disconnected)
+    if cancelled:  # NOTE: after the commit: a worker that reads the flag finds the row cancelled
+        request_cancel(state.runtime.redis, prefix=state.settings.key_prefix, request_id=request_id)
+        notify_done(state.runtime.redis, prefix=state.settings.key_prefix,
+                    ends={request_id: end_event("cancelled", finish_reason="cancelled", error=store.CANCELLED_BY_CLIENT)})
+
+
+def request_event_stream(http: Request, state: ApiState, *, request_id: str,
+                         read_view: Callable[[], store.RequestView]) -> StreamingResponse:
+    """GET /v1/requests/{id} as events: `status`, then `token` events ({text}) as the text is made, `restart`
+    if its worker died and it runs again, and `end` (status, finish reason, usage, error). A reader that
+    leaves cancels nothing: it only watched."""
+    return StreamingResponse(_request_events(http, state, request_id, read_view), media_type="text/event-stream",
+                             headers=HEADERS)
+
+
+async def _request_events(http: Request, state: ApiState, request_id: str,
+                          read_view: Callable[[], store.RequestView]) -> AsyncIterator[bytes]:
+    view = await run_sync(read_view)
+    yield sse({"id": request_id, "status": view.status.value}, event="status")
+    shown, ended = "", view.status.is_terminal
+    if not ended:
+        last_sent = time.monotonic()
+        async for item in relay(state, request_id, is_gone=http.is_disconnected,
+                                deadline_s=time.monotonic() + state.settings.max_wait_s):
+            if item is None:
+                if time.monotonic() - last_sent >= KEEP_ALIVE_S:
+                    last_sent = time.monotonic()
+                    yield b": keep-alive\n\n"
+                continue
+            last_sent = time.monotonic()
+            if isinstance(item, Shown):
+                shown += item.text
+                yield sse({"text": item.text}, event="token")
+            elif isinstance(item, Restarted):
+                yield sse({"attempt": item.attempt}, event="restart")
+            elif isinstance(item, Diverged):
+                yield sse({"message": _diverged(request_id)}, event="error")
+                return
+            elif isinstance(item, Ended):
+                ended = True
+        if not ended:
+            return
+        view = await run_sync(read_view)
+    # NOTE: a finished request's text from the store: all of it for a request whose stream was not kept (bulk
+    # rows publish only their end; streams expire), the rest of it otherwise
+    if view.text and len(view.text) > len(shown) and view.text.startswith(shown):
+        yield sse({"text": view.text[len(shown):]}, event="token")
+    usage = None if view.num_prompt_tokens is None else {
+        "prompt_tokens": view.num_prompt_tokens, "completion_tokens": view.num_generated_tokens,
+        "total_tokens": view.num_prompt_tokens + (view.num_generated_tokens or 0)}
+    yield sse({"status": view.status.value, "finish_reason": view.finish_reason.value if view.finish_reason else None,
+               "usage": usage, "error": view.error, "timings": view.timings_ms}, event="end")
+
+
+def _error(message: str, *, code: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+
+
+def _diverged(request_id: str) -> str:
+    return (f"the worker serving request {request_id} stopped, and the retried generation's text differs from the "
+            f"text already streamed; the request goes on: read its result with GET /v1/requests/{request_id}")
