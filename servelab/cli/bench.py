@@ -173,3 +173,34 @@ def bench_head_of_line(
                f"after a join takes x{join.tpot_factor:.2f} a plain one; a step of 1 row: {join.alone_step_ms:.1f} ms, "
                f"so sharing a full batch costs a call x{join.step_ms / join.alone_step_ms:.2f} per token at least "
                f"(medians of 7 rounds)")
+
+
+@app.command("stream")
+def bench_stream(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    rows: Annotated[int, typer.Option(min=1, help="requests in the batch, all queued before it starts")] = 16,
+    prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1, help="new tokens per request (EOS ignored)")] = 128,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds, streamed and unstreamed interleaved")] = 3,
+    threads: ThreadsOption = None,
+) -> None:
+    """What streaming costs: tokens/s of one batch through the queue with every row's text published per step
+    and read by a relay per row, against the same batch with no row streamed."""
+    from servelab.lab.hol import run_stream_overhead
+
+    serving = load_config(config)
+    if new_tokens > serving.decoding.max_new_tokens:
+        fail(f"--new-tokens {new_tokens}: above the config's decoding.max_new_tokens ({serving.decoding.max_new_tokens})")
+    if rows > serving.batching.max_batch_size:
+        fail(f"--rows {rows}: above the config's batching.max_batch_size ({serving.batching.max_batch_size})")
+    engine = load_engines([serving], threads)[0]
+    with connected() as runtime:
+        result = run_stream_overhead(engine, runtime, num_rows=rows, prompt_tokens=prompt_tokens,
+                                     new_tokens=new_tokens, num_rounds=rounds, progress=progress)
+    typer.echo(f"config {serving.name} ({serving.weights}, {engine.kernel}), threads {engine_threads()}; a batch of "
+               f"{rows} x ({prompt_tokens} prompt + {new_tokens} new tokens) through the queue; {rounds} round(s)")
+    typer.echo(f"{'round':<6} {'streamed tok/s':>14} {'unstreamed tok/s':>16} {'ratio':>7}")
+    for i, (s, u) in enumerate(zip(result.streamed_tokens_per_s, result.unstreamed_tokens_per_s), start=1):
+        typer.echo(f"{i:<6} {s:>14.1f} {u:>16.1f} {s / u:>7.3f}")
+    typer.echo(f"every row streamed against none: x{result.ratio:.3f} tokens/s (median of the rounds' ratios; "
+               f"goal: within 5 %, x0.95 or more)")

@@ -1,11 +1,14 @@
-"""Head-of-line benchmark: interactive calls alone and behind a bulk job, per admission policy.
+"""Head-of-line benchmark: interactive calls alone and behind a bulk job, per admission policy; and what
+streaming costs a batch.
 
 One engine serves every policy in turn (a worker per policy on a private stream, one at a time), so only
 the policy differs. Per round and policy: interactive calls sent one after another on an idle worker
 (alone), then a bulk job enqueued at once with interactive calls sent at a fixed interval while it runs
-(during). Everything goes through the real queue: commit + XADD, the worker, the store, the notification.
-Policies are interleaved round after round, since only figures measured close together on a shared
-machine compare. Does not parse options or print: the CLI does.
+(during). Everything goes through the real queue: commit + XADD, the worker, the store, and the request's
+token stream, read as a streaming client's relay reads it (time to the first text = streamed TTFT; its end
+event = end-to-end). Policies are interleaved round after round, since only figures measured close
+together on a shared machine compare. `run_stream_overhead` times one batch with every row streamed against
+the same batch with none, interleaved. Does not parse options or print: the CLI does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from servelab.engine.engine import Engine
 from servelab.lab.bench import bench_requests, nearest_rank as percentile
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
+from servelab.queue.tokens import decode_event, tokens_key
 from servelab.queue.submit import submit_request
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.runtime import Runtime
@@ -47,6 +51,8 @@ class HolRound:
     policy: str
     alone_ms: tuple[float, ...]  # each interactive call's end-to-end time, idle worker
     during_ms: tuple[float, ...]  # the same calls while the bulk job runs
+    alone_ttft_ms: tuple[float, ...]  # each call's streamed TTFT: submit to its first text in its token stream
+    during_ttft_ms: tuple[float, ...]
     bulk_tokens: int
     bulk_wall_s: float
     num_preempted: int
@@ -81,7 +87,7 @@ def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy,
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        alone = tuple(_call(worker, interactive, StreamKind.INTERACTIVE) for _ in range(workload.num_interactive))
+        alone = [_call(worker, interactive, StreamKind.INTERACTIVE) for _ in range(workload.num_interactive)]
         started = time.perf_counter()
         bulk_ids = [_submit(worker, r, StreamKind.BULK) for r in bulk]
         with ThreadPoolExecutor(max_workers=workload.num_interactive) as pool:
@@ -89,7 +95,7 @@ def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy,
             for i in range(workload.num_interactive):
                 time.sleep(workload.interval_s if i else min(1.0, workload.interval_s))
                 calls.append(pool.submit(_call, worker, interactive, StreamKind.INTERACTIVE))
-            during = tuple(c.result() for c in calls)
+            during = [c.result() for c in calls]
         for request_id in bulk_ids:
             assert wait_done(streams.client, prefix=streams.prefix, request_id=request_id, timeout_s=3600)
         bulk_wall_s = time.perf_counter() - started
@@ -99,7 +105,9 @@ def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy,
     with session_scope(runtime.sessions) as session:
         bulk_tokens = store.count_generated_tokens(session, ids=bulk_ids)
         num_preempted = store.count_preempted(session, ids=bulk_ids)
-    return HolRound(name, alone, during, bulk_tokens, bulk_wall_s, num_preempted)
+    return HolRound(name, tuple(e2e for e2e, _ in alone), tuple(e2e for e2e, _ in during),
+                    tuple(ttft for _, ttft in alone), tuple(ttft for _, ttft in during), bulk_tokens, bulk_wall_s,
+                    num_preempted)
 
 
 @dataclass(frozen=True)
@@ -152,12 +160,12 @@ def _submit(worker: ServingWorker, request: GenerationRequest, kind: StreamKind)
                           sampling=request.params)
 
 
-def _call(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> float:
-    """One call as a client sees it: submit, wait for the notification; -> end-to-end ms."""
+def _call(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> tuple[float, float]:
+    """One call as a streaming client sees it: submit, read its token stream to the end; -> (end-to-end ms,
+    streamed TTFT ms)."""
     sent = time.perf_counter()
-    request_id = _submit(worker, request, kind)
-    assert wait_done(worker.streams.client, prefix=worker.streams.prefix, request_id=request_id, timeout_s=3600)
-    return (time.perf_counter() - sent) * 1e3
+    first_text, end = _read_to_end(worker.streams, _submit(worker, request, kind))
+    return (end - sent) * 1e3, (first_text - sent) * 1e3
 
 
 def format_head_of_line(rounds: dict[str, list[HolRound]]) -> str:
@@ -167,12 +175,14 @@ def format_head_of_line(rounds: dict[str, list[HolRound]]) -> str:
         return statistics.median(what(r) for r in rounds[name])
 
     lines = [f"{'policy':<12} {'alone p50':>9} {'p95':>7} {'during p50':>10} {'p95':>8} {'p95 x':>7} "
-             f"{'bulk tok/s':>10} {'preempted':>9}"]
+             f"{'TTFT during p50':>15} {'p95':>7} {'bulk tok/s':>10} {'preempted':>9}"]
     for name in rounds:
         a50, a95 = median(name, lambda r: percentile(r.alone_ms, 50)), median(name, lambda r: percentile(r.alone_ms, 95))
         d50, d95 = median(name, lambda r: percentile(r.during_ms, 50)), median(name, lambda r: percentile(r.during_ms, 95))
+        t50 = median(name, lambda r: percentile(r.during_ttft_ms, 50))
+        t95 = median(name, lambda r: percentile(r.during_ttft_ms, 95))
         lines.append(f"{name:<12} {a50:>7.0f}ms {a95:>5.0f}ms {d50:>8.0f}ms {d95:>6.0f}ms {d95 / a95:>6.1f}x "
-                     f"{median(name, lambda r: r.bulk_tokens_per_s):>10.1f} "
+                     f"{t50:>13.0f}ms {t95:>5.0f}ms {median(name, lambda r: r.bulk_tokens_per_s):>10.1f} "
                      f"{median(name, lambda r: float(r.num_preempted)):>9.0f}")
     names = list(rounds)
     if len(names) > 1:
@@ -182,5 +192,70 @@ def format_head_of_line(rounds: dict[str, list[HolRound]]) -> str:
             tps = median(name, lambda r: r.bulk_tokens_per_s) / median(base, lambda r: r.bulk_tokens_per_s)
             lines.append(f"{name} against {base}: interactive p95 during the bulk job x{p95:.3f}, "
                          f"bulk tokens/s x{tps:.3f}")
-    lines.append("p95 x = interactive p95 during the bulk job / alone (medians over rounds)")
+    lines.append("p95 x = interactive p95 during the bulk job / alone (medians over rounds); TTFT = submit to the "
+                 "first text in the call's token stream, as a streaming client's relay reads it")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StreamOverhead:
+    """One batch's decode with every row streamed and with none, interleaved round after round."""
+
+    num_rows: int
+    new_tokens: int
+    streamed_tokens_per_s: tuple[float, ...]
+    unstreamed_tokens_per_s: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        """Median over rounds of streamed / unstreamed tokens/s, each round's pair measured back to back."""
+        return statistics.median(s / u for s, u in zip(self.streamed_tokens_per_s, self.unstreamed_tokens_per_s))
+
+
+def run_stream_overhead(engine: Engine, runtime: Runtime, *, num_rows: int = 16, prompt_tokens: int = 32,
+                        new_tokens: int = 128, num_rounds: int = 3, progress=lambda message: None) -> StreamOverhead:
+    """tokens/s of a batch of num_rows interactive requests through the queue, their text published each step
+    and read by a relay thread per row (as the API reads it), against the same batch published by no row."""
+    requests = bench_requests(engine, num_rows, prompt_tokens, new_tokens)
+    policy = BatchPolicy(max_batch_size=num_rows, max_wait_ms=2_000, max_batch_tokens=10**9)
+    streamed, unstreamed = [], []
+    for round_idx in range(num_rounds):
+        for kinds, out in ((frozenset({StreamKind.INTERACTIVE}), streamed), (frozenset(), unstreamed)):
+            progress(f"round {round_idx + 1}/{num_rounds}: {'every row' if kinds else 'no row'} streamed")
+            out.append(_batch_tokens_per_s(engine, runtime, requests, policy, kinds))
+    return StreamOverhead(num_rows, new_tokens, tuple(streamed), tuple(unstreamed))
+
+
+def _batch_tokens_per_s(engine: Engine, runtime: Runtime, requests: list[GenerationRequest], policy: BatchPolicy,
+                        streamed: frozenset[StreamKind]) -> float:
+    streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix,
+                             config_name=f"stream-{uuid.uuid4().hex[:8]}")
+    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="stream-bench",
+                           policy=policy, faults=FaultPolicy.from_settings(runtime.settings), streamed=streamed)
+    streams.ensure_groups()
+    ids = [_submit(worker, r, StreamKind.INTERACTIVE) for r in requests]  # NOTE: queued before the worker reads
+    thread = threading.Thread(target=worker.run, daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    try:
+        with ThreadPoolExecutor(max_workers=len(ids)) as pool:
+            list(pool.map(lambda i: _read_to_end(streams, i), ids))
+        wall_s = time.perf_counter() - started
+    finally:
+        worker.stop.set()
+        thread.join(timeout=120)
+    with session_scope(runtime.sessions) as session:
+        return store.count_generated_tokens(session, ids=ids) / wall_s
+
+
+def _read_to_end(streams: RequestStreams, request_id: str) -> tuple[float, float]:
+    """Read a request's token stream as a relay does; -> perf_counter times of its first text and of its end."""
+    key, last, first_text = tokens_key(streams.prefix, request_id), "0", None
+    while True:
+        for _key, entries in streams.client.xread({key: last}, count=256, block=1000) or []:
+            for entry_id, fields in entries:
+                last, event, now = entry_id, decode_event(fields), time.perf_counter()
+                if event["kind"] == "text" and first_text is None:
+                    first_text = now
+                if event["kind"] == "end":
+                    return (first_text or now), now

@@ -237,3 +237,55 @@ def _ids_of(stack, status: RequestStatus) -> list[str]:
     with session_scope(stack.runtime.sessions) as session:
         return [str(i) for i in session.scalars(select(RequestRow.id).where(
             RequestRow.serving_config_name == stack.model, RequestRow.status == status))]
+
+
+# --- a worker that dies mid-stream ---
+
+
+def test_a_worker_dying_mid_stream_restarts_the_generation_and_the_client_reads_on(make_stack, tmp_path, tiny_folder
+                                                                                   ) -> None:
+    """What the client receives: the chunks sent before the death, a comment line `: restarted ...` (OpenAI
+    clients skip comments), then the rest of the retried generation, never a piece twice; GET /v1/requests/{id}
+    as events says `restart`."""
+    from tests.queue.test_faults import WorkerProcesses
+
+    stack = make_stack(with_worker=False)
+    procs = WorkerProcesses(tmp_path, tiny_folder, stack.settings, f"dying-{uuid.uuid4().hex[:8]}", policy="continuous")
+    try:
+        procs.start("w-dies")
+        with api_process(stack) as url:
+            key = stack.key("acme")
+            headers = {"Authorization": f"Bearer {key}"}
+            model = procs.config.stem
+            wait_until(lambda: model in [m["id"] for m in httpx.get(f"{url}/models", headers=headers).json()["data"]],
+                       timeout_s=120)
+            lines: list[str] = []
+            events: list[tuple[str, dict]] = []
+
+            def read() -> None:
+                body = {"model": model, "prompt": "the DIE river", "max_tokens": 20, "temperature": 0, "stream": True}
+                with httpx.stream("POST", f"{url}/completions", json=body, headers=headers, timeout=120) as response:
+                    lines.extend(line for line in response.iter_lines() if line)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            wait_until(lambda: procs.procs[0].poll() is not None, timeout_s=120)
+            request_id = json.loads(lines[0].removeprefix("data: "))["id"].removeprefix("cmpl-")
+            watcher = threading.Thread(target=lambda: events.extend(_read_events(f"{url}/requests/{request_id}",
+                                                                                 headers)), daemon=True)
+            watcher.start()
+            procs.start("w-dies")  # NOTE: the same name takes back its own entries at once
+            reader.join(timeout=120)
+            watcher.join(timeout=120)
+            result = httpx.get(f"{url}/requests/{request_id}", headers=headers).json()
+    finally:
+        procs.close()
+    assert lines[-1] == "data: [DONE]"
+    restart = [i for i, line in enumerate(lines) if line.startswith(": restarted")]
+    assert len(restart) == 1, lines
+    before = [json.loads(x.removeprefix("data: "))["choices"][0]["text"] for x in lines[:restart[0]]]
+    after = [json.loads(x.removeprefix("data: "))["choices"][0]["text"] for x in lines[restart[0] + 1:-1]]
+    assert "".join(before), "some text was streamed before the worker died"
+    assert "".join(before + after) == result["result"]["text"] and result["status"] == "succeeded"
+    assert [kind for kind, _ in events].count("restart") == 1 and events[-1][0] == "end"
+    assert "".join(d["text"] for k, d in events if k == "token") == result["result"]["text"]

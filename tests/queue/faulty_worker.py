@@ -1,7 +1,8 @@
 """Test-only: the real gpu-worker process, with an engine that crashes or stalls on marked prompts.
 
-A prompt containing CRASH kills the process (os._exit) at any step it is in; SLOW makes each step it is
-in take 50 ms longer (so others can join it mid-way); one containing STALL
+A prompt containing CRASH kills the process (os._exit) at any step it is in; one containing DIE kills it once,
+when it has made three tokens (the file `died` beside the stall marker remembers it), mid-stream; SLOW makes
+each step it is in take 50 ms longer (so others can join it mid-way); one containing STALL
 hangs the first time it has made two tokens (it leaves the file named by SERVELAB_TEST_STALL_MARKER,
 holding the request ids in the batch and their token counts), so the test can kill -9 the worker in the
 middle of a step, with rows at different stages.
@@ -27,6 +28,10 @@ def _faulty_step(self):
     if any("SLOW" in p for p in prompts.values()):
         time.sleep(0.05)
     marker = Path(os.environ["SERVELAB_TEST_STALL_MARKER"])
+    died = marker.with_name("died")
+    if any("DIE" in (r.request.prompt or "") and len(r.token_ids) >= 3 for r in self._rows) and not died.exists():
+        died.write_text("1")
+        os._exit(17)
     stalling = [r for r in self._rows if "STALL" in (r.request.prompt or "") and len(r.token_ids) >= 2]
     if stalling and not marker.exists():
         marker.write_text(json.dumps({r.request.request_id: len(r.token_ids) for r in self._rows}))

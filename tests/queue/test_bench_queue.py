@@ -47,7 +47,25 @@ def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Pa
             if line.split() and line.split()[0] in ("window", "continuous") and "against" not in line}
     assert set(rows) == {"window", "continuous"}
     assert all(float(row[-2]) > 0 for row in rows.values())  # the bulk job's tokens/s: all 4 x 16 tokens made
+    assert all(0 < float(row[-4].removesuffix("ms")) <= float(row[-3].removesuffix("ms")) for row in rows.values())
     assert "continuous against window: interactive p95 during the bulk job x" in result.stdout
     assert "a newcomer's prefill (8 tokens) between two steps of 2 running rows" in result.stdout
     bad = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--policies", "fifo"], env=env)
     assert bad.exit_code != 0 and "fifo is not a policy" in bad.output
+
+
+def test_bench_stream_prints_streamed_against_unstreamed_tokens_per_s(tmp_path: Path, tiny_folder: Path,
+                                                                     service_settings) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n"
+                      "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
+    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
+           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    result = CliRunner().invoke(app, ["bench", "stream", "--config", str(config), "--rows", "4", "--prompt-tokens",
+                                      "8", "--new-tokens", "12", "--rounds", "2"], env=env)
+    assert result.exit_code == 0, result.output
+    rounds = [line.split() for line in result.stdout.splitlines() if line.split() and line.split()[0] in ("1", "2")]
+    assert len(rounds) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rounds)
+    assert "every row streamed against none: x" in result.stdout
+    too_many = CliRunner().invoke(app, ["bench", "stream", "--config", str(config), "--rows", "9", "--new-tokens", "8"], env=env)
+    assert too_many.exit_code != 0 and "max_batch_size (4)" in too_many.output
