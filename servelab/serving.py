@@ -79,6 +79,9 @@ class ServingWorker:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.policy, self.faults, self.clock = policy, faults, clock
         self.streamed = streamed  # which streams' rows publish their text as it is made
+        self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
+        self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
+        self.num_publishes = 0
         self.held = _Held()
         self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
         self.stop = threading.Event()
@@ -117,15 +120,26 @@ class ServingWorker:
     def _publish(self, started: list[Candidate], outputs: list[StepOutput], *, ended: set[str]) -> list[Completion]:
         """The step's text for streamed rows and their cancel flags, one round trip; -> the rows cancelled now."""
         streamed = {rid for rid, c in self.running.items() if self._is_streamed(c)}
-        if not streamed:
+        if not streamed and self._unpublished.is_empty:
             return []
+        late = self._unpublished
         events = StepEvents(
-            started=tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
-                          if c.request_id in streamed),
-            texts=tuple((rid, piece) for out in outputs for rid, piece in out.new_text if rid in streamed),
+            started=late.started + tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
+                                         if c.request_id in streamed),
+            texts=late.texts + tuple((rid, piece) for out in outputs for rid, piece in out.new_text if rid in streamed),
             watched=tuple(rid for rid in streamed if rid not in ended),
         )
-        cancelled = publish_step(self.streams.client, prefix=self.streams.prefix, events=events)
+        started_s = time.perf_counter()
+        try:
+            cancelled = publish_step(self.streams.client, prefix=self.streams.prefix, events=events)
+        except (redis.RedisError, OSError) as exc:  # NOTE: keep decoding; the text goes out, in order, next step
+            log.warning("could not publish a step's text (%s); retrying at the next step", exc)
+            self._unpublished = StepEvents(events.started, events.texts)
+            return []
+        finally:
+            self.publish_s += time.perf_counter() - started_s
+            self.num_publishes += 1
+        self._unpublished = StepEvents()
         if not cancelled:
             return []
         log.info("dropped %d row(s) whose client left", len(cancelled))

@@ -204,3 +204,6 @@ def bench_stream(
         typer.echo(f"{i:<6} {s:>14.1f} {u:>16.1f} {s / u:>7.3f}")
     typer.echo(f"every row streamed against none: x{result.ratio:.3f} tokens/s (median of the rounds' ratios; "
                f"goal: within 5 %, x0.95 or more)")
+    typer.echo(f"publishing a step (text of {rows} rows + their cancel flags, one round trip): "
+               f"{result.publish_ms_per_step:.2f} ms per step of {result.step_ms:.1f} ms "
+               f"({100 * result.publish_ms_per_step / result.step_ms:.2f} % of the loop)")

@@ -13,6 +13,7 @@ the same batch with none, interleaved. Does not parse options or print: the CLI 
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import threading
 import time
@@ -21,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from servelab.engine.engine import Engine
+from servelab.lab.relays import read_all
 from servelab.lab.bench import bench_requests, nearest_rank as percentile
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
-from servelab.queue.tokens import decode_event, tokens_key
+from servelab.queue.tokens import read_to_end
 from servelab.queue.submit import submit_request
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.runtime import Runtime
@@ -164,7 +166,8 @@ def _call(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -
     """One call as a streaming client sees it: submit, read its token stream to the end; -> (end-to-end ms,
     streamed TTFT ms)."""
     sent = time.perf_counter()
-    first_text, end = _read_to_end(worker.streams, _submit(worker, request, kind))
+    first_text, end = read_to_end(worker.streams.client, prefix=worker.streams.prefix,
+                                  request_id=_submit(worker, request, kind))
     return (end - sent) * 1e3, (first_text - sent) * 1e3
 
 
@@ -205,6 +208,8 @@ class StreamOverhead:
     new_tokens: int
     streamed_tokens_per_s: tuple[float, ...]
     unstreamed_tokens_per_s: tuple[float, ...]
+    publish_ms_per_step: float  # the worker's time in publish_step per step, streamed rounds
+    step_ms: float  # a turn of the worker's loop, streamed rounds: wall time / new tokens
 
     @property
     def ratio(self) -> float:
@@ -218,44 +223,47 @@ def run_stream_overhead(engine: Engine, runtime: Runtime, *, num_rows: int = 16,
     and read by a relay thread per row (as the API reads it), against the same batch published by no row."""
     requests = bench_requests(engine, num_rows, prompt_tokens, new_tokens)
     policy = BatchPolicy(max_batch_size=num_rows, max_wait_ms=2_000, max_batch_tokens=10**9)
-    streamed, unstreamed = [], []
+    streamed, unstreamed, publish_s, num_publishes, wall_s = [], [], 0.0, 0, 0.0
     for round_idx in range(num_rounds):
         for kinds, out in ((frozenset({StreamKind.INTERACTIVE}), streamed), (frozenset(), unstreamed)):
             progress(f"round {round_idx + 1}/{num_rounds}: {'every row' if kinds else 'no row'} streamed")
-            out.append(_batch_tokens_per_s(engine, runtime, requests, policy, kinds))
-    return StreamOverhead(num_rows, new_tokens, tuple(streamed), tuple(unstreamed))
+            tokens, seconds, worker = _serve_batch(engine, runtime, requests, policy, kinds)
+            out.append(tokens / seconds)
+            if kinds:
+                publish_s, num_publishes = publish_s + worker.publish_s, num_publishes + worker.num_publishes
+                wall_s += seconds
+    return StreamOverhead(num_rows, new_tokens, tuple(streamed), tuple(unstreamed),
+                          publish_s * 1e3 / max(1, num_publishes), wall_s * 1e3 / (num_rounds * new_tokens))
 
 
-def _batch_tokens_per_s(engine: Engine, runtime: Runtime, requests: list[GenerationRequest], policy: BatchPolicy,
-                        streamed: frozenset[StreamKind]) -> float:
+def _serve_batch(engine: Engine, runtime: Runtime, requests: list[GenerationRequest], policy: BatchPolicy,
+                 streamed: frozenset[StreamKind]) -> tuple[int, float, ServingWorker]:
+    """The requests queued, then served by a fresh worker; -> tokens made, wall seconds, the worker."""
     streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix,
                              config_name=f"stream-{uuid.uuid4().hex[:8]}")
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="stream-bench",
                            policy=policy, faults=FaultPolicy.from_settings(runtime.settings), streamed=streamed)
     streams.ensure_groups()
     ids = [_submit(worker, r, StreamKind.INTERACTIVE) for r in requests]  # NOTE: queued before the worker reads
+    # NOTE: the relays run in a process of their own, as the API does: in the worker's process their threads
+    # would take the GIL from the decode loop, a cost no deployment pays
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    relays = context.Process(target=read_all, args=(runtime.urls.redis_url, streams.prefix, ids, ready), daemon=True)
+    relays.start()
+    assert ready.wait(timeout=120), "the relay process did not start"
     thread = threading.Thread(target=worker.run, daemon=True)
     started = time.perf_counter()
     thread.start()
     try:
-        with ThreadPoolExecutor(max_workers=len(ids)) as pool:
-            list(pool.map(lambda i: _read_to_end(streams, i), ids))
+        for request_id in ids:
+            assert wait_done(streams.client, prefix=streams.prefix, request_id=request_id, timeout_s=3600)
         wall_s = time.perf_counter() - started
+        relays.join(timeout=60)
     finally:
         worker.stop.set()
         thread.join(timeout=120)
+        if relays.is_alive():
+            relays.kill()
     with session_scope(runtime.sessions) as session:
-        return store.count_generated_tokens(session, ids=ids) / wall_s
-
-
-def _read_to_end(streams: RequestStreams, request_id: str) -> tuple[float, float]:
-    """Read a request's token stream as a relay does; -> perf_counter times of its first text and of its end."""
-    key, last, first_text = tokens_key(streams.prefix, request_id), "0", None
-    while True:
-        for _key, entries in streams.client.xread({key: last}, count=256, block=1000) or []:
-            for entry_id, fields in entries:
-                last, event, now = entry_id, decode_event(fields), time.perf_counter()
-                if event["kind"] == "text" and first_text is None:
-                    first_text = now
-                if event["kind"] == "end":
-                    return (first_text or now), now
+        return store.count_generated_tokens(session, ids=ids), wall_s, worker

@@ -16,6 +16,7 @@ Knows keys and fields; does not know HTTP or the engine.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -89,6 +90,20 @@ def _add(pipe: redis.client.Pipeline, prefix: str, request_id: str, fields: dict
 def decode_event(fields: dict) -> dict[str, Any]:
     raw = fields.get(b"e", fields.get("e"))
     return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def read_to_end(client: redis.Redis, *, prefix: str, request_id: str) -> tuple[float, float]:
+    """Read a request's token stream from its start, blocking, as a relay does; -> the perf_counter times at
+    which its first text and its end were read."""
+    key, last, first_text = tokens_key(prefix, request_id), "0", None
+    while True:
+        for _key, entries in client.xread({key: last}, count=256, block=1000) or []:
+            for entry_id, fields in entries:
+                last, event, now = entry_id, decode_event(fields), time.perf_counter()
+                if event["kind"] == "text" and first_text is None:
+                    first_text = now
+                if event["kind"] == "end":
+                    return (first_text or now), now
 
 
 # --- the reader's side ---

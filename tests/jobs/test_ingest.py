@@ -96,3 +96,15 @@ def test_another_tenant_cannot_cancel_a_job(make_stack) -> None:
     with session_scope(stack.runtime.sessions) as session:
         assert cancel_job(session, job_id=job.id, tenant="someone-else", now=datetime.now(UTC)) is None
         assert jobs.get_job(session, job_id=job.id).status is BatchStatus.VALIDATING
+
+
+def test_a_line_asking_to_stream_is_refused_on_its_line(make_stack) -> None:
+    stack = make_stack(with_worker=False)
+    streamed = json.loads(line("s", "fp32"))
+    streamed["body"]["stream"] = True
+    job = make_job(stack, (json.dumps(streamed) + "\n" + line("ok", "fp32") + "\n").encode())
+    ingest_all(stack, job)
+    [error] = line_errors(stack, job).values()
+    assert (error.line_no, error.code) == (1, "invalid_request") and "cannot stream" in error.message
+    with session_scope(stack.runtime.sessions) as session:
+        assert [r.custom_id for r in jobs.iter_job_requests(session, job_id=job.id)] == ["ok"]

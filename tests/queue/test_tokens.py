@@ -1,0 +1,75 @@
+"""The relay between a token stream and a client: text once and in order, across a restarted generation."""
+
+from __future__ import annotations
+
+from servelab.queue.tokens import Diverged, Ended, Relay, Restarted, Shown, StepEvents, publish_step, tokens_key
+
+
+def _events(*texts: str, attempt: int = 1) -> list[dict]:
+    return [{"kind": "start", "attempt": attempt}, *({"kind": "text", "text": t} for t in texts)]
+
+
+def test_a_restarted_generation_shows_only_what_goes_beyond_the_text_already_shown() -> None:
+    relay = Relay()
+    first = relay.feed(_events("The ", "cat"))
+    again = relay.feed(_events("Th", "e c", "at sat", " down", attempt=2))
+    end = relay.feed([{"kind": "end", "status": "succeeded", "finish_reason": "length", "prompt_tokens": 3,
+                       "completion_tokens": 5}])
+    assert first == [Shown("The "), Shown("cat")]
+    assert again == [Restarted(2), Shown(" sat"), Shown(" down")]
+    assert end == [Ended("succeeded", "length", 3, 5, None)] and relay.done and relay.shown == "The cat sat down"
+
+
+def test_a_retried_generation_that_differs_ends_the_relay() -> None:
+    relay = Relay()
+    relay.feed(_events("The cat"))
+    assert relay.feed(_events("The dog", attempt=2)) == [Restarted(2), Diverged()]
+    assert relay.done and relay.feed([{"kind": "end", "status": "succeeded"}]) == []
+
+
+def test_one_round_trip_publishes_a_step_and_reads_the_cancel_flags(redis_client, key_prefix) -> None:
+    ids = ["a", "b", "c"]
+    redis_client.set(f"{key_prefix}:cancel:b", "1")
+    cancelled = publish_step(redis_client, prefix=key_prefix, events=StepEvents(
+        started=(("a", 1),), texts=(("a", "hi"), ("c", "yo")), watched=tuple(ids)))
+    assert cancelled == ["b"]
+    assert redis_client.xlen(tokens_key(key_prefix, "a")) == 2 and redis_client.xlen(tokens_key(key_prefix, "c")) == 1
+    assert 0 < redis_client.ttl(tokens_key(key_prefix, "a")) <= 600
+    assert publish_step(redis_client, prefix=key_prefix, events=StepEvents()) == []
+
+
+def test_text_a_redis_error_kept_from_its_step_goes_out_first_at_the_next(make_served, monkeypatch) -> None:
+    import redis
+
+    from servelab import serving
+    from servelab.queue.batcher import BatchPolicy
+    from servelab.queue.submit import submit_request
+    from servelab.queue.tokens import decode_event
+    from servelab.request import SamplingParams
+    from servelab.store import requests as store
+    from servelab.store.db import session_scope
+
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000))
+    served.streams.ensure_groups()
+    request_id = submit_request(sessions=served.sessions, streams=served.streams, prompt="once upon a time",
+                                sampling=SamplingParams(max_new_tokens=12, ignore_eos=True))
+    calls, real = [], serving.publish_step
+
+    def flaky(client, **kwargs):
+        calls.append(kwargs["events"])
+        if len(calls) in (2, 3):
+            raise redis.ConnectionError("Redis is restarting")
+        return real(client, **kwargs)
+
+    monkeypatch.setattr(serving, "publish_step", flaky)
+    finished = 0
+    for _ in range(40):
+        finished += served.worker.step()
+        if finished:
+            break
+    assert finished == 1 and len(calls[3].texts) > len(calls[1].texts) >= 1  # the kept text rode with step 4
+    events = [decode_event(f) for _, f in served.streams.client.xrange(tokens_key(served.streams.prefix, request_id))]
+    with session_scope(served.sessions) as session:
+        stored = store.get_request_view(session, request_id=request_id, tenant="default").text
+    assert [e["kind"] for e in events][:1] == ["start"] and events[-1]["kind"] == "end"
+    assert "".join(e["text"] for e in events if e["kind"] == "text") == stored
