@@ -204,7 +204,8 @@ async def _stream(http: Request, state: ApiState, tenant: str, body: CompletionB
     submission = await run_sync(check, state, body)
     request_id = await run_sync(submit, state, tenant, submission)
     writer = ChunkWriter(endpoint, request_id, submission.serving_config_name, int(arrived_s), body.include_usage)
-    return openai_stream(http, state, writer=writer, arrived_s=arrived_s)
+    return openai_stream(http, state, writer=writer, arrived_s=arrived_s,
+                         read_view=partial(view, state, tenant, request_id))
 
 
 @router.post("/v1/completions", response_model=None, tags=["openai"])

@@ -13,8 +13,10 @@ where the client was, or ends with an error event if the retried text differs fr
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,8 +35,10 @@ from servelab.request import FinishReason
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 
+log = logging.getLogger(__name__)
 BLOCK_MS = 1_000  # one read waits this long at most; between reads the relay checks its client and deadline
 KEEP_ALIVE_S = 15.0  # an idle stream sends a comment line this often (proxies, and finding a gone client)
+STORE_CHECK_S = 5.0  # an idle stream reads the request's stored status this often
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -44,17 +48,29 @@ def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
 
 
 async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Awaitable[bool]],
-                deadline_s: float) -> AsyncIterator[RelayItem | None]:
+                read_view: Callable[[], store.RequestView], deadline_s: float) -> AsyncIterator[RelayItem | None]:
     """The request's stream from its first event, through a Relay; None on an idle read (the caller may send
-    a keep-alive). Ends after the last item, when the client is gone, or at the deadline (monotonic seconds)."""
+    a keep-alive). Ends after the last item, when the client is gone, or at the deadline (monotonic seconds).
+
+    NOTE: every STORE_CHECK_S of silence the stored status is read too: a request that ended without an `end`
+    event (its worker died between the commit and the notification, or Redis lost the stream) is ended from
+    the store, the text not yet shown included."""
     client = aioredis.Redis.from_url(state.runtime.urls.redis_url)
     key, last, items = tokens_key(state.settings.key_prefix, request_id), "0", Relay()
+    checked = time.monotonic()
     try:
         while not items.done and time.monotonic() < deadline_s:
             reply = await client.xread({key: last}, count=256, block=BLOCK_MS)
             if not reply:
                 if await is_gone():
                     return
+                if time.monotonic() - checked >= STORE_CHECK_S:
+                    checked = time.monotonic()
+                    stored = await run_sync(read_view)
+                    if stored.status.is_terminal:
+                        for item in _ending(stored, items.shown):
+                            yield item
+                        return
                 yield None
                 continue
             for _key, entries in reply:
@@ -67,55 +83,80 @@ async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Await
             await client.aclose()
 
 
-def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrived_s: float) -> StreamingResponse:
+def _ending(stored: store.RequestView, shown: str) -> list[RelayItem]:
+    """A finished request's end, read from the store: the rest of its text, then its outcome."""
+    items: list[RelayItem] = []
+    text = stored.text or ""
+    if len(text) > len(shown) and text.startswith(shown):
+        items.append(Shown(text[len(shown):]))
+    return [*items, Ended(stored.status.value, stored.finish_reason.value if stored.finish_reason else None,
+                          stored.num_prompt_tokens, stored.num_generated_tokens, stored.error)]
+
+
+def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrived_s: float,
+                  read_view: Callable[[], store.RequestView]) -> StreamingResponse:
     """The chunks of a queued completion, as they are made; `data: [DONE]` at the end."""
-    return StreamingResponse(_openai_chunks(http, state, writer, arrived_s), media_type="text/event-stream",
+    return StreamingResponse(_openai_chunks(http, state, writer, arrived_s, read_view), media_type="text/event-stream",
                              headers=HEADERS)
 
 
-async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, arrived_s: float) -> AsyncIterator[bytes]:
+async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, arrived_s: float,
+                         read_view: Callable[[], store.RequestView]) -> AsyncIterator[bytes]:
     request_id, clock = writer.request_id, StreamClock(arrived_s)
-    ended, restarts, last_sent = False, 0, time.monotonic()
+    ended, gone, restarts, last_sent = False, False, 0, time.monotonic()
     try:
         for chunk in writer.opening():
             yield sse(chunk)
-        async for item in relay(state, request_id, is_gone=http.is_disconnected,
-                                deadline_s=time.monotonic() + state.settings.max_wait_s):
-            if item is None:
-                if time.monotonic() - last_sent >= KEEP_ALIVE_S:
-                    last_sent = time.monotonic()
-                    yield b": keep-alive\n\n"
-                continue
-            last_sent = time.monotonic()
-            if isinstance(item, Shown):
-                clock.mark(time.time())
-                yield sse(writer.text(item.text))
-            elif isinstance(item, Restarted):
-                restarts += 1
-                yield (f": restarted: the worker serving this request stopped; attempt {item.attempt} generates "
-                       "it again and the stream goes on after the text already sent\n\n").encode()
-            elif isinstance(item, Ended):
-                ended = True
-                if item.status == "succeeded":
-                    usage = {"prompt_tokens": item.prompt_tokens or 0, "completion_tokens": item.completion_tokens or 0,
-                             "total_tokens": (item.prompt_tokens or 0) + (item.completion_tokens or 0)}
-                    for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage):
-                        yield sse(chunk)
-                else:
-                    yield sse(_error(item.error or f"the request ended {item.status}", code=f"request_{item.status}"))
-            elif isinstance(item, Diverged):
-                ended = True
-                yield sse(_error(_diverged(request_id), code="stream_diverged", kind="server_error"))
+        async with aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
+                                  deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
+            async for item in items:
+                if item is None:
+                    if time.monotonic() - last_sent >= KEEP_ALIVE_S:
+                        last_sent = time.monotonic()
+                        yield b": keep-alive\n\n"
+                    continue
+                last_sent = time.monotonic()
+                for chunk in _openai_event(item, writer, clock):
+                    yield chunk
+                restarts += isinstance(item, Restarted)
+                ended = ended or isinstance(item, Ended | Diverged)
         if not ended:
-            if await http.is_disconnected():
+            gone = await http.is_disconnected()
+            if gone:
                 return
             ended = True  # NOTE: past the wait limit: the request goes on; the client can read it later
             yield sse(_error(f"request {request_id} is still running after {state.settings.max_wait_s} s; read it "
                              f"later with GET /v1/requests/{request_id}", code="timeout", kind="server_error"))
         yield b"data: [DONE]\n\n"
+    except (anyio.get_cancelled_exc_class(), GeneratorExit):
+        gone = not ended  # NOTE: the client left (Starlette cancels the stream, or the iterator is closed)
+        raise
+    except Exception as exc:  # NOTE: Redis or the database failed: the request goes on; say so, cancel nothing
+        log.warning("stream of request %s broke: %s", request_id, exc)
+        ended = True
+        yield sse(_error(f"the stream broke ({type(exc).__name__}); the request goes on: read it later with "
+                         f"GET /v1/requests/{request_id}", code="stream_broken", kind="server_error"))
+        yield b"data: [DONE]\n\n"
     finally:
         with anyio.CancelScope(shield=True):
-            await run_sync(_close_stream, state, request_id, clock, restarts, not ended)
+            await run_sync(_close_stream, state, request_id, clock, restarts, gone)
+
+
+def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> list[bytes]:
+    """One relay item as OpenAI chunks (or an SSE comment, which clients skip)."""
+    if isinstance(item, Shown):
+        clock.mark(time.time())
+        return [sse(writer.text(item.text))]
+    if isinstance(item, Restarted):
+        return [(f": restarted: the worker serving this request stopped; attempt {item.attempt} generates it "
+                 "again and the stream goes on after the text already sent\n\n").encode()]
+    if isinstance(item, Diverged):
+        return [sse(_error(_diverged(writer.request_id), code="stream_diverged", kind="server_error"))]
+    if item.status != "succeeded":
+        return [sse(_error(item.error or f"the request ended {item.status}", code=f"request_{item.status}"))]
+    prompt, completion = item.prompt_tokens or 0, item.completion_tokens or 0
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage)]
 
 
 def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool) -> None:
@@ -146,24 +187,25 @@ async def _request_events(http: Request, state: ApiState, request_id: str,
     shown, ended = "", view.status.is_terminal
     if not ended:
         last_sent = time.monotonic()
-        async for item in relay(state, request_id, is_gone=http.is_disconnected,
-                                deadline_s=time.monotonic() + state.settings.max_wait_s):
-            if item is None:
-                if time.monotonic() - last_sent >= KEEP_ALIVE_S:
-                    last_sent = time.monotonic()
-                    yield b": keep-alive\n\n"
-                continue
-            last_sent = time.monotonic()
-            if isinstance(item, Shown):
-                shown += item.text
-                yield sse({"text": item.text}, event="token")
-            elif isinstance(item, Restarted):
-                yield sse({"attempt": item.attempt}, event="restart")
-            elif isinstance(item, Diverged):
-                yield sse({"message": _diverged(request_id)}, event="error")
-                return
-            elif isinstance(item, Ended):
-                ended = True
+        async with aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
+                                  deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
+            async for item in items:
+                if item is None:
+                    if time.monotonic() - last_sent >= KEEP_ALIVE_S:
+                        last_sent = time.monotonic()
+                        yield b": keep-alive\n\n"
+                    continue
+                last_sent = time.monotonic()
+                if isinstance(item, Shown):
+                    shown += item.text
+                    yield sse({"text": item.text}, event="token")
+                elif isinstance(item, Restarted):
+                    yield sse({"attempt": item.attempt}, event="restart")
+                elif isinstance(item, Diverged):
+                    yield sse({"message": _diverged(request_id)}, event="error")
+                    return
+                elif isinstance(item, Ended):
+                    ended = True
         if not ended:
             return
         view = await run_sync(read_view)

@@ -80,6 +80,7 @@ class ServingWorker:
         self.policy, self.faults, self.clock = policy, faults, clock
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
+        self._published_chars: dict[str, int] = {}  # by request id: text released by its current generation
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
         self.num_publishes = 0
         self.held = _Held()
@@ -122,11 +123,19 @@ class ServingWorker:
         streamed = {rid for rid, c in self.running.items() if self._is_streamed(c)}
         if not streamed and self._unpublished.is_empty:
             return []
+        for c in started:
+            self._published_chars[c.request_id] = 0
+        texts = []
+        for out in outputs:
+            for rid, piece in out.new_text:
+                if rid in streamed:
+                    texts.append((rid, self._published_chars[rid], piece))
+                    self._published_chars[rid] += len(piece)
         late = self._unpublished
         events = StepEvents(
             started=late.started + tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
                                          if c.request_id in streamed),
-            texts=late.texts + tuple((rid, piece) for out in outputs for rid, piece in out.new_text if rid in streamed),
+            texts=late.texts + tuple(texts),
             watched=tuple(rid for rid in streamed if rid not in ended),
         )
         started_s = time.perf_counter()
@@ -273,6 +282,9 @@ class ServingWorker:
         notify, then acknowledge; the other rows go on."""
         if not completions:
             return
+        if not self._unpublished.is_empty:  # NOTE: a row's last text must reach its stream before its end
+            publish_step(self.streams.client, prefix=self.streams.prefix, events=self._unpublished)
+            self._unpublished = StepEvents()
         timings, memory = self.engine.take_stats()
         batch = [self.running.pop(c.request_id) for c in completions]
         with session_scope(self.sessions) as session:
@@ -310,6 +322,7 @@ class ServingWorker:
                 self.held.requests.pop(c.request_id, None)
                 self.held.enqueued_at.pop(c.request_id, None)
                 self.held.attempts.pop(c.request_id, None)
+                self._published_chars.pop(c.request_id, None)
         if ack:
             self.streams.ack(entries)
 

@@ -39,7 +39,7 @@ class Detokenizer:
         context = self._decode(self.ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.ids[self._prefix_offset:])
         if len(window) > len(context) and not window.endswith(REPLACEMENT):
-            searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=1) + 1)
+            searched_from = self._search_start()
             self.text += window[len(context):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
             if self.stop:
@@ -59,10 +59,12 @@ class Detokenizer:
         if self.stopped_at is None:
             context = self._decode(self.ids[self._prefix_offset:self._read_offset])
             window = self._decode(self.ids[self._prefix_offset:])
+            searched_from = self._search_start()
             if len(window) > len(context):
                 self.text += window[len(context):]
             self._prefix_offset = self._read_offset = len(self.ids)
-            self.stopped_at = len(self.text)
+            if not (self.stop and self._find_stop(searched_from)):  # NOTE: the last piece may complete a stop string
+                self.stopped_at = len(self.text)
         return self.release()
 
     @property
@@ -71,6 +73,10 @@ class Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _search_start(self) -> int:
+        """Where a stop string ending in text still to come could begin."""
+        return max(0, len(self.text) - max((len(s) for s in self.stop), default=1) + 1)
 
     def _find_stop(self, searched_from: int) -> bool:
         # NOTE: earlier text held no stop string (the row would have ended), so a new one must end in the new

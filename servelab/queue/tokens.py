@@ -9,7 +9,9 @@ its start (`0`), so a late reader misses nothing until the stream expires (TOKEN
 `Relay` turns the events into what a client may be shown: a restarted generation (the worker died and the
 request was retried, or it was preempted) re-sends its text from the start, and the relay passes on only
 what goes beyond the text already shown; if the retried text differs from it (sampling without a seed, or a
-float tie broken the other way), the stream ends with an error, since shown text cannot be taken back.
+float tie broken the other way), the stream ends with an error, since shown text cannot be taken back. Each
+text event says where its piece begins in its generation, so a piece sent twice (a retried round trip) is
+dropped and a lost one is noticed.
 Knows keys and fields; does not know HTTP or the engine.
 """
 
@@ -40,7 +42,7 @@ class StepEvents:
     """What one worker step publishes: rows that started, the text rows released; and whose cancel flags to read."""
 
     started: tuple[tuple[str, int], ...] = ()  # (request id, attempt: the row's started executions)
-    texts: tuple[tuple[str, str], ...] = ()  # (request id, piece)
+    texts: tuple[tuple[str, int, str], ...] = ()  # (request id, where the piece begins in its generation, piece)
     watched: tuple[str, ...] = ()  # request ids whose client may cancel them
 
     @property
@@ -57,8 +59,8 @@ def publish_step(client: redis.Redis, *, prefix: str, events: StepEvents) -> lis
     for request_id, attempt in events.started:
         _add(pipe, prefix, request_id, {"kind": "start", "attempt": attempt})
         touched.add(request_id)
-    for request_id, piece in events.texts:
-        _add(pipe, prefix, request_id, {"kind": "text", "text": piece})
+    for request_id, at, piece in events.texts:
+        _add(pipe, prefix, request_id, {"kind": "text", "text": piece, "at": at})
         touched.add(request_id)
     for request_id in touched:
         pipe.expire(tokens_key(prefix, request_id), TOKENS_TTL_S)
@@ -160,7 +162,13 @@ class Relay:
             self._generation = ""
             return [Restarted(int(event.get("attempt", 0)))] if self._starts > 1 else []
         if kind == "text":
-            self._generation += event["text"]
+            at, piece = int(event.get("at", len(self._generation))), event["text"]
+            if at + len(piece) <= len(self._generation):
+                return []  # NOTE: sent twice (a round trip retried after Redis had run it)
+            if at > len(self._generation):
+                self.done = True
+                return [Diverged()]  # NOTE: text of this generation was lost: what follows cannot be placed
+            self._generation += piece[len(self._generation) - at:]
             if len(self._generation) <= len(self.shown):
                 if self.shown.startswith(self._generation):
                     return []
@@ -171,6 +179,8 @@ class Relay:
             return [Diverged()]
         if kind == "end":
             self.done = True
+            if self._starts > 1 and len(self._generation) < len(self.shown) and event.get("status") == "succeeded":
+                return [Diverged()]  # NOTE: the retried answer is shorter than the text already shown
             return [Ended(str(event.get("status")), event.get("finish_reason"), event.get("prompt_tokens"),
                           event.get("completion_tokens"), event.get("error"))]
         return []

@@ -35,6 +35,7 @@ from servelab.store.models import (
 )
 
 UNFINISHED = (RequestStatus.QUEUED, RequestStatus.RUNNING)
+CANCELLED_BY_CLIENT = "cancelled: the client disconnected"
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,13 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
         update(RequestRow).where(RequestRow.id == uuid.UUID(c.request_id), where)
         .values(**values, first_token_at=first_token_at).returning(RequestRow.id)
     ).first()
+    if updated is None and not is_error:  # NOTE: its client left during the last step: cancelled, its text kept
+        updated = session.execute(
+            update(RequestRow).where(RequestRow.id == uuid.UUID(c.request_id),
+                                     RequestRow.status == RequestStatus.CANCELLED,
+                                     RequestRow.error == CANCELLED_BY_CLIENT)
+            .values(first_token_at=first_token_at).returning(RequestRow.id)
+        ).first()
     if updated is None or is_error:
         return  # NOTE: finished elsewhere (cancelled, or a duplicate run): the first outcome stands
     session.execute(insert(ResultRow).values(
@@ -228,9 +236,6 @@ def count_preempted(session: Session, *, ids: list[str]) -> int:
     total = session.scalar(select(func.coalesce(func.sum(RequestRow.num_preemptions), 0))
                            .where(RequestRow.id.in_(_uuids(ids))))
     return int(total or 0)
-
-
-CANCELLED_BY_CLIENT = "cancelled: the client disconnected"
 
 
 def cancel_request(session: Session, *, request_id: str, now: datetime, reason: str = CANCELLED_BY_CLIENT) -> bool:

@@ -289,3 +289,28 @@ def test_a_worker_dying_mid_stream_restarts_the_generation_and_the_client_reads_
     assert "".join(before + after) == result["result"]["text"] and result["status"] == "succeeded"
     assert [kind for kind, _ in events].count("restart") == 1 and events[-1][0] == "end"
     assert "".join(d["text"] for k, d in events if k == "token") == result["result"]["text"]
+
+
+def test_a_request_whose_end_event_never_came_is_ended_from_the_store(stepped, monkeypatch) -> None:
+    """Its worker died between the commit and the notification: the stream still ends, with the rest of the
+    text and the usage read from the store (within the relay's store check, 5 s of silence)."""
+    from servelab import serving
+
+    stack, served, url = stepped
+    client = client_of(stack, url)
+    monkeypatch.setattr(serving, "notify_done", lambda *args, **kwargs: None)
+    chunks: list = []
+    reader = threading.Thread(target=lambda: chunks.extend(client.completions.create(
+        model=stack.model, prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True})), daemon=True)
+    reader.start()
+    finished = 0
+    deadline = time.monotonic() + 60
+    while not finished:
+        assert time.monotonic() < deadline, "the request never finished"
+        finished = served.worker.step()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the stream did not end"
+    request_id = chunks[0].id.removeprefix("cmpl-")
+    assert "".join(_text_chunks(chunks)) == _result(stack, request_id).text
+    assert chunks[-1].usage.completion_tokens == _result(stack, request_id).num_generated_tokens

@@ -101,3 +101,14 @@ def test_a_cancelled_row_leaves_at_once_with_the_text_shown(tiny_engine: Engine)
     assert cancelled.num_generated_tokens == 3 and tiny_engine.live_request_ids == ["keep"]
     while tiny_engine.num_live:
         tiny_engine.step()
+
+
+def test_a_stop_string_completed_by_the_last_token_is_cut_at_the_end_too(tokenizer) -> None:
+    """The row ends (length or EOS) on a token whose text is held for an unfinished character; the text it
+    finally releases completes a stop string: the stop string is cut there as well."""
+    ids = [tokenizer.encode("Hi", add_special_tokens=False)[0], *tokenizer.encode(" 東", add_special_tokens=False)[:1]]
+    detok = Detokenizer(tokenizer, ("Hi ",))
+    assert not detok.push(ids[0]) and detok.release() == ""  # "Hi" could begin "Hi "
+    assert not detok.push(ids[1]), "the second token should end inside a character (held, not yet searched)"
+    assert detok.finish() == "" and detok.final_text == ""
+    assert tokenizer.decode(ids, skip_special_tokens=True).startswith("Hi ")

@@ -6,7 +6,8 @@ from servelab.queue.tokens import Diverged, Ended, Relay, Restarted, Shown, Step
 
 
 def _events(*texts: str, attempt: int = 1) -> list[dict]:
-    return [{"kind": "start", "attempt": attempt}, *({"kind": "text", "text": t} for t in texts)]
+    at = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return [{"kind": "start", "attempt": attempt}, *({"kind": "text", "text": t, "at": a} for t, a in zip(texts, at))]
 
 
 def test_a_restarted_generation_shows_only_what_goes_beyond_the_text_already_shown() -> None:
@@ -27,11 +28,25 @@ def test_a_retried_generation_that_differs_ends_the_relay() -> None:
     assert relay.done and relay.feed([{"kind": "end", "status": "succeeded"}]) == []
 
 
+def test_a_piece_sent_twice_is_shown_once_and_a_lost_one_ends_the_relay() -> None:
+    relay = Relay()
+    events = _events("ab", "cd")
+    assert relay.feed([*events, events[-1]]) == [Shown("ab"), Shown("cd")]
+    assert relay.feed([{"kind": "text", "text": "gh", "at": 6}]) == [Diverged()] and relay.done
+
+
+def test_a_retried_generation_that_ends_short_of_the_text_shown_is_not_a_success() -> None:
+    relay = Relay()
+    relay.feed(_events("abc"))
+    relay.feed(_events("ab", attempt=2))
+    assert relay.feed([{"kind": "end", "status": "succeeded"}]) == [Diverged()]
+
+
 def test_one_round_trip_publishes_a_step_and_reads_the_cancel_flags(redis_client, key_prefix) -> None:
     ids = ["a", "b", "c"]
     redis_client.set(f"{key_prefix}:cancel:b", "1")
     cancelled = publish_step(redis_client, prefix=key_prefix, events=StepEvents(
-        started=(("a", 1),), texts=(("a", "hi"), ("c", "yo")), watched=tuple(ids)))
+        started=(("a", 1),), texts=(("a", 0, "hi"), ("c", 0, "yo")), watched=tuple(ids)))
     assert cancelled == ["b"]
     assert redis_client.xlen(tokens_key(key_prefix, "a")) == 2 and redis_client.xlen(tokens_key(key_prefix, "c")) == 1
     assert 0 < redis_client.ttl(tokens_key(key_prefix, "a")) <= 600
