@@ -40,6 +40,7 @@ BLOCK_MS = 1_000  # one read waits this long at most; between reads the relay ch
 KEEP_ALIVE_S = 15.0  # an idle stream sends a comment line this often (proxies, and finding a gone client)
 STORE_CHECK_S = 5.0  # an idle stream reads the request's stored status this often
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
@@ -49,15 +50,16 @@ def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
 
 async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Awaitable[bool]],
                 read_view: Callable[[], store.RequestView], deadline_s: float) -> AsyncIterator[RelayItem | None]:
-    """The request's stream from its first event, through a Relay; None on an idle read (the caller may send
-    a keep-alive). Ends after the last item, when the client is gone, or at the deadline (monotonic seconds).
+    """The request's stream from its first event, through a Relay; None when the stream has been silent for
+    KEEP_ALIVE_S (the caller sends a keep-alive). Ends after the last item, when the client is gone, or at the
+    deadline (monotonic seconds).
 
     NOTE: every STORE_CHECK_S of silence the stored status is read too: a request that ended without an `end`
     event (its worker died between the commit and the notification, or Redis lost the stream) is ended from
     the store, the text not yet shown included."""
     client = aioredis.Redis.from_url(state.runtime.urls.redis_url)
     key, last, items = tokens_key(state.settings.key_prefix, request_id), "0", Relay()
-    checked = time.monotonic()
+    checked = heard = time.monotonic()
     try:
         while not items.done and time.monotonic() < deadline_s:
             reply = await client.xread({key: last}, count=256, block=BLOCK_MS)
@@ -71,8 +73,11 @@ async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Await
                         for item in _ending(stored, items.shown):
                             yield item
                         return
-                yield None
+                if time.monotonic() - heard >= KEEP_ALIVE_S:
+                    heard = time.monotonic()
+                    yield None
                 continue
+            heard = time.monotonic()
             for _key, entries in reply:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -103,7 +108,7 @@ def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrive
 async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, arrived_s: float,
                          read_view: Callable[[], store.RequestView]) -> AsyncIterator[bytes]:
     request_id, clock = writer.request_id, StreamClock(arrived_s)
-    ended, gone, restarts, last_sent = False, False, 0, time.monotonic()
+    ended, gone, restarts = False, False, 0
     try:
         for chunk in writer.opening():
             yield sse(chunk)
@@ -111,11 +116,8 @@ async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, ar
                                   deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
             async for item in items:
                 if item is None:
-                    if time.monotonic() - last_sent >= KEEP_ALIVE_S:
-                        last_sent = time.monotonic()
-                        yield b": keep-alive\n\n"
+                    yield KEEP_ALIVE
                     continue
-                last_sent = time.monotonic()
                 for chunk in _openai_event(item, writer, clock):
                     yield chunk
                 restarts += isinstance(item, Restarted)
@@ -186,16 +188,12 @@ async def _request_events(http: Request, state: ApiState, request_id: str,
     yield sse({"id": request_id, "status": view.status.value}, event="status")
     shown, ended = "", view.status.is_terminal
     if not ended:
-        last_sent = time.monotonic()
         async with aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
                                   deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
             async for item in items:
                 if item is None:
-                    if time.monotonic() - last_sent >= KEEP_ALIVE_S:
-                        last_sent = time.monotonic()
-                        yield b": keep-alive\n\n"
+                    yield KEEP_ALIVE
                     continue
-                last_sent = time.monotonic()
                 if isinstance(item, Shown):
                     shown += item.text
                     yield sse({"text": item.text}, event="token")
