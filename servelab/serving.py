@@ -80,7 +80,6 @@ class ServingWorker:
         self.policy, self.faults, self.clock = policy, faults, clock
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
-        self._published_chars: dict[str, int] = {}  # by request id: text released by its current generation
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
         self.num_publishes = 0
         self.held = _Held()
@@ -123,19 +122,11 @@ class ServingWorker:
         streamed = {rid for rid, c in self.running.items() if self._is_streamed(c)}
         if not streamed and self._unpublished.is_empty:
             return []
-        for c in started:
-            self._published_chars[c.request_id] = 0
-        texts = []
-        for out in outputs:
-            for rid, piece in out.new_text:
-                if rid in streamed:
-                    texts.append((rid, self._published_chars[rid], piece))
-                    self._published_chars[rid] += len(piece)
         late = self._unpublished
         events = StepEvents(
             started=late.started + tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
                                          if c.request_id in streamed),
-            texts=late.texts + tuple(texts),
+            texts=late.texts + tuple(t for out in outputs for t in out.new_text if t[0] in streamed),
             watched=tuple(rid for rid in streamed if rid not in ended),
         )
         started_s = time.perf_counter()
@@ -322,7 +313,6 @@ class ServingWorker:
                 self.held.requests.pop(c.request_id, None)
                 self.held.enqueued_at.pop(c.request_id, None)
                 self.held.attempts.pop(c.request_id, None)
-                self._published_chars.pop(c.request_id, None)
         if ack:
             self.streams.ack(entries)
 

@@ -259,7 +259,7 @@ class Engine:
         return logits, prefilled, attention_mask  # logits (B, V)
 
     def _sample(self, logits: torch.Tensor, indices: range
-                ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...], tuple[Completion, ...]]:
+                ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, str], ...], tuple[Completion, ...]]:
         """A token for each of these rows (logits row i is rows[indices[i]]), the text each released, and
         the rows that finished (they leave)."""
         rows = [self._rows[i] for i in indices]
@@ -269,9 +269,10 @@ class Engine:
         for row, token_id in zip(rows, next_ids.tolist()):
             tokens.append((row.request.request_id, token_id))
             going_on = self._append_token(row, token_id, (now - row.started) * 1e3)
+            at = row.detok.released
             piece = row.detok.release() if going_on else row.detok.finish()
             if piece:
-                texts.append((row.request.request_id, piece))
+                texts.append((row.request.request_id, at, piece))
             if not going_on:
                 finished.append(row)
         if finished:

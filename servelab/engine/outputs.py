@@ -71,7 +71,7 @@ class StepOutput:
 
     new_tokens: tuple[tuple[str, int], ...]  # (request id, token id)
     finished: tuple[Completion, ...]
-    new_text: tuple[tuple[str, str], ...] = ()  # (request id, piece)
+    new_text: tuple[tuple[str, int, str], ...] = ()  # (request id, where the piece begins in the row's text, piece)
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,9 @@ def test_the_engine_releases_each_rows_text_per_step(tiny_engine: Engine) -> Non
     out = tiny_engine.add(requests)
     done = {c.request_id: c for c in out.finished}
     while True:
-        for request_id, piece in out.new_text:
+        for request_id, at, piece in out.new_text:
             assert piece, "only non-empty pieces are handed out"
+            assert at == len(shown[request_id]), "each piece says where it begins"
             shown[request_id] += piece
         if not tiny_engine.num_live:
             break
@@ -95,7 +96,7 @@ def test_a_cancelled_row_leaves_at_once_with_the_text_shown(tiny_engine: Engine)
     drop = GenerationRequest("drop", prompt="the river", params=SamplingParams(max_new_tokens=40, ignore_eos=True))
     shown = ""
     for out in (tiny_engine.add([keep, drop]), tiny_engine.step(), tiny_engine.step()):
-        shown += "".join(p for i, p in out.new_text if i == "drop")
+        shown += "".join(p for i, _at, p in out.new_text if i == "drop")
     [cancelled] = tiny_engine.cancel(["drop", "not-running"])
     assert cancelled.finish_reason is FinishReason.CANCELLED and cancelled.text == shown
     assert cancelled.num_generated_tokens == 3 and tiny_engine.live_request_ids == ["keep"]
