@@ -88,6 +88,12 @@ async def relay(state: ApiState, request_id: str, *, is_gone: Callable[[], Await
             await client.aclose()
 
 
+def _watch(http: Request, state: ApiState, request_id: str, read_view: Callable[[], store.RequestView]):
+    """The request's relay for one HTTP stream, closed with it: until its client goes, or the wait limit."""
+    return aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
+                          deadline_s=time.monotonic() + state.settings.max_wait_s))
+
+
 def _ending(stored: store.RequestView, shown: str) -> list[RelayItem]:
     """A finished request's end, read from the store: the rest of its text, then its outcome."""
     items: list[RelayItem] = []
@@ -112,8 +118,7 @@ async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, ar
     try:
         for chunk in writer.opening():
             yield sse(chunk)
-        async with aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
-                                  deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
+        async with _watch(http, state, request_id, read_view) as items:
             async for item in items:
                 if item is None:
                     yield KEEP_ALIVE
@@ -188,8 +193,7 @@ async def _request_events(http: Request, state: ApiState, request_id: str,
     yield sse({"id": request_id, "status": view.status.value}, event="status")
     shown, ended = "", view.status.is_terminal
     if not ended:
-        async with aclosing(relay(state, request_id, is_gone=http.is_disconnected, read_view=read_view,
-                                  deadline_s=time.monotonic() + state.settings.max_wait_s)) as items:
+        async with _watch(http, state, request_id, read_view) as items:
             async for item in items:
                 if item is None:
                     yield KEEP_ALIVE

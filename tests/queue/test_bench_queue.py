@@ -9,14 +9,19 @@ from typer.testing import CliRunner
 from servelab.cli import app
 
 
+def _env(service_settings) -> dict[str, str]:
+    """What the CLI reads: the tests' Redis, PostgreSQL, key prefix and cache."""
+    return {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
+            "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+
+
 def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder: Path, service_settings) -> None:
     config, baseline = tmp_path / "tiny.yaml", tmp_path / "tiny-transformers.yaml"
     body = (f"model: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n  max_wait_ms: 50\n"
             "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
     config.write_text(f"name: tiny\n{body}")
     baseline.write_text(f"name: tiny-transformers\ndecoder: transformers\n{body}")
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    env = _env(service_settings)
     result = CliRunner().invoke(app, ["bench", "queue", "--config", str(baseline), "--config", str(config), "--requests", "6",
                                       "--prompt-tokens", "8", "--new-tokens", "3", "--rounds", "1"], env=env)
     assert result.exit_code == 0, result.output
@@ -37,8 +42,7 @@ def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Pa
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 2\n"
                       "  max_wait_ms: 10\ndecoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    env = _env(service_settings)
     result = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--bulk", "4", "--bulk-prompt-tokens",
                                       "8", "--bulk-tokens", "16", "--calls", "2", "--call-tokens", "2", "--interval",
                                       "0.05"], env=env)
@@ -59,8 +63,7 @@ def test_bench_stream_prints_streamed_against_unstreamed_tokens_per_s(tmp_path: 
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n"
                       "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    env = _env(service_settings)
     result = CliRunner().invoke(app, ["bench", "stream", "--config", str(config), "--rows", "4", "--prompt-tokens",
                                       "8", "--new-tokens", "12", "--rounds", "2"], env=env)
     assert result.exit_code == 0, result.output
