@@ -102,17 +102,27 @@ def sidebar_limits(baseline_ids: list[str], candidate_ids: list[str]) -> Limits:
                   latency=(LatencyLimit(metric="tpot_ms", percentile=95, max_ratio=tpot),))
 
 
+DECISIONS = {"accept": (":material/check_circle:", st.success), "reject": (":material/cancel:", st.error),
+             "inconclusive": (":material/help:", st.warning)}
+OUTCOMES = {"pass": "pass", "fail": "FAIL", "unsure": "unsure"}
+
+
 def show_verdict(v: Verdict) -> None:
-    st.subheader(f"{':material/check_circle: ACCEPT' if v.accepted else ':material/cancel: REJECT'}: "
-                 f"{v.candidate} against {v.baseline}")
-    (st.success if v.accepted else st.error)(v.reason)
+    icon, box = DECISIONS[v.decision]
+    st.subheader(f"{icon} {v.decision.upper()}: {v.candidate} against {v.baseline}")
+    box(v.reason)
+    if v.to_settle:
+        st.info("To settle it: " + "; ".join(v.to_settle), icon=":material/lightbulb:")
     for warning in v.warnings:
         st.warning(warning, icon=":material/warning:")
     st.dataframe(pd.DataFrame([{
-        "result": "pass" if c.passed else "FAIL", "criterion": f"{c.kind}: {c.name}",
+        "result": OUTCOMES[c.outcome], "criterion": f"{c.kind}: {c.name}",
         "measured": _fmt_measured(c.name, c.kind, c.measured.value), "95 % interval": _interval(c.measured),
         "limit": c.limit, "note": c.note} for c in v.criteria]), hide_index=True, width="stretch")
-    st.caption(" · ".join(f"repeats of {check}" for check in v.repeat_checks))
+    st.caption("A criterion passes when its limit holds at the unfavourable end of its 95 % interval, fails when "
+               "the limit fails even at the favourable end, and is unsure otherwise. Serving figures are per run, "
+               "paired by round, with a t interval over the runs.")
+    st.caption(" · ".join(f"runs of {check}" for check in v.repeat_checks))
     with st.expander("every figure: baseline, candidate, ratio and its 95 % interval"):
         st.dataframe(pd.DataFrame([{
             "figure": f.name, "baseline": f.baseline, "candidate": f.candidate,
@@ -176,7 +186,7 @@ def show_latency(sets: list[RunSet]) -> None:
     for column, (metric, title) in zip(st.columns(len(SHOWN_LATENCY)), SHOWN_LATENCY):
         curves, marks = [], []
         for s in sets:
-            values = np.sort(np.asarray(latency_values([x for x in s.samples if x.is_success], metric), dtype=float))
+            values = np.sort(np.asarray(latency_values([x for x in s.pooled() if x.is_success], metric), dtype=float))
             if not len(values):
                 continue
             curves.append(pd.DataFrame({"config": s.name, "ms": values,

@@ -46,7 +46,7 @@ def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
     ids = [uuid.UUID(i) for i in run_ids]
     rows = session.execute(
         select(RunRow.id, RunRow.serving_config_name, RunRow.config, RunRow.workload_fingerprint, RunRow.hardware,
-               RunRow.summary, RunRow.quality).where(RunRow.id.in_(ids))
+               RunRow.summary, RunRow.quality, RunRow.repeat_index).where(RunRow.id.in_(ids))
     ).all()
     by_id = {str(r.id): r for r in rows}
     missing = [i for i in run_ids if i not in by_id]
@@ -60,8 +60,9 @@ def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
     return RunSet(
         name=first.serving_config_name, run_ids=tuple(run_ids), config=first.config,
         workload_fingerprint=first.workload_fingerprint, hardware=first.hardware,
-        summaries=tuple(r.summary for r in runs), samples=tuple(run_samples(session, run_ids=run_ids)),
-        quality=quality_outcome(first.quality), texts=queries.result_texts(session, run_id=run_ids[0]),
+        summaries=tuple(r.summary for r in runs), samples=samples_by_run(session, run_ids=run_ids),
+        repeat_indices=tuple(r.repeat_index for r in runs), quality=quality_outcome(first.quality),
+        texts=queries.result_texts(session, run_id=run_ids[0]),
     )
 
 
@@ -72,10 +73,16 @@ def quality_outcome(quality: dict[str, Any] | None) -> QualityOutcome | None:
                           tuple(quality["num_target_tokens"]))
 
 
-def run_samples(session: Session, *, run_ids: list[str]) -> list[RequestSample]:
-    """Every request the runs sent, pooled, timed as the client saw it (from submission), in SQL."""
-    sent = select(RunRequestRow.request_id).where(RunRequestRow.run_id.in_([uuid.UUID(i) for i in run_ids]))
-    return samples_where(session, RequestRow.id.in_(sent))
+def samples_by_run(session: Session, *, run_ids: list[str]) -> tuple[tuple[RequestSample, ...], ...]:
+    """Every request each run sent, timed as the client saw it (from submission), run by run in run_ids' order."""
+    ids = [uuid.UUID(i) for i in run_ids]
+    run_of = {str(request_id): str(run_id) for run_id, request_id in session.execute(
+        select(RunRequestRow.run_id, RunRequestRow.request_id).where(RunRequestRow.run_id.in_(ids))).all()}
+    sent = select(RunRequestRow.request_id).where(RunRequestRow.run_id.in_(ids))
+    grouped: dict[str, list[RequestSample]] = {i: [] for i in run_ids}
+    for sample in samples_where(session, RequestRow.id.in_(sent)):
+        grouped[run_of[sample.request_id]].append(sample)
+    return tuple(tuple(grouped[i]) for i in run_ids)
 
 
 def samples_where(session: Session, condition) -> list[RequestSample]:

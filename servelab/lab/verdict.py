@@ -1,29 +1,37 @@
 """The comparison verdict: a candidate against the baseline, figure by figure, criterion by criterion.
 
-Pure: takes run sets (summaries, pooled per-request samples, quality outcomes, greedy texts) and the
-plan's limits; returns ratios with 95 % intervals, a pass / fail per criterion with the reason, the
-overall accept / reject, and the warnings (more than one factor changed, other hardware). Refuses to
-compare runs of different workloads. No database, no clock, no torch.
+Pure: takes run sets (per-run summaries and request samples, the round each run was measured in, quality
+outcomes, greedy texts) and the plan's limits; returns ratios with 95 % intervals, an outcome per
+criterion judged at the interval's bounds (pass / fail / unsure), the overall accept / reject /
+inconclusive with what would settle it, and the warnings (more than one factor changed, other hardware,
+runs not interleaved). Refuses to compare runs of different workloads. No database, no clock, no torch.
+
+NOTE: the unit of evidence for serving figures is the run. A figure is computed per run (tokens/s, or p95
+TTFT over that run's requests), runs of the two sides measured in the same round are paired, and the
+interval is a Student-t one over the per-round log ratios: it carries the variation between runs, which on
+a shared machine is larger than the variation between the requests of one run.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelab.lab.metrics import LATENCY_METRICS, RequestSample, latency_values
 from servelab.lab.stats import (
     Estimate,
-    bootstrap_ratio,
-    mean_interval,
-    mean_of,
-    paired_difference,
+    RunRatio,
+    geometric_mean_interval,
+    mcnemar_exact_p,
+    paired_perplexity_ratio,
+    paired_proportion_difference,
     percentile,
-    percentile_of,
+    ratio_of_runs,
+    repeats_to_settle,
     wilson_interval,
 )
 
@@ -36,6 +44,9 @@ FACTORS = {"model": ("model",), "weight precision": ("weights", "awq"), "cache p
            "batching": ("batching",), "decoding limits": ("decoding",), "device": ("device",),
            "threads": ("num_threads",)}
 HARDWARE_KEYS = ("cpu", "gpu", "num_cpus", "memory_bytes", "device")
+LAMBADA_PASSAGES = 5153
+Outcome = Literal["pass", "fail", "unsure"]
+Decision = Literal["accept", "reject", "inconclusive"]
 
 
 class ComparisonRefused(ValueError):
@@ -72,7 +83,8 @@ class GainGoal(_Frozen):
 
 
 class Limits(_Frozen):
-    max_accuracy_drop: float = Field(default=0.02, ge=0, le=1, description="absolute LAMBADA accuracy points")
+    max_accuracy_drop: float | None = Field(default=0.02, ge=0, le=1, description=(
+        "absolute LAMBADA accuracy points; null: no quality limit (the verdict then says nothing about quality)"))
     max_perplexity_ratio: float | None = Field(default=None, gt=0)
     latency: tuple[LatencyLimit, ...] = ()
     gains: tuple[GainGoal, ...] = Field(min_length=1)
@@ -99,17 +111,21 @@ class QualityOutcome:
 
 @dataclass(frozen=True)
 class RunSet:
-    """The repeats of one config on one workload."""
+    """The repeats of one config on one workload, run by run."""
 
     name: str
     run_ids: tuple[str, ...]
     config: dict[str, Any]
     workload_fingerprint: str
     hardware: dict[str, Any]
-    summaries: tuple[dict[str, Any], ...]  # RunSummary.as_dict() per repeat
-    samples: tuple[RequestSample, ...]  # pooled over repeats
+    summaries: tuple[dict[str, Any], ...]  # RunSummary.as_dict() per run
+    samples: tuple[tuple[RequestSample, ...], ...]  # per run: the requests it sent
+    repeat_indices: tuple[int, ...] = ()  # per run: the round it was measured in (pairs runs across configs)
     quality: QualityOutcome | None = None
     texts: dict[int, str] = field(default_factory=dict)  # workload item -> greedy text (first repeat)
+
+    def pooled(self) -> list[RequestSample]:
+        return [s for run in self.samples for s in run]
 
 
 @dataclass(frozen=True)
@@ -126,8 +142,9 @@ class Criterion:
     name: str
     measured: Estimate
     limit: str
-    passed: bool
+    outcome: Outcome  # pass: holds at the interval's unfavourable bound; fail: fails at its favourable one
     note: str = ""
+    to_settle: str = ""  # for an unsure criterion: what more data would decide it
 
 
 @dataclass(frozen=True)
@@ -137,9 +154,10 @@ class Verdict:
     figures: tuple[Figure, ...]
     criteria: tuple[Criterion, ...]
     warnings: tuple[str, ...]
-    accepted: bool
+    decision: Decision
     reason: str
     repeat_checks: tuple[str, ...] = ()
+    to_settle: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,105 +170,172 @@ def compare(baseline: RunSet, candidate: RunSet, limits: Limits) -> Verdict:
             f"{baseline.workload_fingerprint}: different prompts, lengths or arrivals cannot be compared; "
             "run both on the same workload file"
         )
-    criteria = [*quality_criteria(baseline, candidate, limits), *latency_criteria(baseline, candidate, limits),
-                *gain_criteria(baseline, candidate, limits)]
-    accepted, reason = overall(criteria, limits)
-    checks = tuple(f"{s.name}: {repeat_agreement(s.summaries)}" for s in (baseline, candidate))
-    return Verdict(baseline.name, candidate.name, tuple(figures(baseline, candidate)), tuple(criteria),
-                   tuple(warnings(baseline, candidate)), accepted, reason, checks)
+    pairs = paired_runs(baseline, candidate)
+    criteria = [*quality_criteria(baseline, candidate, limits), *latency_criteria(baseline, candidate, limits, pairs),
+                *gain_criteria(baseline, candidate, limits, pairs)]
+    decision, reason = overall(criteria, limits)
+    checks = tuple(f"{s.name}: {run_spread(s)}" for s in (baseline, candidate))
+    settle = tuple(f"{c.name}: {c.to_settle}" for c in criteria if c.outcome == "unsure" and c.to_settle) \
+        if decision == "inconclusive" else ()
+    return Verdict(baseline.name, candidate.name, tuple(figures(baseline, candidate, pairs)), tuple(criteria),
+                   tuple(warnings(baseline, candidate, pairs)), decision, reason, checks, settle)
 
 
-def overall(criteria: list[Criterion], limits: Limits) -> tuple[bool, str]:
-    failed_limits = [c for c in criteria if c.kind in ("quality", "latency") and not c.passed]
+def judge(measured: Estimate, limit: float, *, upper_is_bad: bool) -> Outcome:
+    """pass when the limit holds at the interval's unfavourable bound, fail when it fails at the favourable one."""
+    if not math.isfinite(measured.value) or not measured.has_interval:
+        return "unsure"
+    slack = 1e-9 * max(1.0, abs(limit))  # NOTE: a figure equal to its limit holds (e.g. weights exactly x0.5)
+
+    def holds(x: float) -> bool:
+        return x <= limit + slack if upper_is_bad else x >= limit - slack
+
+    worst, best = (measured.high, measured.low) if upper_is_bad else (measured.low, measured.high)
+    if holds(worst):
+        return "pass"
+    return "unsure" if holds(best) else "fail"
+
+
+def overall(criteria: list[Criterion], limits: Limits) -> tuple[Decision, str]:
+    bounds = [c for c in criteria if c.kind in ("quality", "latency")]
     gains = [c for c in criteria if c.kind == "gain"]
-    gain_met = any(c.passed for c in gains) if limits.gain_rule == "any" else all(c.passed for c in gains)
-    if failed_limits:
-        return False, "rejected: " + "; ".join(f"{c.name} is {_fmt_value(c)} (limit {c.limit})" for c in failed_limits)
+    if limits.gain_rule == "any":
+        gain_met, gain_out = any(c.outcome == "pass" for c in gains), all(c.outcome == "fail" for c in gains)
+    else:
+        gain_met, gain_out = all(c.outcome == "pass" for c in gains), any(c.outcome == "fail" for c in gains)
+    failed = [c for c in bounds if c.outcome == "fail"]
+    if failed:
+        return "reject", "rejected: " + "; ".join(f"{c.name} is {_fmt_measured(c)} (limit {c.limit})"
+                                                  for c in failed) + ", beyond the limit across its 95 % interval"
+    if gain_out:
+        return "reject", "rejected: the gain goal is out of reach across the 95 % intervals (" + \
+            "; ".join(f"{c.name} {_fmt_measured(c)} vs {c.limit}" for c in gains) + ")"
+    unsure = [c for c in bounds if c.outcome == "unsure"]
+    if gain_met and not unsure:
+        return "accept", "accepted: every limit holds and the gain goal is met at the unfavourable end of " \
+                         "its 95 % interval"
     if not gain_met:
-        return False, "rejected: within limits but short of the gain goal (" + \
-            "; ".join(f"{c.name} {_fmt(c.measured.value)} vs {c.limit}" for c in gains) + ")"
-    return True, "accepted: quality and latency within limits, and the gain goal met"
+        unsure += [c for c in gains if c.outcome == "unsure"]
+    return "inconclusive", "inconclusive: " + "; ".join(
+        f"{c.name} {_fmt_measured(c)} straddles {c.limit}" for c in unsure) + \
+        " (the 95 % interval holds both answers; see what would settle it)"
+
+
+def paired_runs(baseline: RunSet, candidate: RunSet) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Run positions pairing the two sides by round, when each side ran exactly once in the same rounds."""
+    b, c = baseline.repeat_indices, candidate.repeat_indices
+    if len(b) != len(baseline.run_ids) or len(c) != len(candidate.run_ids) or len(set(b)) != len(b) \
+            or set(b) != set(c) or len(set(c)) != len(c):
+        return None
+    rounds = sorted(b)
+    return tuple(b.index(r) for r in rounds), tuple(c.index(r) for r in rounds)
+
+
+def run_values(run_set: RunSet, measure) -> list[float | None]:
+    return [measure(run_set, i) for i in range(len(run_set.run_ids))]
+
+
+def run_ratio(baseline: RunSet, candidate: RunSet, measure, pairs) -> RunRatio:
+    """candidate / baseline of a per-run figure, paired by round where the runs pair (else Welch)."""
+    base, cand = run_values(baseline, measure), run_values(candidate, measure)
+    if pairs is not None:
+        kept = [(base[i], cand[j]) for i, j in zip(*pairs) if base[i] is not None and cand[j] is not None]
+        return ratio_of_runs([c for _, c in kept], [b for b, _ in kept], paired=True)
+    return ratio_of_runs([c for c in cand if c is not None], [b for b in base if b is not None], paired=False)
+
+
+def summary_metric(metric: str):
+    def measure(run_set: RunSet, i: int) -> float | None:
+        value = run_set.summaries[i].get(metric)
+        return None if value is None else float(value)
+    return measure
+
+
+def run_percentile(metric: str, q: float):
+    """The q-th percentile of a latency over one run's successful requests (every token gap for ITL)."""
+    def measure(run_set: RunSet, i: int) -> float | None:
+        values = latency_values([s for s in run_set.samples[i] if s.is_success], metric)
+        return percentile(values, q) if values else None
+    return measure
 
 
 def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:
+    if limits.max_accuracy_drop is None:
+        return []
     if baseline.quality is None or candidate.quality is None:
         return [Criterion("quality", "LAMBADA accuracy drop", Estimate(float("nan")), f"<= {limits.max_accuracy_drop}",
-                          False, "not measured: set quality.lambada_samples above 0")]
+                          "unsure", "not measured", "measure it: set quality.lambada_samples above 0")]
     b, c = baseline.quality, candidate.quality
     assert b.passage_ids == c.passage_ids, "quality must be measured on the same passages"
-    diff = paired_difference(c.correct, b.correct)  # candidate - baseline
-    drop = Estimate(-diff.value, -diff.high if diff.has_interval else None, -diff.low if diff.has_interval else None)
-    criteria = [Criterion("quality", "LAMBADA accuracy drop", drop, f"<= {limits.max_accuracy_drop}",
-                          drop.value <= limits.max_accuracy_drop + 1e-12,
-                          _note(drop, limits.max_accuracy_drop, upper_is_bad=True))]
+    diff = paired_proportion_difference(c.correct, b.correct)  # candidate - baseline
+    drop = Estimate(-diff.value, -diff.high, -diff.low)
+    outcome = judge(drop, limits.max_accuracy_drop, upper_is_bad=True)
+    p_value = mcnemar_exact_p(c.correct, b.correct)
+    criteria = [Criterion("quality", "LAMBADA accuracy drop", drop, f"<= {limits.max_accuracy_drop}", outcome,
+                          f"paired on {len(b.correct)} passages (Newcombe); exact McNemar p = {p_value:.3g}",
+                          _passages_to_settle(drop, limits.max_accuracy_drop, len(b.correct), log=False)
+                          if outcome == "unsure" else "")]
     if limits.max_perplexity_ratio is not None:
-        ratio = Estimate(c.perplexity / b.perplexity)
+        ratio = paired_perplexity_ratio(c.nll, b.nll, b.num_target_tokens)
+        outcome = judge(ratio, limits.max_perplexity_ratio, upper_is_bad=True)
         criteria.append(Criterion("quality", "LAMBADA perplexity ratio", ratio, f"<= {limits.max_perplexity_ratio}",
-                                  ratio.value <= limits.max_perplexity_ratio))
+                                  outcome, "paired bootstrap over passages",
+                                  _passages_to_settle(ratio, limits.max_perplexity_ratio, len(b.correct), log=True)
+                                  if outcome == "unsure" else ""))
     return criteria
 
 
-def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:
+def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs) -> list[Criterion]:
     criteria = []
     for limit in limits.latency:
         name = f"p{limit.percentile} {limit.metric}"
-        base = latency_values([s for s in baseline.samples if s.is_success], limit.metric)
-        cand = latency_values([s for s in candidate.samples if s.is_success], limit.metric)
-        if not base or not cand:
-            criteria.append(Criterion("latency", name, Estimate(float("nan")), "-", False, "no successful requests"))
+        measure = run_percentile(limit.metric, limit.percentile)
+        if all(v is None for v in run_values(candidate, measure)):
+            criteria.append(Criterion("latency", name, Estimate(float("nan")), "-", "fail",
+                                      "the candidate completed no request"))
             continue
-        stat = percentile_of(limit.percentile)
         if limit.max_ratio is not None:
-            ratio = bootstrap_ratio(cand, base, stat, num_resamples=500)
-            criteria.append(Criterion("latency", name + " ratio", ratio, f"<= x{limit.max_ratio}",
-                                      ratio.value <= limit.max_ratio, _note(ratio, limit.max_ratio, upper_is_bad=True)))
+            measured, bound, label = run_ratio(baseline, candidate, measure, pairs), limit.max_ratio, \
+                f"<= x{limit.max_ratio}"
+            name += " ratio"
         else:
-            value = Estimate(float(stat(np.asarray(cand))))
-            criteria.append(Criterion("latency", name, value, f"<= {limit.max_ms} ms", value.value <= limit.max_ms))
+            measured = geometric_mean_interval([v for v in run_values(candidate, measure) if v is not None])
+            bound, label = limit.max_ms, f"<= {limit.max_ms} ms"
+        outcome = judge(measured, bound, upper_is_bad=True)
+        criteria.append(Criterion("latency", name, measured, label, outcome, _runs_note(measured),
+                                  _repeats_to_settle(measured, bound) if outcome == "unsure" else ""))
     return criteria
 
 
-def gain_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:
+def gain_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs) -> list[Criterion]:
     criteria = []
     for goal in limits.gains:
-        ratio = summary_ratio(baseline, candidate, goal.metric)
-        if goal.min_ratio is not None:
-            passed, limit = ratio.value >= goal.min_ratio, f">= x{goal.min_ratio}"
-            note = _note(ratio, goal.min_ratio, upper_is_bad=False)
-        else:
-            passed, limit = ratio.value <= goal.max_ratio, f"<= x{goal.max_ratio}"
-            note = _note(ratio, goal.max_ratio, upper_is_bad=True)
-        criteria.append(Criterion("gain", goal.metric, ratio, limit, passed, note))
+        ratio = run_ratio(baseline, candidate, summary_metric(goal.metric), pairs)
+        bound = goal.min_ratio if goal.min_ratio is not None else goal.max_ratio
+        label = f">= x{goal.min_ratio}" if goal.min_ratio is not None else f"<= x{goal.max_ratio}"
+        outcome = judge(ratio, bound, upper_is_bad=goal.min_ratio is None)
+        criteria.append(Criterion("gain", goal.metric, ratio, label, outcome, _runs_note(ratio),
+                                  _repeats_to_settle(ratio, bound) if outcome == "unsure" else ""))
     return criteria
 
 
-def summary_ratio(baseline: RunSet, candidate: RunSet, metric: str) -> Estimate:
-    """candidate / baseline of a per-run figure; the interval comes from the repeats (two or more each)."""
-    base = [s[metric] for s in baseline.summaries if s.get(metric) is not None]
-    cand = [s[metric] for s in candidate.summaries if s.get(metric) is not None]
-    if not base or not cand or np.mean(base) == 0:
-        return Estimate(float("nan"))
-    return bootstrap_ratio(cand, base, mean_of, num_resamples=500)
-
-
-def figures(baseline: RunSet, candidate: RunSet) -> list[Figure]:
+def figures(baseline: RunSet, candidate: RunSet, pairs=None) -> list[Figure]:
+    """Every figure: per-run values averaged geometrically per side, the ratio with its interval over runs."""
     rows = []
-    for metric in GAIN_METRICS:
-        b, c = _mean_of(baseline, metric), _mean_of(candidate, metric)
-        rows.append(Figure(metric, b, c, summary_ratio(baseline, candidate, metric) if b and c is not None else None))
-    for metric in LATENCY_METRICS:
-        base = latency_values([s for s in baseline.samples if s.is_success], metric)
-        cand = latency_values([s for s in candidate.samples if s.is_success], metric)
-        # NOTE: ITL pools every token gap (10^5 and more): its ratio is shown without a bootstrap interval.
-        resamples = 0 if metric == "itl_ms" else 200
-        for q in (50, 95, 99):
-            if base and cand:
-                ratio = bootstrap_ratio(cand, base, percentile_of(q), num_resamples=resamples)
-                rows.append(Figure(f"p{q} {metric}", percentile(base, q), percentile(cand, q), ratio))
+    measures = [(metric, summary_metric(metric)) for metric in GAIN_METRICS]
+    measures += [(f"p{q} {metric}", run_percentile(metric, q)) for metric in LATENCY_METRICS for q in (50, 95, 99)]
+    for name, measure in measures:
+        b, c = _geometric_mean(baseline, measure), _geometric_mean(candidate, measure)
+        if b is None and c is None:
+            continue
+        ratio = run_ratio(baseline, candidate, measure, pairs) if b and c else None
+        rows.append(Figure(name, b, c, ratio))
     if baseline.quality and candidate.quality:
         b, c = baseline.quality, candidate.quality
-        rows.append(Figure("LAMBADA accuracy", b.accuracy.value, c.accuracy.value, None))
-        rows.append(Figure("LAMBADA perplexity", b.perplexity, c.perplexity, Estimate(c.perplexity / b.perplexity)))
+        diff = paired_proportion_difference(c.correct, b.correct)
+        rows.append(Figure("LAMBADA accuracy (ratio: the difference)", b.accuracy.value, c.accuracy.value, diff))
+        rows.append(Figure("LAMBADA perplexity", b.perplexity, c.perplexity,
+                           paired_perplexity_ratio(c.nll, b.nll, b.num_target_tokens)))
     agreement = greedy_agreement(baseline.texts, candidate.texts)
     if agreement is not None:
         rows.append(Figure("greedy outputs equal to the baseline's", 1.0, agreement.value, agreement))
@@ -264,7 +349,7 @@ def greedy_agreement(baseline: dict[int, str], candidate: dict[int, str]) -> Est
     return wilson_interval(sum(baseline[i] == candidate[i] for i in common), len(common))
 
 
-def warnings(baseline: RunSet, candidate: RunSet) -> list[str]:
+def warnings(baseline: RunSet, candidate: RunSet, pairs=None) -> list[str]:
     found = []
     changed = changed_factors(baseline.config, candidate.config)
     if len(changed) > 1:
@@ -275,24 +360,25 @@ def warnings(baseline: RunSet, candidate: RunSet) -> list[str]:
         found.append(f"{candidate.name} ran on other hardware than the baseline ({', '.join(differing)} differ)")
     num_runs = min(len(baseline.summaries), len(candidate.summaries))
     if num_runs < 2:
-        found.append("one run per config: throughput and memory ratios have no interval; set repeats: 2 or more")
+        found.append("one run per config: no interval can be had, so no serving criterion can pass or fail; "
+                     "set repeats: 2 or more (5 is the default)")
+    elif pairs is None:
+        found.append("the runs are not paired by round (not measured interleaved in one plan): intervals are "
+                     "Welch's over unpaired runs, and drift between the two sides' runs is not cancelled")
     return found
 
 
-def repeat_agreement(summaries: tuple[dict[str, Any], ...], metrics: tuple[str, ...] = ("ttft_ms", "tpot_ms",
-                                                                                       "e2el_ms")) -> str:
-    """Do the repeats of one config agree? Their p95 latencies' 95 % intervals must overlap pairwise."""
-    if len(summaries) < 2:
-        return "one run: nothing to check repeats against"
-    disagree = []
-    for metric in metrics:
-        intervals = [s["latency"][metric] for s in summaries if metric in s.get("latency", {})]
-        estimates = [Estimate(i["p95"], i.get("p95_low"), i.get("p95_high")) for i in intervals]
-        if any(not a.overlaps(b) for k, a in enumerate(estimates) for b in estimates[k + 1:]):
-            disagree.append(f"p95 {metric} " + ", ".join(f"{e.value:.0f}" for e in estimates))
-    if disagree:
-        return f"{len(summaries)} repeats DISAGREE beyond their 95 % intervals: " + "; ".join(disagree)
-    return f"{len(summaries)} repeats agree within their 95 % intervals (p95 {', '.join(metrics)})"
+def run_spread(run_set: RunSet, metrics: tuple[str, ...] = ("ttft_ms", "tpot_ms", "e2el_ms")) -> str:
+    """How much one config's repeats differ: the coefficient of variation across runs of its per-run figures."""
+    if len(run_set.summaries) < 2:
+        return "one run: no spread to report"
+    parts = []
+    for name, measure in [("output tokens/s", summary_metric("output_tokens_per_s"))] + \
+            [(f"p95 {m}", run_percentile(m, 95)) for m in metrics]:
+        values = [v for v in run_values(run_set, measure) if v is not None]
+        if len(values) >= 2 and statistics.fmean(values) > 0:
+            parts.append(f"{name} {100 * statistics.stdev(values) / statistics.fmean(values):.1f} %")
+    return f"{len(run_set.summaries)} runs; run-to-run spread (coefficient of variation): " + ", ".join(parts)
 
 
 def changed_factors(baseline_config: dict[str, Any], candidate_config: dict[str, Any]) -> list[str]:
@@ -300,22 +386,47 @@ def changed_factors(baseline_config: dict[str, Any], candidate_config: dict[str,
             if any(baseline_config.get(k) != candidate_config.get(k) for k in keys)]
 
 
-def _mean_of(run_set: RunSet, metric: str) -> float | None:
-    values = [s[metric] for s in run_set.summaries if s.get(metric) is not None]
-    return mean_interval(values).value if values else None
+def _geometric_mean(run_set: RunSet, measure) -> float | None:
+    values = [v for v in run_values(run_set, measure) if v is not None]
+    if not values:
+        return None
+    if any(v <= 0 for v in values):
+        return statistics.fmean(values)
+    return geometric_mean_interval(values).value
 
 
-def _note(measured: Estimate, limit: float, *, upper_is_bad: bool) -> str:
-    if not measured.has_interval or not (measured.low <= limit <= measured.high):
+def _runs_note(measured: Estimate) -> str:
+    if not isinstance(measured, RunRatio) or not measured.num_runs:
         return ""
-    return "(the 95 % interval crosses the limit: more repeats or samples would settle it)"
+    how = "paired by round" if measured.paired else "unpaired (Welch)"
+    return f"t interval over {measured.num_runs} runs, {how}"
 
 
-def _fmt(value: float) -> str:
-    return f"x{value:.2f}" if math.isfinite(value) else "n/a"
+def _repeats_to_settle(measured: Estimate, limit: float) -> str:
+    if not isinstance(measured, RunRatio) or measured.unit_sd is None:
+        return "set repeats: 2 or more, so the runs give an interval"
+    needed = repeats_to_settle(measured, limit)
+    if needed is None:
+        return "no practical number of repeats: the estimate sits on the limit, within the run-to-run noise"
+    return f"about {needed} repeats per config, if the run-to-run spread stays as measured (now {measured.num_runs})"
 
 
-def _fmt_value(c: Criterion) -> str:
+def _passages_to_settle(measured: Estimate, limit: float, num_passages: int, *, log: bool) -> str:
+    f = (lambda x: math.log(x)) if log else (lambda x: x)
+    distance = abs(f(measured.value) - f(limit))
+    half = f(measured.high) - f(measured.value) if measured.value <= limit else f(measured.value) - f(measured.low)
+    if distance == 0 or half <= 0:
+        return "no practical number of passages: the estimate sits on the limit"
+    needed = math.ceil(num_passages * (half / distance) ** 2)
+    if needed > LAMBADA_PASSAGES:
+        return f"more passages than LAMBADA holds ({LAMBADA_PASSAGES:,}): the difference is too close to the limit"
+    return f"about {needed} LAMBADA passages (quality.lambada_samples; now {num_passages})"
+
+
+def _fmt_measured(c: Criterion) -> str:
     if not math.isfinite(c.measured.value):
         return "not measured"
-    return _fmt(c.measured.value) if "ratio" in c.name or c.kind == "gain" else f"{c.measured.value:.3g}"
+    value = f"x{c.measured.value:.3f}" if "ratio" in c.name or c.kind == "gain" else f"{c.measured.value:.3g}"
+    if c.measured.has_interval:
+        value += f" [{c.measured.low:.3g}, {c.measured.high:.3g}]"
+    return value

@@ -156,7 +156,7 @@ def main() -> None:
                 ("recent_failures", lambda: queries.recent_failures(s)),
                 ("stream_depths (Redis, 10 configs)",
                  lambda: stream_depths(client, prefix="servelab-speed", config_names=[f"cfg-{i}" for i in range(10)])),
-                (f"compare() verdict, not a query ({len(base_set.samples)} vs {len(cand_set.samples)} requests)",
+                (f"compare() verdict, not a query ({len(base_set.pooled())} vs {len(cand_set.pooled())} requests)",
                  lambda: compare(base_set, cand_set, runsets.DEFAULT_LIMITS)),
             ]
             for name, fn in rows:

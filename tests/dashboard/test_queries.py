@@ -51,9 +51,14 @@ def test_a_run_set_holds_every_request_its_runs_sent(db, seeded) -> None:
     run_set = runsets.load_run_set(db, run_ids=seeded.baseline_ids)
     sent = db.scalars(select(RunRequestRow.request_id).where(
         RunRequestRow.run_id.in_([uuid.UUID(i) for i in seeded.baseline_ids]))).all()
-    assert sorted(s.request_id for s in run_set.samples) == sorted(str(i) for i in sent)
-    assert sum(s.num_output_tokens for s in run_set.samples) == sum(x["output_tokens"] for x in run_set.summaries)
+    assert sorted(s.request_id for s in run_set.pooled()) == sorted(str(i) for i in sent)
+    assert sum(s.num_output_tokens for s in run_set.pooled()) == sum(x["output_tokens"] for x in run_set.summaries)
     assert len(run_set.summaries) == len(seeded.baseline_ids) == 2
+    for run_id, samples, summary in zip(seeded.baseline_ids, run_set.samples, run_set.summaries):  # run by run
+        sent_by_run = db.scalars(select(RunRequestRow.request_id).where(RunRequestRow.run_id == uuid.UUID(run_id))).all()
+        assert sorted(s.request_id for s in samples) == sorted(str(i) for i in sent_by_run)
+        assert sum(s.num_output_tokens for s in samples) == summary["output_tokens"]
+    assert run_set.repeat_indices == (0, 1)  # the rounds of the plan, which pair runs across configs
     assert run_set.quality is not None and len(run_set.quality.correct) == 8
     with pytest.raises(ValueError, match="must share a config and a workload"):
         runsets.load_run_set(db, run_ids=[seeded.baseline_ids[0], seeded.candidate_ids[0]])

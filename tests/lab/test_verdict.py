@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
 import pytest
 
 from servelab.lab.metrics import RequestSample
+from servelab.lab.stats import Estimate, RunRatio
 from servelab.lab.verdict import (
     ComparisonRefused,
+    Criterion,
     GainGoal,
     LatencyLimit,
     Limits,
@@ -17,6 +21,8 @@ from servelab.lab.verdict import (
     RunSet,
     changed_factors,
     compare,
+    judge,
+    overall,
 )
 
 CONFIG = {"name": "base", "model": "bundled:smollm2-135m-instruct", "weights": "fp32", "kv_cache_dtype": "auto",
@@ -38,46 +44,166 @@ def quality(num_correct: int, n: int = 100) -> QualityOutcome:
                           tuple([1] * n))
 
 
-def run_set(name: str, *, tokens_per_s: tuple[float, ...], tpot_ms: float, correct: int, config=None,
-            hardware=None, fingerprint: str = "w1", weight_bytes: int = 100) -> RunSet:
+def run_set(name: str, *, tokens_per_s: tuple[float, ...], tpot_ms: float | tuple[float, ...], correct: int | None,
+            config=None, hardware=None, fingerprint: str = "w1", weight_bytes: int = 100,
+            rounds: tuple[int, ...] | None = None) -> RunSet:
+    """One run per tokens/s figure, measured in rounds 0, 1, ... unless told; TPOT per run or the same for all."""
+    n = len(tokens_per_s)
+    tpots = tpot_ms if isinstance(tpot_ms, tuple) else (tpot_ms,) * n
     summaries = tuple({"output_tokens_per_s": t, "weight_bytes": weight_bytes} for t in tokens_per_s)
-    return RunSet(name, tuple(f"{name}-{i}" for i in range(len(tokens_per_s))), {**CONFIG, **(config or {}), "name": name},
-                  fingerprint, hardware or HARDWARE, summaries, samples(tpot_ms), quality(correct), {0: "Paris."})
+    return RunSet(name, tuple(f"{name}-{i}" for i in range(n)), {**CONFIG, **(config or {}), "name": name},
+                  fingerprint, hardware or HARDWARE, summaries,
+                  tuple(samples(tpot, seed=i) for i, tpot in enumerate(tpots)),
+                  tuple(range(n)) if rounds is None else rounds,
+                  None if correct is None else quality(correct), {0: "Paris."})
 
 
-BASE = run_set("base", tokens_per_s=(100.0, 102.0), tpot_ms=50.0, correct=34)
+BASE = run_set("base", tokens_per_s=(100.0, 102.0, 99.0, 101.0), tpot_ms=50.0, correct=34)
 
 
-def test_a_candidate_within_limits_that_meets_the_gain_is_accepted() -> None:
-    cand = run_set("bf16", tokens_per_s=(150.0, 149.0), tpot_ms=50.0, correct=34, config={"weights": "bf16"})
+def test_a_candidate_within_limits_whose_gain_holds_at_its_lower_bound_is_accepted() -> None:
+    cand = run_set("bf16", tokens_per_s=(150.0, 149.0, 151.0, 150.5), tpot_ms=50.0, correct=34,
+                   config={"weights": "bf16"})
     verdict = compare(BASE, cand, LIMITS)
-    assert verdict.accepted, verdict.reason
-    assert verdict.warnings == ()
+    assert verdict.decision == "accept", verdict.reason
+    assert verdict.warnings == () and verdict.to_settle == ()
     gain = next(c for c in verdict.criteria if c.kind == "gain")
-    assert gain.passed and gain.measured.value == pytest.approx(149.5 / 101.0)
-    assert gain.measured.has_interval  # two repeats each
+    assert gain.outcome == "pass" and gain.measured.low >= 1.2
+    ratios = [c / b for c, b in zip((150.0, 149.0, 151.0, 150.5), (100.0, 102.0, 99.0, 101.0))]
+    assert gain.measured.value == pytest.approx(math.exp(np.mean(np.log(ratios))))  # paired by round
+    assert "paired by round" in gain.note
 
 
 def test_a_faster_candidate_that_breaks_the_quality_limit_is_rejected_for_quality() -> None:
-    cand = run_set("int4", tokens_per_s=(300.0, 310.0), tpot_ms=40.0, correct=20, config={"weights": "awq-int4"})
+    cand = run_set("int4", tokens_per_s=(300.0, 310.0, 305.0, 300.0), tpot_ms=40.0, correct=20,
+                   config={"weights": "awq-int4"})
     verdict = compare(BASE, cand, LIMITS)
-    assert not verdict.accepted
+    assert verdict.decision == "reject"
     assert "LAMBADA accuracy drop" in verdict.reason and "limit <= 0.02" in verdict.reason
-    assert next(c for c in verdict.criteria if c.kind == "gain").passed  # it was faster
+    drop = next(c for c in verdict.criteria if c.kind == "quality")
+    assert drop.outcome == "fail" and drop.measured.low > 0.02 and "McNemar" in drop.note
+    assert next(c for c in verdict.criteria if c.kind == "gain").outcome == "pass"  # it was faster
 
 
-def test_a_candidate_within_limits_but_short_of_the_gain_goal_is_rejected_for_the_gain() -> None:
-    cand = run_set("bf16", tokens_per_s=(105.0, 106.0), tpot_ms=49.0, correct=35, config={"weights": "bf16"})
+def test_a_gain_out_of_reach_across_its_interval_is_rejected() -> None:
+    cand = run_set("bf16", tokens_per_s=(105.0, 106.0, 104.0, 105.0), tpot_ms=49.0, correct=34,
+                   config={"weights": "bf16"})
     verdict = compare(BASE, cand, LIMITS)
-    assert not verdict.accepted
-    assert "short of the gain goal" in verdict.reason
-    assert all(c.passed for c in verdict.criteria if c.kind in ("quality", "latency"))
+    assert verdict.decision == "reject" and "gain goal is out of reach" in verdict.reason
+    assert next(c for c in verdict.criteria if c.kind == "gain").measured.high < 1.2
+    assert all(c.outcome == "pass" for c in verdict.criteria if c.kind in ("quality", "latency"))
 
 
-def test_a_candidate_over_the_latency_limit_is_rejected_for_latency() -> None:
-    cand = run_set("b", tokens_per_s=(200.0, 201.0), tpot_ms=80.0, correct=34, config={"weights": "bf16"})
+def test_a_candidate_over_the_latency_limit_at_its_lower_bound_is_rejected_for_latency() -> None:
+    cand = run_set("b", tokens_per_s=(200.0, 201.0, 199.0, 200.0), tpot_ms=80.0, correct=34,
+                   config={"weights": "bf16"})
     verdict = compare(BASE, cand, LIMITS)
-    assert not verdict.accepted and "p95 tpot_ms ratio" in verdict.reason
+    assert verdict.decision == "reject" and "p95 tpot_ms ratio" in verdict.reason
+    latency = next(c for c in verdict.criteria if c.kind == "latency")
+    assert latency.outcome == "fail" and latency.measured.low > 1.1
+
+
+def test_a_gain_whose_interval_straddles_the_goal_is_inconclusive_and_says_how_many_repeats_would_settle_it() -> None:
+    cand = run_set("bf16", tokens_per_s=(110.0, 160.0, 125.0, 150.0), tpot_ms=50.0, correct=34,
+                   config={"weights": "bf16"})
+    verdict = compare(BASE, cand, LIMITS)
+    gain = next(c for c in verdict.criteria if c.kind == "gain")
+    assert gain.measured.low < 1.2 < gain.measured.high and gain.outcome == "unsure"
+    assert verdict.decision == "inconclusive" and "output_tokens_per_s" in verdict.reason
+    needed = int(gain.to_settle.split("about ")[1].split(" ")[0])
+    assert needed > 4 and verdict.to_settle == (f"output_tokens_per_s: {gain.to_settle}",)
+
+
+def test_a_latency_limit_inside_the_interval_keeps_an_otherwise_good_candidate_inconclusive() -> None:
+    cand = run_set("bf16", tokens_per_s=(150.0, 149.0, 151.0, 150.5), tpot_ms=(45.0, 60.0, 52.0, 58.0),
+                   correct=34, config={"weights": "bf16"})
+    verdict = compare(BASE, cand, LIMITS)
+    latency = next(c for c in verdict.criteria if c.kind == "latency")
+    assert latency.measured.low < 1.1 < latency.measured.high and latency.outcome == "unsure"
+    assert verdict.decision == "inconclusive" and "p95 tpot_ms ratio" in verdict.reason
+
+
+def test_an_accuracy_drop_whose_interval_straddles_the_limit_is_inconclusive_and_names_the_passages_needed() -> None:
+    base = run_set("base", tokens_per_s=(100.0, 102.0, 99.0, 101.0), tpot_ms=50.0, correct=None)
+    base = replace(base, quality=QualityOutcome(tuple(range(100)), tuple([1] * 40 + [0] * 60), (2.0,) * 100,
+                                                (1,) * 100))
+    # the candidate loses 3 passages and wins 1 of the baseline's: a drop of 0.02, limit 0.05
+    cand = replace(base, name="int4", run_ids=("c0", "c1", "c2", "c3"), config={**CONFIG, "weights": "awq-int4"},
+                   summaries=tuple({"output_tokens_per_s": t, "weight_bytes": 100} for t in (150, 150, 151, 149)),
+                   quality=QualityOutcome(tuple(range(100)), tuple([1] * 37 + [0] * 3 + [1] + [0] * 59),
+                                          (2.0,) * 100, (1,) * 100))
+    limits = LIMITS.model_copy(update={"max_accuracy_drop": 0.05})
+    verdict = compare(base, cand, limits)
+    drop = next(c for c in verdict.criteria if c.kind == "quality")
+    assert drop.measured.value == pytest.approx(0.02) and drop.measured.low < 0.05 < drop.measured.high
+    assert drop.outcome == "unsure" and verdict.decision == "inconclusive"
+    assert "LAMBADA passages" in drop.to_settle and int(drop.to_settle.split("about ")[1].split(" ")[0]) > 100
+
+
+def test_one_run_per_config_gives_no_interval_so_nothing_is_decided() -> None:
+    base = run_set("base", tokens_per_s=(100.0,), tpot_ms=50.0, correct=34)
+    cand = run_set("bf16", tokens_per_s=(300.0,), tpot_ms=50.0, correct=34, config={"weights": "bf16"})
+    verdict = compare(base, cand, LIMITS)
+    assert verdict.decision == "inconclusive"
+    assert all(c.outcome == "unsure" for c in verdict.criteria if c.kind != "quality")
+    assert any("one run per config" in w for w in verdict.warnings)
+    assert any("set repeats: 2 or more" in hint for hint in verdict.to_settle)
+
+
+def test_runs_that_do_not_share_rounds_are_compared_unpaired_and_warned_about() -> None:
+    cand = run_set("bf16", tokens_per_s=(150.0, 149.0, 151.0), tpot_ms=50.0, correct=34, config={"weights": "bf16"},
+                   rounds=(0, 0, 0))
+    verdict = compare(BASE, cand, LIMITS)
+    gain = next(c for c in verdict.criteria if c.kind == "gain")
+    assert isinstance(gain.measured, RunRatio) and not gain.measured.paired and "Welch" in gain.note
+    assert any("not paired by round" in w for w in verdict.warnings)
+
+
+@pytest.mark.parametrize(("limit", "upper_is_bad", "outcome"), [
+    (1.1, True, "pass"),  # the unfavourable bound equals the limit: it holds
+    (1.05, True, "unsure"),
+    (0.9, True, "unsure"),  # the favourable bound equals the limit: not yet a failure
+    (0.85, True, "fail"),
+    (0.9, False, "pass"),
+    (1.0, False, "unsure"),
+    (1.15, False, "fail"),
+])
+def test_each_criterion_is_judged_at_its_interval_bounds(limit, upper_is_bad, outcome) -> None:
+    assert judge(Estimate(1.0, 0.9, 1.1), limit, upper_is_bad=upper_is_bad) == outcome
+
+
+def test_no_interval_is_never_a_pass_or_a_fail() -> None:
+    assert judge(Estimate(1.0), 5.0, upper_is_bad=True) == "unsure"
+    assert judge(Estimate(float("nan"), 0.1, 0.2), 5.0, upper_is_bad=True) == "unsure"
+
+
+def criterion(kind: str, outcome: str) -> Criterion:
+    return Criterion(kind, f"{kind}-{outcome}", Estimate(1.0, 0.9, 1.1), "x", outcome)
+
+
+@pytest.mark.parametrize(("outcomes", "rule", "decision"), [
+    (("pass", "pass", "pass"), "any", "accept"),
+    (("pass", "pass", "unsure"), "any", "inconclusive"),
+    (("pass", "unsure", "pass"), "any", "inconclusive"),  # a limit not shown to hold blocks the accept
+    (("fail", "pass", "pass"), "any", "reject"),  # a limit failed at its favourable bound
+    (("pass", "pass", "fail"), "any", "reject"),  # the only gain out of reach
+    (("unsure", "pass", "fail"), "any", "reject"),
+])
+def test_the_three_answers_from_the_criteria(outcomes, rule, decision) -> None:
+    quality_outcome, latency_outcome, gain_outcome = outcomes
+    criteria = [criterion("quality", quality_outcome), criterion("latency", latency_outcome),
+                criterion("gain", gain_outcome)]
+    assert overall(criteria, LIMITS.model_copy(update={"gain_rule": rule}))[0] == decision
+
+
+def test_the_gain_rule_decides_between_several_goals() -> None:
+    limits_any, limits_all = LIMITS, LIMITS.model_copy(update={"gain_rule": "all"})
+    gains = [criterion("gain", "pass"), criterion("gain", "fail")]
+    assert overall(gains, limits_any)[0] == "accept" and overall(gains, limits_all)[0] == "reject"
+    gains = [criterion("gain", "unsure"), criterion("gain", "fail")]
+    assert overall(gains, limits_any)[0] == "inconclusive" and overall(gains, limits_all)[0] == "reject"
+    gains = [criterion("gain", "pass"), criterion("gain", "unsure")]
+    assert overall(gains, limits_any)[0] == "accept" and overall(gains, limits_all)[0] == "inconclusive"
 
 
 def test_runs_on_another_workload_are_refused_with_the_reason() -> None:
@@ -87,7 +213,7 @@ def test_runs_on_another_workload_are_refused_with_the_reason() -> None:
 
 
 def test_changing_two_factors_warns_and_one_factor_does_not() -> None:
-    both = run_set("both", tokens_per_s=(150.0, 150.0), tpot_ms=50.0, correct=34,
+    both = run_set("both", tokens_per_s=(150.0, 150.0, 150.0, 150.0), tpot_ms=50.0, correct=34,
                    config={"weights": "bf16", "batching": {"max_batch_size": 4}})
     verdict = compare(BASE, both, LIMITS)
     assert any("changes 2 factors (weight precision, batching)" in w for w in verdict.warnings)
@@ -98,7 +224,7 @@ def test_changing_two_factors_warns_and_one_factor_does_not() -> None:
 def test_other_hardware_and_single_runs_are_warned_about() -> None:
     cand = run_set("bf16", tokens_per_s=(150.0,), tpot_ms=50.0, correct=34, config={"weights": "bf16"},
                    hardware={**HARDWARE, "cpu": "Intel Xeon"})
-    warnings = compare(BASE, cand, LIMITS).warnings
+    warnings = compare(run_set("base", tokens_per_s=(100.0,), tpot_ms=50.0, correct=34), cand, LIMITS).warnings
     assert any("other hardware" in w and "cpu" in w for w in warnings)
     assert any("one run per config" in w for w in warnings)
 
@@ -106,17 +232,20 @@ def test_other_hardware_and_single_runs_are_warned_about() -> None:
 def test_memory_goal_counts_as_a_gain_when_the_rule_is_any() -> None:
     limits = Limits(max_accuracy_drop=0.05, gains=(GainGoal(metric="output_tokens_per_s", min_ratio=1.5),
                                                   GainGoal(metric="weight_bytes", max_ratio=0.5)))
-    cand = run_set("int4", tokens_per_s=(101.0, 100.0), tpot_ms=50.0, correct=33, weight_bytes=30,
+    cand = run_set("int4", tokens_per_s=(101.0, 100.0, 99.0, 100.0), tpot_ms=50.0, correct=33, weight_bytes=30,
                    config={"weights": "awq-int4"})
     verdict = compare(BASE, cand, limits)
-    assert verdict.accepted, verdict.reason
-    assert not compare(BASE, cand, limits.model_copy(update={"gain_rule": "all"})).accepted
+    assert verdict.decision == "accept", verdict.reason
+    weights = next(c for c in verdict.criteria if c.name == "weight_bytes")
+    assert weights.measured.as_dict() == pytest.approx({"value": 0.3, "low": 0.3, "high": 0.3})  # no spread
+    assert compare(BASE, cand, limits.model_copy(update={"gain_rule": "all"})).decision == "reject"
 
 
 def test_greedy_agreement_is_a_figure() -> None:
-    cand = run_set("bf16", tokens_per_s=(150.0, 150.0), tpot_ms=50.0, correct=34)
-    figure = next(f for f in compare(BASE, cand, LIMITS).figures if f.name.startswith("greedy outputs"))
-    assert figure.candidate == 1.0
+    cand = run_set("bf16", tokens_per_s=(150.0, 150.0, 150.0, 150.0), tpot_ms=50.0, correct=34)
+    figures = {f.name: f for f in compare(BASE, cand, LIMITS).figures}
+    assert figures["greedy outputs equal to the baseline's"].candidate == 1.0
+    assert figures["p95 itl_ms"].ratio.has_interval  # every latency figure has its interval over runs
 
 
 @pytest.mark.parametrize("bad", [{"metric": "tpot_ms"}, {"metric": "tpot_ms", "max_ratio": 1.1, "max_ms": 5}])
@@ -125,16 +254,12 @@ def test_a_latency_limit_needs_exactly_one_bound(bad) -> None:
         LatencyLimit(**bad)
 
 
-def test_repeats_that_agree_within_their_intervals_are_reported_so() -> None:
-    from servelab.lab.verdict import repeat_agreement
+def test_the_run_to_run_spread_of_each_side_is_reported() -> None:
+    from servelab.lab.verdict import run_spread
 
-    def summary(p95: float, low: float, high: float) -> dict:
-        return {"latency": {"tpot_ms": {"p95": p95, "p95_low": low, "p95_high": high}}}
-
-    assert "agree within their 95 % intervals" in repeat_agreement(
-        (summary(50, 45, 55), summary(52, 48, 58)), metrics=("tpot_ms",))
-    assert "DISAGREE" in repeat_agreement((summary(50, 45, 55), summary(80, 70, 90)), metrics=("tpot_ms",))
-    assert "one run" in repeat_agreement((summary(50, 45, 55),))
+    spread = run_spread(BASE)
+    assert spread.startswith("4 runs; run-to-run spread") and "output tokens/s 1.3 %" in spread
+    assert "one run" in run_spread(run_set("one", tokens_per_s=(1.0,), tpot_ms=50.0, correct=None))
 
 
 def test_interleaved_rounds_measure_every_cell_once_per_round_and_keep_medians() -> None:
