@@ -19,7 +19,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split
 # NOTE: the order here is the order of `servelab --help`; the groups follow the commands.
 COMMANDS = (
     engine.generate, stack.worker, engine.quantize, lab.quality, stack.migrate, stack.up, stack.down, lab.run,
-    lab.compare, stack.dashboard, lab.sweep, stack.api, stack.jobs_worker, stack.beat, client.submit, client.results,
+    lab.compare, lab.calibrate, stack.dashboard, lab.sweep, stack.api, stack.jobs_worker, stack.beat, client.submit, client.results,
 )
 for command in COMMANDS:
     app.command()(command)

@@ -57,11 +57,19 @@ def _format_summary(summary) -> str:
     return "\n".join(lines)
 
 
+# NOTE: 2 stays every command's "bad input or failed step" (options.fail), so a CI job can tell the three apart.
+EXIT_CODES = {"accept": 0, "reject": 1, "inconclusive": 3}
+
+
 def compare(
     plan: Annotated[Path, typer.Argument(help="comparison plan YAML, e.g. plans/precision.yaml")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the stored report as JSON instead of the table")] = False,
 ) -> None:
-    """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts."""
-    from servelab.lab.compare import PlanError, format_verdicts, load_plan, run_plan
+    """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts.
+
+    Exit status: 0 every candidate accepted, 1 one rejected, 3 none rejected but one inconclusive, 2 an error.
+    """
+    from servelab.lab.compare import PlanError, decision_of, format_verdicts, load_plan, run_plan
     from servelab.lab.runner import RunError
 
     try:
@@ -73,8 +81,45 @@ def compare(
             result = run_plan(loaded, runtime, progress=progress)
         except RunError as exc:
             fail(str(exc))
-    typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
-    typer.echo(format_verdicts(result.verdicts))
+    decision = decision_of(result.verdicts)
+    if as_json:
+        typer.echo(json.dumps({"comparison_id": result.comparison_id, "plan": loaded.spec.name, "decision": decision,
+                               "verdicts": [v.as_dict() for v in result.verdicts]}, indent=2, default=str))
+    else:
+        typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
+        typer.echo(format_verdicts(result.verdicts))
+    raise typer.Exit(EXIT_CODES[decision])
+
+
+def calibrate(
+    config: ConfigOption,
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="workload YAML with a burst, e.g. "
+                                                                    "workloads/smoke.yaml")],
+    comparisons: Annotated[int, typer.Option(min=1, max=500, help="A/A and A/A' comparisons")] = 20,
+    known: Annotated[int, typer.Option(min=0, max=100, help="comparisons of max_batch_size 16 against 1")] = 5,
+    repeats: Annotated[int, typer.Option(min=2, max=50, help="rounds per comparison")] = 5,
+    known_repeats: Annotated[int | None, typer.Option(min=2, max=50, help="rounds per known-difference "
+                                                                          "comparison (default: --repeats)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the counts as JSON")] = False,
+) -> None:
+    """Measure the verdict's error rates: A/A and A/A' comparisons (nothing changed) and a known difference."""
+    from servelab.lab.calibrate import calibrate as run_calibration
+    from servelab.lab.calibrate import format_calibration
+    from servelab.lab.runner import RunError
+    from servelab.lab.workload import WorkloadError, load_workload
+
+    serving = load_config(config)
+    try:
+        loaded = load_workload(workload)
+    except WorkloadError as exc:
+        fail(str(exc))
+    with connected() as runtime:
+        try:
+            result = run_calibration(serving, config, loaded, runtime, num_comparisons=comparisons, num_known=known,
+                                     repeats=repeats, known_repeats=known_repeats, progress=progress)
+        except RunError as exc:
+            fail(str(exc))
+    typer.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_calibration(result))
 
 
 def quality(

@@ -1,12 +1,15 @@
 """Comparison plans: run a baseline and candidates on one workload, measure quality, judge, print, store.
 
 Knows the plan file (workload, baseline, candidates, limits, repeats, quality sample size), the
-order of work (every config's repeats, then quality once per config with the engine stopped from
-serving), how stored runs become RunSets, and the printed report. The judging is verdict.py's.
+order of work (one worker per config, all started first; then rounds, each running every config once in
+a counterbalanced order; then quality once per config with the workers stopped), how stored runs become
+RunSets, and the printed report. The judging is verdict.py's.
 """
 
 from __future__ import annotations
 
+import random
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,13 @@ from servelab.runtime import Runtime
 from servelab.lab import runsets
 from servelab.store import runs as store
 from servelab.store.db import session_scope
+
+
+# NOTE: chosen from `servelab calibrate` on the 2-core machines this project runs on (README, "Calibration"):
+# one paired round of the smoke workload spreads by about 0.09 on the log scale there (quiet), so six rounds
+# give a +-10 % interval (t with 5 degrees of freedom), enough to decide the x1.1-x1.2 limits plans set; an
+# even number completes the order's blocks of two; fewer leave most criteria unsure.
+DEFAULT_REPEATS = 6
 
 
 class PlanError(ValueError):
@@ -39,7 +49,8 @@ class PlanSpec(BaseModel):
     workload: str
     baseline: str
     candidates: tuple[str, ...] = Field(min_length=1)
-    repeats: int = Field(default=2, ge=1, le=20)
+    repeats: int = Field(default=DEFAULT_REPEATS, ge=1, le=50, description="rounds: each runs every config once")
+    seed: int = Field(default=0, description="draws the configs' order in each block of two rounds")
     quality: QualitySpec = QualitySpec()
     limits: Limits
 
@@ -88,33 +99,54 @@ class PlanResult:
     verdicts: tuple[Verdict, ...]
 
 
+def round_order(names: list[str], round_index: int, *, seed: int = 0) -> list[str]:
+    """The configs' order in one round: rounds come in blocks of two, a random order then its reverse.
+
+    NOTE: each round pairs one run of every config measured side by side. Reversing within a block cancels a
+    drift of the machine (a neighbour's load rising, a clock settling) and the effect of running first or
+    last; drawing each block's order at random (seeded, stored with the comparison) keeps any position effect
+    that remains (an odd last round, a middle place) a random error that the intervals cover, not a bias.
+    """
+    first = random.Random(f"{seed}:{round_index // 2}").sample(list(names), len(names))
+    return first if round_index % 2 == 0 else first[::-1]
+
+
 def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> PlanResult:
-    run_ids: dict[str, list[str]] = {}
-    for config, path in (plan.baseline, *plan.candidates):
-        progress(f"[{config.name}] starting a worker")
-        with start_worker(config, path, runtime) as worker:
-            warm_up(worker, config, plan.workload)
-            for repeat in range(plan.spec.repeats):
-                progress(f"[{config.name}] run {repeat + 1}/{plan.spec.repeats}")
-                outcome = run_workload(workload=plan.workload, config=config, worker=worker,
+    configs = [plan.baseline, *plan.candidates]
+    names = [config.name for config, _ in configs]
+    run_ids: dict[str, list[str]] = {name: [] for name in names}
+    rounds: list[list[str]] = []
+    with ExitStack() as stack:
+        workers = {}
+        for config, path in configs:
+            progress(f"[{config.name}] starting a worker")
+            workers[config.name] = stack.enter_context(start_worker(config, path, runtime))
+        for config, _ in configs:
+            warm_up(workers[config.name], config, plan.workload)
+        by_name = {config.name: config for config, _ in configs}
+        for repeat in range(plan.spec.repeats):
+            rounds.append(round_order(names, repeat, seed=plan.spec.seed))
+            for name in rounds[-1]:
+                progress(f"round {repeat + 1}/{plan.spec.repeats}: [{name}]")
+                outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
                                        plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
-                run_ids.setdefault(config.name, []).append(outcome.run_id)
+                run_ids[name].append(outcome.run_id)
     if plan.spec.quality.lambada_samples:
-        for config, _ in (plan.baseline, *plan.candidates):
+        for config, _ in configs:
             progress(f"[{config.name}] LAMBADA on {plan.spec.quality.lambada_samples} passages")
             quality = measure_quality(config, runtime, plan.spec.quality)
             with session_scope(runtime.sessions) as session:
                 for run_id in run_ids[config.name]:
                     store.set_run_quality(session, run_id=run_id, quality=quality)
-    baseline = load_run_set(runtime, run_ids[plan.baseline[0].name])
+    baseline = load_run_set(runtime, run_ids[names[0]])
     verdicts = tuple(compare(baseline, load_run_set(runtime, run_ids[c.name]), plan.spec.limits)
                      for c, _ in plan.candidates)
     with session_scope(runtime.sessions) as session:
         comparison_id = store.save_comparison(
             session, plan_name=plan.spec.name, plan=plan.spec.model_dump(mode="json"),
-            baseline_run_ids=run_ids[plan.baseline[0].name],
+            baseline_run_ids=run_ids[names[0]],
             candidate_run_ids=[i for c, _ in plan.candidates for i in run_ids[c.name]],
-            report={"verdicts": [v.as_dict() for v in verdicts]},
+            report={"verdicts": [v.as_dict() for v in verdicts], "rounds": rounds},
         )
     return PlanResult(comparison_id, baseline, verdicts)
 
@@ -147,23 +179,34 @@ def load_run_set(runtime: Runtime, run_ids: list[str]) -> RunSet:
 def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
     lines = []
     for v in verdicts:
-        lines.append(f"== {v.candidate} vs {v.baseline}: {'ACCEPT' if v.accepted else 'REJECT'} ==")
+        lines.append(f"== {v.candidate} vs {v.baseline}: {v.decision.upper()} ==")
         lines.append(f"   {v.reason}")
+        for hint in v.to_settle:
+            lines.append(f"   to settle: {hint}")
         for w in v.warnings:
             lines.append(f"   warning: {w}")
         for check in v.repeat_checks:
-            lines.append(f"   repeats: {check}")
+            lines.append(f"   runs: {check}")
         lines.append(f"   {'criterion':<34} {'measured':>10} {'95% interval':>22} {'limit':>10}  result")
         for c in v.criteria:
             interval = f"[{c.measured.low:.3g}, {c.measured.high:.3g}]" if c.measured.has_interval else "-"
             lines.append(f"   {c.kind + ': ' + c.name:<34} {c.measured.value:>10.3g} {interval:>22} {c.limit:>10}  "
-                         f"{'pass' if c.passed else 'FAIL'} {c.note}")
+                         f"{OUTCOME_LABELS[c.outcome]:<6} {c.note}")
         lines.append(f"   {'figure':<40} {'baseline':>12} {'candidate':>12} {'ratio':>8} {'95% interval':>20}")
         for f in v.figures:
             ratio = f"x{f.ratio.value:.3f}" if f.ratio else "-"
             interval = f"[{f.ratio.low:.3f}, {f.ratio.high:.3f}]" if f.ratio and f.ratio.has_interval else "-"
             lines.append(f"   {f.name:<40} {_num(f.baseline):>12} {_num(f.candidate):>12} {ratio:>8} {interval:>20}")
     return "\n".join(lines)
+
+
+OUTCOME_LABELS = {"pass": "pass", "fail": "FAIL", "unsure": "unsure"}
+
+
+def decision_of(verdicts) -> str:
+    """The plan's answer over every candidate: reject if any is rejected, else inconclusive if any is, else accept."""
+    decisions = {v.decision for v in verdicts}
+    return next(d for d in ("reject", "inconclusive", "accept") if d in decisions or d == "accept")
 
 
 def _num(value: float | None) -> str:

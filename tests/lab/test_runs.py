@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from typer.testing import CliRunner
 
+from servelab.cli import app
 from servelab.config import ServingConfig
-from servelab.lab.compare import format_verdicts, load_plan, run_plan
+from servelab.lab.compare import format_verdicts
 from servelab.lab.runner import run_workload, start_worker
+from servelab.lab.stats import Estimate
+from servelab.lab.verdict import Criterion, Verdict
 from servelab.lab.workload import load_workload
 from servelab.runtime import connect
 from servelab.store.db import session_scope
@@ -69,7 +74,8 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert summary["weight_bytes"] > 0 and summary["kv_cache_peak_bytes"] > 0
 
 
-def test_a_plan_runs_every_config_and_stores_a_full_verdict(tmp_path, tiny_folder, runtime) -> None:
+def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tmp_path, tiny_folder, runtime,
+                                                                             service_settings) -> None:
     suffix = uuid.uuid4().hex[:6]
     base = tiny_config(tmp_path, tiny_folder, f"b1-{suffix}", batch=1)
     batched = tiny_config(tmp_path, tiny_folder, f"b4-{suffix}", batch=4)
@@ -80,20 +86,37 @@ def test_a_plan_runs_every_config_and_stores_a_full_verdict(tmp_path, tiny_folde
         "quality: {lambada_samples: 8}\n"
         "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
         "  gains: [{metric: output_tokens_per_s, min_ratio: 1000}]\n")
-    result = run_plan(load_plan(plan_path), runtime)
-    assert [v.candidate for v in result.verdicts] == [f"b4-{suffix}", f"bf16-{suffix}"]
-    for verdict in result.verdicts:
+    env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
+           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    result = CliRunner().invoke(app, ["compare", str(plan_path), "--json"], env=env)
+    assert result.exit_code == 1, result.output  # a reject: a CI job can gate on it
+    printed = json.loads(result.stdout)
+    assert printed["decision"] == "reject"
+    verdicts = [Verdict(**{**v, "figures": (), "criteria": tuple(
+        Criterion(**{**c, "measured": Estimate(c["measured"]["value"], c["measured"]["low"], c["measured"]["high"])})
+        for c in v["criteria"])}) for v in printed["verdicts"]]
+    assert [v.candidate for v in verdicts] == [f"b4-{suffix}", f"bf16-{suffix}"]
+    for verdict in verdicts:
         assert {c.kind for c in verdict.criteria} == {"quality", "latency", "gain"}
-        assert not verdict.accepted and "short of the gain goal" in verdict.reason  # x1000 is out of reach
+        assert verdict.decision == "reject" and "out of reach" in verdict.reason  # x1000, past the whole interval
         assert not any("factors" in w for w in verdict.warnings)  # each changes one factor
         assert len(verdict.repeat_checks) == 2
-    report = format_verdicts(result.verdicts)
-    assert "REJECT" in report and "LAMBADA accuracy" in report and "repeats:" in report
+    report = format_verdicts(verdicts)
+    assert "REJECT" in report and "LAMBADA accuracy drop" in report and "runs: " in report
     with session_scope(runtime.sessions) as session:
-        stored = session.get(ComparisonRow, uuid.UUID(result.comparison_id))
+        stored = session.get(ComparisonRow, uuid.UUID(printed["comparison_id"]))
         assert len(stored.baseline_run_ids) == 2 and len(stored.candidate_run_ids) == 4
+        assert [v["decision"] for v in stored.report["verdicts"]] == ["reject", "reject"]
         runs = session.scalars(select(RunRow).where(RunRow.id.in_(stored.baseline_run_ids))).all()
         assert all(r.quality and len(r.quality["correct"]) == 8 for r in runs)
+        every = session.scalars(select(RunRow).where(RunRow.id.in_(stored.baseline_run_ids + stored.candidate_run_ids))
+                                .order_by(RunRow.started_at)).all()
+    # interleaved: round by round, every config once per round, in the stored order (a block's second is reversed)
+    rounds = stored.report["rounds"]
+    names = [f"b1-{suffix}", f"b4-{suffix}", f"bf16-{suffix}"]
+    assert len(rounds) == 2 and sorted(rounds[0]) == sorted(names) and rounds[1] == rounds[0][::-1]
+    assert [(r.repeat_index, r.serving_config_name) for r in every] == \
+        [(i, name) for i, order in enumerate(rounds) for name in order]
 
 
 def test_a_run_is_refused_while_another_worker_serves_its_config(tmp_path, tiny_folder, runtime) -> None:
