@@ -1,0 +1,197 @@
+"""Calibration of the verdict, measured: how often it is wrong when nothing changed, and whether it finds a
+difference that is known to be there.
+
+Three experiments on one config and one workload, each repeated as many independent comparisons as asked,
+through real workers and the real queue, with the rounds of a plan (counterbalanced order, paired by round):
+- A/A: the config against itself (one worker; its runs go alternately to two sides);
+- A/A': the config against a copy that differs only in its name (two workers);
+- the known difference: max_batch_size 1 against 16 under the workload's burst, judged both ways (16 against 1
+  must be accepted, 1 against 16 rejected).
+Counts what a calibration is about: A/A comparisons wrongly accepted as a gain or rejected for a latency
+limit (nominal at most 5 %), and how often each figure's 95 % interval excludes x1 when nothing changed.
+Also reports the run-to-run spread per figure and the interval width it implies for a number of repeats,
+which is how the plans' default repeats were chosen. Stores its runs (plan name "calibration").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servelab.config import ServingConfig
+from servelab.lab.compare import load_run_set, round_order
+from servelab.lab.runner import WorkerProcess, run_workload, start_worker, warm_up
+from servelab.lab.stats import RunRatio, t95
+from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, Verdict, compare
+from servelab.lab.workload import Workload
+from servelab.runtime import Runtime
+
+# NOTE: limits whose answer is known for every experiment: nothing changes in A/A, and batching 16 rows
+# against one under a burst raises tokens/s and lowers TTFT and end-to-end latency. TPOT is left out: batching
+# trades time per token for throughput, so its direction is not the known part.
+CALIBRATION_LIMITS = Limits(
+    max_accuracy_drop=None,
+    latency=(LatencyLimit(metric="ttft_ms", percentile=95, max_ratio=1.2),
+             LatencyLimit(metric="e2el_ms", percentile=95, max_ratio=1.2)),
+    gains=(GainGoal(metric="output_tokens_per_s", min_ratio=1.2),),
+)
+PLAN_NAME = "calibration"
+NULL_FIGURES = ("output_tokens_per_s", "p50 ttft_ms", "p95 ttft_ms", "p95 tpot_ms", "p95 e2el_ms", "p95 queue_ms")
+
+
+@dataclass
+class NullExperiment:
+    """Comparisons where nothing changed: how often the verdict or an interval says otherwise."""
+
+    name: str
+    decisions: dict[str, int] = field(default_factory=dict)
+    accepted_as_gain: int = 0
+    rejected_for_latency: int = 0
+    excluding_one: dict[str, int] = field(default_factory=dict)  # figure -> intervals that exclude x1
+    unit_sd: dict[str, list[float]] = field(default_factory=dict)  # figure -> log spread of one paired repeat
+
+    @property
+    def num_comparisons(self) -> int:
+        return sum(self.decisions.values())
+
+    @property
+    def num_wrong(self) -> int:
+        return self.accepted_as_gain + self.rejected_for_latency
+
+    def add(self, verdict: Verdict) -> None:
+        self.decisions[verdict.decision] = self.decisions.get(verdict.decision, 0) + 1
+        self.accepted_as_gain += verdict.decision == "accept"
+        self.rejected_for_latency += any(c.kind == "latency" and c.outcome == "fail" for c in verdict.criteria)
+        for figure in verdict.figures:
+            if figure.name in NULL_FIGURES and isinstance(figure.ratio, RunRatio) and figure.ratio.has_interval:
+                excluded = not (figure.ratio.low <= 1.0 <= figure.ratio.high)
+                self.excluding_one[figure.name] = self.excluding_one.get(figure.name, 0) + excluded
+                if figure.ratio.unit_sd is not None:
+                    self.unit_sd.setdefault(figure.name, []).append(figure.ratio.unit_sd)
+
+
+@dataclass
+class KnownExperiment:
+    """max_batch_size 16 against 1 under a burst: must be accepted, and the reverse rejected."""
+
+    found: int = 0
+    reverse_rejected: int = 0
+    num_comparisons: int = 0
+    gains: list[float] = field(default_factory=list)  # tokens/s ratio of each comparison
+
+
+@dataclass
+class Calibration:
+    config: str
+    workload: str
+    repeats: int
+    known_repeats: int
+    experiments: list[NullExperiment]
+    known: KnownExperiment
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def variant(config: ServingConfig, folder: Path, name: str, **batching: Any) -> tuple[ServingConfig, Path]:
+    """A copy of the config under another name (and optionally other batching), written where a worker reads it."""
+    data = config.model_dump(mode="json")
+    data["name"] = name
+    data["batching"] = {**data["batching"], **batching}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return ServingConfig.from_yaml(path), path
+
+
+def calibrate(config: ServingConfig, config_path: Path, workload: Workload, runtime: Runtime, *,
+              num_comparisons: int = 20, num_known: int = 5, repeats: int = 5, known_repeats: int | None = None,
+              progress=lambda message: None) -> Calibration:
+    """`repeats` rounds per A/A and A/A' comparison; `known_repeats` (default: the same) per known one."""
+    known_repeats = known_repeats or repeats
+    assert min(repeats, known_repeats) >= 2 and num_comparisons >= 1 and num_known >= 0, "calibration needs intervals"
+    aa, aa_copy, known = NullExperiment("A/A (the config against itself)"), \
+        NullExperiment("A/A' (against a copy that differs only in its name)"), KnownExperiment()
+    with tempfile.TemporaryDirectory(prefix="servelab-calibrate-") as tmp:
+        copy = variant(config, Path(tmp), f"{config.name}-copy")
+        with ExitStack() as stack:
+            first = _started(stack, config, config_path, runtime, workload, progress)
+            second = _started(stack, *copy, runtime, workload, progress)
+            for k in range(num_comparisons):
+                cells = {"A": (config, first), "A2": (config, first), "A'": (copy[0], second)}
+                runs = _rounds(cells, workload, repeats, runtime, progress, f"comparison {k + 1}/{num_comparisons}",
+                               seed=k)
+                a, a2, a_copy = (runs[c] for c in ("A", "A2", "A'"))
+                aa.add(compare(a, replace(a2, name=f"{a2.name} (second)"), CALIBRATION_LIMITS))
+                aa_copy.add(compare(a, a_copy, CALIBRATION_LIMITS))
+        if num_known:
+            one, sixteen = (variant(config, Path(tmp), f"{config.name}-batch{n}", max_batch_size=n) for n in (1, 16))
+            with ExitStack() as stack:
+                workers = {"1": (one[0], _started(stack, *one, runtime, workload, progress)),
+                           "16": (sixteen[0], _started(stack, *sixteen, runtime, workload, progress))}
+                for k in range(num_known):
+                    runs = _rounds(workers, workload, known_repeats, runtime, progress, f"known {k + 1}/{num_known}",
+                                   seed=k)
+                    forward = compare(runs["1"], runs["16"], CALIBRATION_LIMITS)
+                    backward = compare(runs["16"], runs["1"], CALIBRATION_LIMITS)
+                    known.num_comparisons += 1
+                    known.found += forward.decision == "accept"
+                    known.reverse_rejected += backward.decision == "reject"
+                    known.gains.append(next(c for c in forward.criteria if c.kind == "gain").measured.value)
+    return Calibration(config.name, workload.name, repeats, known_repeats, [aa, aa_copy], known)
+
+
+def _started(stack: ExitStack, config: ServingConfig, path: Path, runtime: Runtime, workload: Workload,
+             progress) -> WorkerProcess:
+    progress(f"[{config.name}] starting a worker")
+    worker = stack.enter_context(start_worker(config, path, runtime))
+    warm_up(worker, config, workload)
+    return worker
+
+
+def _rounds(cells: dict[str, tuple[ServingConfig, WorkerProcess]], workload: Workload, repeats: int,
+            runtime: Runtime, progress, label: str, *, seed: int):
+    run_ids: dict[str, list[str]] = {cell: [] for cell in cells}
+    for repeat in range(repeats):
+        for cell in round_order(list(cells), repeat, seed=seed):
+            config, worker = cells[cell]
+            progress(f"{label}, round {repeat + 1}/{repeats}: {cell}")
+            outcome = run_workload(workload=workload, config=config, worker=worker, plan_name=PLAN_NAME,
+                                   repeat_index=repeat)
+            run_ids[cell].append(outcome.run_id)
+    return {cell: load_run_set(runtime, ids) for cell, ids in run_ids.items()}
+
+
+def half_width(unit_sd: float, repeats: int) -> float:
+    """The relative half-width (x) of a paired ratio's 95 % interval after `repeats` rounds at this spread."""
+    return math.exp(t95(repeats - 1) * unit_sd / math.sqrt(repeats))
+
+
+def format_calibration(result: Calibration, *, widths_for=(3, 5, 8, 10)) -> str:
+    lines = [f"calibration of {result.config} on {result.workload}: {result.repeats} rounds per comparison, "
+             f"limits: gain tokens/s >= x1.2, p95 TTFT and p95 E2E latency <= x1.2"]
+    for e in result.experiments:
+        n = e.num_comparisons
+        lines.append(f"{e.name}: {n} comparisons: {dict(e.decisions)}; wrongly accepted as a gain "
+                     f"{e.accepted_as_gain}/{n}, rejected for a latency limit {e.rejected_for_latency}/{n} "
+                     f"(nominal at most 5 %: {math.floor(0.05 * n)}/{n})")
+        lines.append(f"   {'figure':<20} {'intervals excluding x1':>24} {'median log spread':>18}   "
+                     + "  ".join(f"±x at {r} rounds" for r in widths_for))
+        for name in NULL_FIGURES:
+            spreads = e.unit_sd.get(name, [])
+            median = statistics.median(spreads) if spreads else float("nan")
+            widths = "  ".join(f"{half_width(median, r):>13.3f}" if spreads else f"{'-':>13}" for r in widths_for)
+            lines.append(f"   {name:<20} {e.excluding_one.get(name, 0):>20}/{n:<3} {median:>18.3f}   {widths}")
+    k = result.known
+    if k.num_comparisons:
+        lines.append(f"known difference (max_batch_size 16 against 1 under the burst, {result.known_repeats} rounds "
+                     f"each): accepted {k.found}/"
+                     f"{k.num_comparisons}, the reverse rejected {k.reverse_rejected}/{k.num_comparisons}; tokens/s "
+                     f"ratios {', '.join(f'x{g:.2f}' for g in k.gains)}")
+    return "\n".join(lines)
