@@ -6,7 +6,9 @@ a quality score or a sweep is made: servelab/lab does. The engine and torch are 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -76,7 +78,8 @@ def compare(
         loaded = load_plan(plan)
     except PlanError as exc:
         fail(str(exc))
-    with connected() as runtime:
+    # NOTE: what libraries print while loading models (gptqmodel's banner) goes to stderr: stdout is the verdict
+    with connected() as runtime, contextlib.redirect_stdout(sys.stderr):
         try:
             result = run_plan(loaded, runtime, progress=progress)
         except RunError as exc:
@@ -113,7 +116,7 @@ def calibrate(
         loaded = load_workload(workload)
     except WorkloadError as exc:
         fail(str(exc))
-    with connected() as runtime:
+    with connected() as runtime, contextlib.redirect_stdout(sys.stderr):
         try:
             result = run_calibration(serving, config, loaded, runtime, num_comparisons=comparisons, num_known=known,
                                      repeats=repeats, known_repeats=known_repeats, progress=progress)

@@ -11,6 +11,10 @@ Counts what a calibration is about: A/A comparisons wrongly accepted as a gain o
 limit (nominal at most 5 %), and how often each figure's 95 % interval excludes x1 when nothing changed.
 Also reports the run-to-run spread per figure and the interval width it implies for a number of repeats,
 which is how the plans' default repeats were chosen. Stores its runs (plan name "calibration").
+
+NOTE: unlike a plan, it keeps its worker processes for the whole calibration (a fresh process per run
+would make twenty comparisons take hours): it calibrates the intervals against the variation between runs;
+the A/A' comparisons, two processes throughout, would show a process-level effect as extra interval misses.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from typing import Any
 import yaml
 
 from servelab.config import ServingConfig
-from servelab.lab.compare import load_run_set, round_order
-from servelab.lab.runner import WorkerProcess, run_workload, start_worker, warm_up
+from servelab.lab.compare import load_run_set, round_order, start_workers
+from servelab.lab.runner import WorkerProcess, run_workload
 from servelab.lab.stats import RunRatio, t95
 from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, Verdict, compare
 from servelab.lab.workload import Workload
@@ -121,8 +125,8 @@ def calibrate(config: ServingConfig, config_path: Path, workload: Workload, runt
     with tempfile.TemporaryDirectory(prefix="servelab-calibrate-") as tmp:
         copy = variant(config, Path(tmp), f"{config.name}-copy")
         with ExitStack() as stack:
-            first = _started(stack, config, config_path, runtime, workload, progress)
-            second = _started(stack, *copy, runtime, workload, progress)
+            workers = start_workers(stack, [(config, config_path), copy], runtime, workload, progress)
+            first, second = workers[config.name], workers[copy[0].name]
             for k in range(num_comparisons):
                 cells = {"A": (config, first), "A2": (config, first), "A'": (copy[0], second)}
                 runs = _rounds(cells, workload, repeats, runtime, progress, f"comparison {k + 1}/{num_comparisons}",
@@ -133,8 +137,8 @@ def calibrate(config: ServingConfig, config_path: Path, workload: Workload, runt
         if num_known:
             one, sixteen = (variant(config, Path(tmp), f"{config.name}-batch{n}", max_batch_size=n) for n in (1, 16))
             with ExitStack() as stack:
-                workers = {"1": (one[0], _started(stack, *one, runtime, workload, progress)),
-                           "16": (sixteen[0], _started(stack, *sixteen, runtime, workload, progress))}
+                started = start_workers(stack, [one, sixteen], runtime, workload, progress)
+                workers = {"1": (one[0], started[one[0].name]), "16": (sixteen[0], started[sixteen[0].name])}
                 for k in range(num_known):
                     runs = _rounds(workers, workload, known_repeats, runtime, progress, f"known {k + 1}/{num_known}",
                                    seed=k)
@@ -145,14 +149,6 @@ def calibrate(config: ServingConfig, config_path: Path, workload: Workload, runt
                     known.reverse_rejected += backward.decision == "reject"
                     known.gains.append(next(c for c in forward.criteria if c.kind == "gain").measured.value)
     return Calibration(config.name, workload.name, repeats, known_repeats, [aa, aa_copy], known)
-
-
-def _started(stack: ExitStack, config: ServingConfig, path: Path, runtime: Runtime, workload: Workload,
-             progress) -> WorkerProcess:
-    progress(f"[{config.name}] starting a worker")
-    worker = stack.enter_context(start_worker(config, path, runtime))
-    warm_up(worker, config, workload)
-    return worker
 
 
 def _rounds(cells: dict[str, tuple[ServingConfig, WorkerProcess]], workload: Workload, repeats: int,

@@ -1,13 +1,14 @@
 """Comparison plans: run a baseline and candidates on one workload, measure quality, judge, print, store.
 
 Knows the plan file (workload, baseline, candidates, limits, repeats, quality sample size), the
-order of work (one worker per config, all started first; then rounds, each running every config once in
-a counterbalanced order; then quality once per config with the workers stopped), how stored runs become
+order of work (rounds, each starting a fresh worker per config and running every config once in a
+counterbalanced order; then quality once per config with the workers stopped), how stored runs become
 RunSets, and the printed report. The judging is verdict.py's.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
-from servelab.lab.runner import run_workload, start_worker, warm_up
+from servelab.lab.runner import WorkerProcess, run_workload, start_worker, warm_up
 from servelab.lab.verdict import Limits, RunSet, Verdict, compare
 from servelab.lab.workload import Workload, load_workload
 from servelab.runtime import Runtime
@@ -51,6 +52,9 @@ class PlanSpec(BaseModel):
     candidates: tuple[str, ...] = Field(min_length=1)
     repeats: int = Field(default=DEFAULT_REPEATS, ge=1, le=50, description="rounds: each runs every config once")
     seed: int = Field(default=0, description="draws the configs' order in each block of two rounds")
+    fresh_workers: bool = Field(default=True, description=(
+        "a new worker process per config for every round, so the intervals include what differs between "
+        "processes (memory placement, kernel set-up); false keeps one per config for the whole plan"))
     quality: QualitySpec = QualitySpec()
     limits: Limits
 
@@ -111,26 +115,35 @@ def round_order(names: list[str], round_index: int, *, seed: int = 0) -> list[st
     return first if round_index % 2 == 0 else first[::-1]
 
 
+def start_workers(stack: ExitStack, configs, runtime: Runtime, workload: Workload, progress) -> dict[str, WorkerProcess]:
+    """A warmed-up worker process per config, stopped when the stack closes."""
+    workers = {}
+    for config, path in configs:
+        progress(f"[{config.name}] starting a worker")
+        workers[config.name] = stack.enter_context(start_worker(config, path, runtime))
+    for config, _ in configs:
+        warm_up(workers[config.name], config, workload)
+    return workers
+
+
 def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> PlanResult:
     configs = [plan.baseline, *plan.candidates]
     names = [config.name for config, _ in configs]
     run_ids: dict[str, list[str]] = {name: [] for name in names}
     rounds: list[list[str]] = []
-    with ExitStack() as stack:
-        workers = {}
-        for config, path in configs:
-            progress(f"[{config.name}] starting a worker")
-            workers[config.name] = stack.enter_context(start_worker(config, path, runtime))
-        for config, _ in configs:
-            warm_up(workers[config.name], config, plan.workload)
-        by_name = {config.name: config for config, _ in configs}
+    by_name = {config.name: config for config, _ in configs}
+    with ExitStack() as kept:
+        workers = {} if plan.spec.fresh_workers else start_workers(kept, configs, runtime, plan.workload, progress)
         for repeat in range(plan.spec.repeats):
             rounds.append(round_order(names, repeat, seed=plan.spec.seed))
-            for name in rounds[-1]:
-                progress(f"round {repeat + 1}/{plan.spec.repeats}: [{name}]")
-                outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
-                                       plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
-                run_ids[name].append(outcome.run_id)
+            with ExitStack() as fresh:
+                if plan.spec.fresh_workers:
+                    workers = start_workers(fresh, configs, runtime, plan.workload, progress)
+                for name in rounds[-1]:
+                    progress(f"round {repeat + 1}/{plan.spec.repeats}: [{name}]")
+                    outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
+                                           plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
+                    run_ids[name].append(outcome.run_id)
     if plan.spec.quality.lambada_samples:
         for config, _ in configs:
             progress(f"[{config.name}] LAMBADA on {plan.spec.quality.lambada_samples} passages")
@@ -190,12 +203,14 @@ def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
         lines.append(f"   {'criterion':<34} {'measured':>10} {'95% interval':>22} {'limit':>10}  result")
         for c in v.criteria:
             interval = f"[{c.measured.low:.3g}, {c.measured.high:.3g}]" if c.measured.has_interval else "-"
-            lines.append(f"   {c.kind + ': ' + c.name:<34} {c.measured.value:>10.3g} {interval:>22} {c.limit:>10}  "
+            lines.append(f"   {c.kind + ': ' + c.name:<34} {c.measured.value + 0.0:>10.3g} {interval:>22} {c.limit:>10}  "
                          f"{OUTCOME_LABELS[c.outcome]:<6} {c.note}")
         lines.append(f"   {'figure':<40} {'baseline':>12} {'candidate':>12} {'ratio':>8} {'95% interval':>20}")
         for f in v.figures:
-            ratio = f"x{f.ratio.value:.3f}" if f.ratio else "-"
-            interval = f"[{f.ratio.low:.3f}, {f.ratio.high:.3f}]" if f.ratio and f.ratio.has_interval else "-"
+            ratio, interval = _ratio(f), "-"
+            if ratio != "-" and f.ratio.has_interval:
+                interval = f"[{f.ratio.low:+.3f}, {f.ratio.high:+.3f}]" if _is_difference(f) else \
+                    f"[{f.ratio.low:.3f}, {f.ratio.high:.3f}]"
             lines.append(f"   {f.name:<40} {_num(f.baseline):>12} {_num(f.candidate):>12} {ratio:>8} {interval:>20}")
     return "\n".join(lines)
 
@@ -207,6 +222,17 @@ def decision_of(verdicts) -> str:
     """The plan's answer over every candidate: reject if any is rejected, else inconclusive if any is, else accept."""
     decisions = {v.decision for v in verdicts}
     return next(d for d in ("reject", "inconclusive", "accept") if d in decisions or d == "accept")
+
+
+def _is_difference(figure) -> bool:
+    return "difference" in figure.name
+
+
+def _ratio(figure) -> str:
+    """x1.234 for a ratio, +0.012 for a difference, - where there is none (e.g. a side measured 0)."""
+    if figure.ratio is None or not math.isfinite(figure.ratio.value):
+        return "-"
+    return f"{figure.ratio.value + 0.0:+.3f}" if _is_difference(figure) else f"x{figure.ratio.value:.3f}"
 
 
 def _num(value: float | None) -> str:

@@ -65,8 +65,9 @@ class WorkerProcess:
                "SERVELAB_CACHE_DIR": str(Path(s.cache_dir).resolve()), "SERVELAB_WORKER_NAME": self.name}
         if s.num_threads:
             env["SERVELAB_NUM_THREADS"] = str(s.num_threads)
+        # NOTE: the worker's stdout goes to this process's stderr: stdout is the lab commands' data (--json)
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.gpu", str(self.config_path.resolve())],
-                                     cwd=REPO, env=env)
+                                     cwd=REPO, env=env, stdout=2)
         self._wait_registered()
         return self
 

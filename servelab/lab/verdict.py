@@ -333,7 +333,7 @@ def figures(baseline: RunSet, candidate: RunSet, pairs=None) -> list[Figure]:
     if baseline.quality and candidate.quality:
         b, c = baseline.quality, candidate.quality
         diff = paired_proportion_difference(c.correct, b.correct)
-        rows.append(Figure("LAMBADA accuracy (ratio: the difference)", b.accuracy.value, c.accuracy.value, diff))
+        rows.append(Figure("LAMBADA accuracy (difference)", b.accuracy.value, c.accuracy.value, diff))
         rows.append(Figure("LAMBADA perplexity", b.perplexity, c.perplexity,
                            paired_perplexity_ratio(c.nll, b.nll, b.num_target_tokens)))
     agreement = greedy_agreement(baseline.texts, candidate.texts)
@@ -426,7 +426,7 @@ def _passages_to_settle(measured: Estimate, limit: float, num_passages: int, *, 
 def _fmt_measured(c: Criterion) -> str:
     if not math.isfinite(c.measured.value):
         return "not measured"
-    value = f"x{c.measured.value:.3f}" if "ratio" in c.name or c.kind == "gain" else f"{c.measured.value:.3g}"
+    value = f"x{c.measured.value:.3f}" if "ratio" in c.name or c.kind == "gain" else f"{c.measured.value + 0.0:.3g}"
     if c.measured.has_interval:
         value += f" [{c.measured.low:.3g}, {c.measured.high:.3g}]"
     return value

@@ -38,21 +38,21 @@ def _text_chunks(chunks) -> list[str]:
     return [c.choices[0].text for c in chunks if c.choices]
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_completion_chunks_add_up_to_the_unstreamed_answer_with_usage(streaming, prompt: str) -> None:
+def test_completion_chunks_add_up_to_the_unstreamed_answer_with_usage(streaming) -> None:
     stack, url = streaming
     client = client_of(stack, url)
-    whole = client.completions.create(model=stack.model, prompt=prompt, max_tokens=24, temperature=0)
-    chunks = list(client.completions.create(model=stack.model, prompt=prompt, max_tokens=24, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
-    choice_chunks = [c for c in chunks if c.choices]
-    assert "".join(_text_chunks(chunks)) == whole.choices[0].text
-    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
-    assert [c.choices[0].finish_reason for c in choice_chunks[:-1]] == [None] * (len(choice_chunks) - 1)
-    assert choice_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    usage_chunk = chunks[-1]
-    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
-    assert all(c.usage is None for c in chunks[:-1])
+    for prompt in PROMPTS:  # NOTE: one api process for all three (each start costs seconds of the suite)
+        whole = client.completions.create(model=stack.model, prompt=prompt, max_tokens=24, temperature=0)
+        chunks = list(client.completions.create(model=stack.model, prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        choice_chunks = [c for c in chunks if c.choices]
+        assert "".join(_text_chunks(chunks)) == whole.choices[0].text, prompt
+        assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+        assert [c.choices[0].finish_reason for c in choice_chunks[:-1]] == [None] * (len(choice_chunks) - 1)
+        assert choice_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        usage_chunk = chunks[-1]
+        assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+        assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_chat_opens_with_the_assistant_role_and_adds_up_to_the_unstreamed_message(streaming) -> None:

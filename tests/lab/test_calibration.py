@@ -26,10 +26,13 @@ def test_nothing_changed_is_almost_never_judged_a_change_and_a_known_difference_
         assert experiment.num_comparisons == 20
         # NOTE: the nominal rate is 5 %: at most 1 of 20 wrongly accepted as a gain or rejected for latency
         assert experiment.num_wrong <= 1, report
-        # every figure's interval excludes x1 in about 5 % of comparisons where nothing changed; 6 or more of 20
-        # happen by chance with probability 0.0003 per figure (binomial): that many means intervals too narrow
-        assert experiment.excluding_one and max(experiment.excluding_one.values()) <= 5, report
         assert set(experiment.unit_sd) >= {"output_tokens_per_s", "p95 ttft_ms"}
+    # every figure's interval excludes x1 in about 5 % of comparisons where nothing changed; 6 or more of 20
+    # happen by chance with probability 0.0003 per figure (binomial): that many means intervals too narrow.
+    # NOTE: A/A only: A/A' keeps two processes for all its comparisons, and processes differ by a few percent
+    # (measured: up to 3/20 misses per figure), which is why a plan starts fresh workers every round.
+    same = result.experiments[0]
+    assert same.excluding_one and max(same.excluding_one.values()) <= 5, report
     assert result.known.num_comparisons == 3
     assert result.known.found == 3 and result.known.reverse_rejected == 3, report
     assert "known difference" in report and "A/A'" in report

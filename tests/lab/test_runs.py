@@ -117,6 +117,7 @@ def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tm
     assert len(rounds) == 2 and sorted(rounds[0]) == sorted(names) and rounds[1] == rounds[0][::-1]
     assert [(r.repeat_index, r.serving_config_name) for r in every] == \
         [(i, name) for i, order in enumerate(rounds) for name in order]
+    assert len({r.worker_name for r in every}) == 6  # a fresh worker process per config and round
 
 
 def test_a_run_is_refused_while_another_worker_serves_its_config(tmp_path, tiny_folder, runtime) -> None:
