@@ -84,8 +84,11 @@ def latest_comparison_runs() -> tuple[list[str], list[str]] | None:
 def verdict(baseline: tuple[str, ...], candidate: tuple[str, ...], limits_json: str) -> Verdict | str:
     """The verdict, or the refusal's message when the runs must not be compared."""
     limits = Limits.model_validate_json(limits_json)
+    # NOTE: runs pair by round only when one stored comparison measured them together; groups of runs picked
+    # here may come from several plans, whose round numbers say nothing about when the runs ran
+    together = stored_limits(baseline, candidate).source != "defaults"
     try:
-        return compare(run_set(baseline), run_set(candidate), limits)
+        return compare(run_set(baseline), run_set(candidate), limits, paired_rounds=together)
     except ComparisonRefused as exc:
         return str(exc)
 

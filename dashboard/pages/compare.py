@@ -91,7 +91,7 @@ def sidebar_limits(baseline_ids: list[str], candidate_ids: list[str]) -> Limits:
             return stored.limits
         st.caption("These runs belong to no stored comparison: judged by these defaults, editable here, "
                    "saved nowhere.")
-        drop = st.number_input("max LAMBADA accuracy drop (points)", 0.0, 1.0, 0.02, 0.01)
+        drop = st.number_input("max LAMBADA accuracy drop (points)", 0.0, 1.0, 0.05, 0.01)
         tpot = st.number_input("max p95 TPOT ratio (candidate / baseline)", 0.1, 100.0, 1.2, 0.05)
         metric = st.selectbox("gain goal", GAIN_METRICS, index=0)
         higher = metric in THROUGHPUT_METRICS

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -84,10 +85,16 @@ def compare(
             result = run_plan(loaded, runtime, progress=progress)
         except RunError as exc:
             fail(str(exc))
+        except Exception as exc:  # NOTE: any failure must exit 2, never 1 (reject) through a traceback
+            logging.getLogger(__name__).info("the comparison failed", exc_info=True)
+            fail(f"the comparison failed: {type(exc).__name__}: {exc} (run with -v for the traceback)")
     decision = decision_of(result.verdicts)
     if as_json:
-        typer.echo(json.dumps({"comparison_id": result.comparison_id, "plan": loaded.spec.name, "decision": decision,
-                               "verdicts": [v.as_dict() for v in result.verdicts]}, indent=2, default=str))
+        from servelab.store.runs import json_safe
+
+        typer.echo(json.dumps(json_safe({"comparison_id": result.comparison_id, "plan": loaded.spec.name,
+                                         "decision": decision, "verdicts": [v.as_dict() for v in result.verdicts]}),
+                              indent=2, default=str))
     else:
         typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
         typer.echo(format_verdicts(result.verdicts))

@@ -247,8 +247,8 @@ def perplexity_ratio(baseline: QualityResult, candidate: QualityResult, *, num_r
                      seed: int = 0) -> Estimate:
     """candidate perplexity / baseline perplexity (above 1: the candidate is worse), paired bootstrap."""
     _check_same_passages(baseline, candidate)
-    (base_nll, base_num), (cand_nll, _) = _nll_arrays(baseline), _nll_arrays(candidate)
-    return paired_perplexity_ratio(cand_nll, base_nll, base_num, num_resamples=num_resamples, seed=seed)
+    (base_nll, base_num), (cand_nll, cand_num) = _nll_arrays(baseline), _nll_arrays(candidate)
+    return paired_perplexity_ratio(cand_nll, base_nll, cand_num, base_num, num_resamples=num_resamples, seed=seed)
 
 
 def greedy_agreement(baseline_texts: list[str], candidate_texts: list[str]) -> Agreement:

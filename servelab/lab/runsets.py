@@ -24,7 +24,7 @@ from servelab.store.models import BatchRow, ComparisonRow, RequestMetricsRow, Re
 # NOTE: what a page shows when the runs belong to no stored comparison: said on the page, editable there,
 # never written back. One latency limit and one gain goal, the shape of the plans in plans/.
 DEFAULT_LIMITS = Limits(
-    max_accuracy_drop=0.02,
+    max_accuracy_drop=0.05,
     latency=(LatencyLimit(metric="tpot_ms", percentile=95, max_ratio=1.2),),
     gains=(GainGoal(metric="output_tokens_per_s", min_ratio=1.1),),
 )

@@ -124,9 +124,10 @@ def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, pair
     interval covers the variation between runs as well as within them. Needs figures above 0.
     """
     cand, base = np.asarray(candidate, dtype=float), np.asarray(baseline, dtype=float)
-    if not len(cand) or not len(base) or np.any(~np.isfinite(cand)) or np.any(~np.isfinite(base)) \
-            or np.any(cand <= 0) or np.any(base <= 0):
+    if not len(cand) or not len(base) or np.any(~np.isfinite(cand)) or np.any(~np.isfinite(base)):
         return RunRatio(float("nan"))
+    if np.any(cand <= 0) or np.any(base <= 0):
+        return _ratio_with_zeros(cand, base)
     if paired:
         assert len(cand) == len(base), "paired runs come in pairs"
         return geometric_mean_interval(cand / base)
@@ -142,6 +143,19 @@ def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, pair
     dof = (var_c + var_b) ** 2 / (var_c**2 / (len(cand) - 1) + var_b**2 / (len(base) - 1))
     half = t95(dof) * se
     return RunRatio(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n, False, unit)
+
+
+def _ratio_with_zeros(cand: np.ndarray, base: np.ndarray) -> RunRatio:
+    """Figures of 0 have no log: every candidate run at 0 is exactly x0, every baseline run at 0 exactly
+    infinite, both all 0 not measured; some runs at 0 give the ratio of means without an interval."""
+    n = min(len(cand), len(base))
+    if np.all(base == 0) and np.all(cand == 0):
+        return RunRatio(float("nan"), num_runs=n)
+    if np.all(cand == 0):
+        return RunRatio(0.0, 0.0, 0.0, n, False, 0.0)
+    if np.all(base == 0):
+        return RunRatio(math.inf, math.inf, math.inf, n, False, 0.0)
+    return RunRatio(float(cand.mean() / base.mean()) if base.mean() else math.inf, num_runs=n)
 
 
 def repeats_to_settle(ratio: RunRatio, limit: float) -> int | None:
@@ -167,7 +181,8 @@ def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[in
 
     Newcombe (1998, method 10): the two marginal Wilson intervals combined with the correlation of the pairs.
     Sound at 0 and 1 and with few discordant pairs, where a bootstrap gives a zero-width interval; items that
-    both sides get right (or wrong) narrow it, as they should.
+    both sides get right (or wrong) narrow it, as they should. With no discordant item at all the interval is
+    +-(Wilson upper bound of 0 discordant of n), never zero-width.
     """
     c, b = np.asarray(candidate, dtype=int), np.asarray(baseline, dtype=int)
     assert c.shape == b.shape and c.ndim == 1 and len(c) > 0, "paired outcomes must be the same non-empty length"
@@ -175,6 +190,11 @@ def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[in
     both, only_c, only_b = int(np.sum((c == 1) & (b == 1))), int(np.sum((c == 1) & (b == 0))), \
         int(np.sum((c == 0) & (b == 1)))
     neither = n - both - only_c - only_b
+    if only_c + only_b == 0:
+        # NOTE: no passage differs: the difference is bounded by the discordance rate, 0 of n (Wilson upper
+        # bound); Newcombe's formula alone would give a zero width at 50 % accuracy (perfect correlation)
+        bound = wilson_interval(0, n).high
+        return Estimate(0.0, -bound, bound)
     p1, p2 = (both + only_c) / n, (both + only_b) / n
     w1, w2 = wilson_interval(both + only_c, n), wilson_interval(both + only_b, n)
     denom = (both + only_c) * (neither + only_b) * (both + only_b) * (neither + only_c)
@@ -195,15 +215,22 @@ def mcnemar_exact_p(candidate: Sequence[int], baseline: Sequence[int]) -> float:
 
 
 def paired_perplexity_ratio(candidate_nll: Sequence[float], baseline_nll: Sequence[float],
-                            num_tokens: Sequence[int], *, num_resamples: int = 1000, seed: int = 0) -> Estimate:
-    """exp(mean NLL per token) of the candidate over the baseline's on the same passages; bootstrap over passages."""
-    c, b, t = (np.asarray(x, dtype=float) for x in (candidate_nll, baseline_nll, num_tokens))
-    assert c.shape == b.shape == t.shape and len(c) > 0, "paired passages must be the same non-empty length"
-    point = math.exp((c.sum() - b.sum()) / max(t.sum(), 1.0))
+                            candidate_tokens: Sequence[int], baseline_tokens: Sequence[int], *,
+                            num_resamples: int = 1000, seed: int = 0) -> Estimate:
+    """Candidate perplexity over the baseline's on the same passages, each per its own tokens (a tokenizer may
+    differ); a bootstrap over passages, resampling both sides' passages together."""
+    c, b, tc, tb = (np.asarray(x, dtype=float) for x in (candidate_nll, baseline_nll, candidate_tokens,
+                                                          baseline_tokens))
+    assert c.shape == b.shape == tc.shape == tb.shape and len(c) > 0, "paired passages must be the same length"
+
+    def log_ratio(idx: np.ndarray) -> np.ndarray:
+        return c[idx].sum(axis=-1) / np.maximum(tc[idx].sum(axis=-1), 1.0) - \
+            b[idx].sum(axis=-1) / np.maximum(tb[idx].sum(axis=-1), 1.0)
+
+    point = math.exp(float(log_ratio(np.arange(len(c)))))
     if len(c) < 2:
         return Estimate(point)
-    idx = np.random.default_rng(seed).integers(0, len(c), (num_resamples, len(c)))
-    ratios = np.exp((c[idx].sum(axis=1) - b[idx].sum(axis=1)) / np.maximum(t[idx].sum(axis=1), 1.0))
+    ratios = np.exp(log_ratio(np.random.default_rng(seed).integers(0, len(c), (num_resamples, len(c)))))
     return Estimate(point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5)))
 
 

@@ -163,14 +163,15 @@ class Verdict:
         return asdict(self)
 
 
-def compare(baseline: RunSet, candidate: RunSet, limits: Limits) -> Verdict:
+def compare(baseline: RunSet, candidate: RunSet, limits: Limits, *, paired_rounds: bool = True) -> Verdict:
+    """paired_rounds: the two sides were measured in the same rounds of one plan (False: never pair them)."""
     if baseline.workload_fingerprint != candidate.workload_fingerprint:
         raise ComparisonRefused(
             f"{candidate.name} ran workload {candidate.workload_fingerprint}, the baseline {baseline.name} ran "
             f"{baseline.workload_fingerprint}: different prompts, lengths or arrivals cannot be compared; "
             "run both on the same workload file"
         )
-    pairs = paired_runs(baseline, candidate)
+    pairs = paired_runs(baseline, candidate) if paired_rounds else None
     criteria = [*quality_criteria(baseline, candidate, limits), *latency_criteria(baseline, candidate, limits, pairs),
                 *gain_criteria(baseline, candidate, limits, pairs)]
     decision, reason = overall(criteria, limits)
@@ -217,8 +218,9 @@ def overall(criteria: list[Criterion], limits: Limits) -> tuple[Decision, str]:
     if not gain_met:
         unsure += [c for c in gains if c.outcome == "unsure"]
     return "inconclusive", "inconclusive: " + "; ".join(
-        f"{c.name} {_fmt_measured(c)} straddles {c.limit}" for c in unsure) + \
-        " (the 95 % interval holds both answers; see what would settle it)"
+        f"{c.name} {_fmt_measured(c)} straddles {c.limit}" if c.measured.has_interval
+        else f"{c.name} {_fmt_measured(c)} has no interval" for c in unsure) + \
+        " (the 95 % interval holds both answers, or there is none; see what would settle it)"
 
 
 def paired_runs(baseline: RunSet, candidate: RunSet) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -269,14 +271,20 @@ def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> lis
     assert b.passage_ids == c.passage_ids, "quality must be measured on the same passages"
     diff = paired_proportion_difference(c.correct, b.correct)  # candidate - baseline
     drop = Estimate(-diff.value, -diff.high, -diff.low)
-    outcome = judge(drop, limits.max_accuracy_drop, upper_is_bad=True)
-    p_value = mcnemar_exact_p(c.correct, b.correct)
-    criteria = [Criterion("quality", "LAMBADA accuracy drop", drop, f"<= {limits.max_accuracy_drop}", outcome,
-                          f"paired on {len(b.correct)} passages (Newcombe); exact McNemar p = {p_value:.3g}",
+    note = f"paired on {len(b.correct)} passages (Newcombe); exact McNemar p = {mcnemar_exact_p(c.correct, b.correct):.3g}"
+    if limits.max_accuracy_drop == 0:
+        # NOTE: no interval can show a drop of exactly 0; a zero limit (same weights, another batch policy or
+        # decoder) is the exact check it means: not one passage the baseline gets right may be lost
+        lost = sum(1 for x, y in zip(c.correct, b.correct) if y and not x)
+        outcome: Outcome = "fail" if lost else "pass"
+        note = f"exact: {lost} of {len(b.correct)} passages lost (a zero limit allows none); " + note
+    else:
+        outcome = judge(drop, limits.max_accuracy_drop, upper_is_bad=True)
+    criteria = [Criterion("quality", "LAMBADA accuracy drop", drop, f"<= {limits.max_accuracy_drop}", outcome, note,
                           _passages_to_settle(drop, limits.max_accuracy_drop, len(b.correct), log=False)
                           if outcome == "unsure" else "")]
     if limits.max_perplexity_ratio is not None:
-        ratio = paired_perplexity_ratio(c.nll, b.nll, b.num_target_tokens)
+        ratio = paired_perplexity_ratio(c.nll, b.nll, c.num_target_tokens, b.num_target_tokens)
         outcome = judge(ratio, limits.max_perplexity_ratio, upper_is_bad=True)
         criteria.append(Criterion("quality", "LAMBADA perplexity ratio", ratio, f"<= {limits.max_perplexity_ratio}",
                                   outcome, "paired bootstrap over passages",
@@ -302,7 +310,9 @@ def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs)
             measured = geometric_mean_interval([v for v in run_values(candidate, measure) if v is not None])
             bound, label = limit.max_ms, f"<= {limit.max_ms} ms"
         outcome = judge(measured, bound, upper_is_bad=True)
-        criteria.append(Criterion("latency", name, measured, label, outcome, _runs_note(measured),
+        note = _runs_note(measured) if limit.max_ratio is not None else \
+            f"t interval over the candidate's {measured.num_runs} runs (geometric mean)"
+        criteria.append(Criterion("latency", name, measured, label, outcome, note,
                                   _repeats_to_settle(measured, bound) if outcome == "unsure" else ""))
     return criteria
 
@@ -335,7 +345,7 @@ def figures(baseline: RunSet, candidate: RunSet, pairs=None) -> list[Figure]:
         diff = paired_proportion_difference(c.correct, b.correct)
         rows.append(Figure("LAMBADA accuracy (difference)", b.accuracy.value, c.accuracy.value, diff))
         rows.append(Figure("LAMBADA perplexity", b.perplexity, c.perplexity,
-                           paired_perplexity_ratio(c.nll, b.nll, b.num_target_tokens)))
+                           paired_perplexity_ratio(c.nll, b.nll, c.num_target_tokens, b.num_target_tokens)))
     agreement = greedy_agreement(baseline.texts, candidate.texts)
     if agreement is not None:
         rows.append(Figure("greedy outputs equal to the baseline's", 1.0, agreement.value, agreement))
@@ -361,7 +371,7 @@ def warnings(baseline: RunSet, candidate: RunSet, pairs=None) -> list[str]:
     num_runs = min(len(baseline.summaries), len(candidate.summaries))
     if num_runs < 2:
         found.append("one run per config: no interval can be had, so no serving criterion can pass or fail; "
-                     "set repeats: 2 or more (5 is the default)")
+                     "set repeats: 2 or more (6 is the default)")
     elif pairs is None:
         found.append("the runs are not paired by round (not measured interleaved in one plan): intervals are "
                      "Welch's over unpaired runs, and drift between the two sides' runs is not cancelled")
@@ -403,8 +413,12 @@ def _runs_note(measured: Estimate) -> str:
 
 
 def _repeats_to_settle(measured: Estimate, limit: float) -> str:
-    if not isinstance(measured, RunRatio) or measured.unit_sd is None:
+    if not isinstance(measured, RunRatio) or not math.isfinite(measured.value):
+        return "measure it: a side has no value for this figure (no run completed a request, or it was not set)"
+    if measured.num_runs < 2:
         return "set repeats: 2 or more, so the runs give an interval"
+    if measured.unit_sd is None:
+        return "some runs measured 0 (no log-scale interval): find out why those runs produced nothing"
     needed = repeats_to_settle(measured, limit)
     if needed is None:
         return "no practical number of repeats: the estimate sits on the limit, within the run-to-run noise"
@@ -412,6 +426,8 @@ def _repeats_to_settle(measured: Estimate, limit: float) -> str:
 
 
 def _passages_to_settle(measured: Estimate, limit: float, num_passages: int, *, log: bool) -> str:
+    if not measured.has_interval or not math.isfinite(measured.value):
+        return "measure more passages: set quality.lambada_samples to 2 or more"
     f = (lambda x: math.log(x)) if log else (lambda x: x)
     distance = abs(f(measured.value) - f(limit))
     half = f(measured.high) - f(measured.value) if measured.value <= limit else f(measured.value) - f(measured.low)

@@ -50,7 +50,11 @@ def test_an_unpaired_ratio_is_welch_s_interval_on_the_logs() -> None:
 
 def test_ratios_without_an_interval_say_so() -> None:
     assert not ratio_of_runs([2.0], [1.0], paired=True).has_interval
-    assert math.isnan(ratio_of_runs([2.0, 0.0], [1.0, 1.0], paired=True).value)  # a 0 has no log
+    some_zero = ratio_of_runs([2.0, 0.0], [1.0, 1.0], paired=True)  # a 0 has no log: the ratio of means, no interval
+    assert some_zero.value == pytest.approx(1.0) and not some_zero.has_interval and some_zero.unit_sd is None
+    nothing = ratio_of_runs([0.0, 0.0], [50.0, 60.0], paired=True)  # the candidate produced nothing: exactly x0
+    assert (nothing.value, nothing.low, nothing.high) == (0.0, 0.0, 0.0)
+    assert math.isnan(ratio_of_runs([0.0, 0.0], [0.0, 0.0], paired=True).value)  # neither measured it
     same = ratio_of_runs([30.0, 30.0], [100.0, 100.0], paired=True)  # no spread: the interval is the point
     assert (same.value, same.low, same.high) == pytest.approx((0.3, 0.3, 0.3))
     assert geometric_mean_interval([4.0, 9.0]).value == pytest.approx(6.0)
@@ -70,9 +74,11 @@ def test_the_repeats_to_settle_are_the_fewest_whose_interval_clears_the_limit() 
 
 
 def test_a_paired_accuracy_difference_follows_newcombe() -> None:
-    # no discordant passage: the interval hugs 0 (identical outcomes) where a bootstrap would give [0, 0]
+    # no discordant passage: the interval is bounded by the discordance rate, where a bootstrap gives [0, 0]
     same = paired_proportion_difference([1] * 30 + [0] * 70, [1] * 30 + [0] * 70)
-    assert same.value == 0 and -0.03 < same.low < 0 < same.high < 0.03
+    assert same.value == 0 and same.low == -same.high and 0.03 < same.high < 0.04  # 3.84 / (100 + 3.84)
+    half = paired_proportion_difference([1] * 16 + [0] * 16, [1] * 16 + [0] * 16)  # never zero-width, even at 50 %
+    assert half.high == pytest.approx(1.959964**2 / (32 + 1.959964**2))
     # many passages: close to the Wald interval, sqrt(b + c - (b - c)^2 / n) / n
     n, only_c, only_b = 2000, 100, 60
     cand = [1] * 500 + [1] * only_c + [0] * only_b + [0] * (n - 500 - only_c - only_b)
@@ -95,5 +101,8 @@ def test_the_perplexity_ratio_is_paired_over_passages() -> None:
     rng = np.random.default_rng(0)
     base = rng.uniform(1, 4, 200)
     cand = base + 0.1  # 0.1 nats more on every passage, one token each
-    ratio = paired_perplexity_ratio(cand, base, [1] * 200)
+    ratio = paired_perplexity_ratio(cand, base, [1] * 200, [1] * 200)
     assert ratio.value == pytest.approx(math.exp(0.1)) and ratio.low == pytest.approx(ratio.high)
+    # each side per its own tokens: a tokenizer that splits every target in two halves the NLL per token
+    split = paired_perplexity_ratio(base, base, [2] * 200, [1] * 200)
+    assert split.value == pytest.approx(math.exp(base.sum() / 400 - base.sum() / 200))
