@@ -27,7 +27,17 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(keys.app, name="keys")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"servelab {version('servelab')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+         show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                    help="print the version and exit")] = False) -> None:
     forget_settings()
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -46,6 +46,23 @@ def revoke_key(session: Session, *, key: str, now: datetime) -> bool:
     return result.first() is not None
 
 
+def revoke_key_by_id(session: Session, *, key_id: int, now: datetime) -> bool:
+    """Revoke a live key by its id (as `keys list` shows it), for when the key itself is not at hand."""
+    result = session.execute(
+        update(ApiKeyRow).where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
+        .values(revoked_at=now).returning(ApiKeyRow.id)
+    )
+    return result.first() is not None
+
+
+def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKeyRow]:
+    """Every key (live and revoked), oldest first; a key is known by its id and its hash's first characters."""
+    query = select(ApiKeyRow).order_by(ApiKeyRow.id)
+    if tenant is not None:
+        query = query.where(ApiKeyRow.tenant == tenant)
+    return list(session.scalars(query))
+
+
 def lock_tenant(session: Session, tenant: str) -> None:
     """Serialise admissions of one tenant until the transaction ends, so its queue limit holds exactly."""
     session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": f"tenant:{tenant}"})

@@ -25,6 +25,34 @@ def test_keys_create_prints_a_key_that_is_stored_only_hashed(stack) -> None:
             == keys.hash_key(key) != key
 
 
+def test_keys_list_shows_keys_without_them_and_revoke_by_key_or_id_stops_them(stack) -> None:
+    env = {"SERVELAB_DATABASE_URL": stack.settings.database_url, "SERVELAB_REDIS_URL": stack.settings.redis_url}
+    first, second = (CliRunner().invoke(app, ["keys", "create", "--tenant", "hooli"], env=env).output.strip()
+                     for _ in range(2))
+    listed = CliRunner().invoke(app, ["keys", "list", "--tenant", "hooli", "--json"], env=env)
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.stdout)
+    assert [r["hash"] for r in rows] == [keys.hash_key(first)[:12], keys.hash_key(second)[:12]]
+    assert all(r["revoked_at"] is None for r in rows) and first not in listed.stdout and second not in listed.stdout
+    assert CliRunner().invoke(app, ["keys", "revoke", first], env=env).exit_code == 0
+    assert CliRunner().invoke(app, ["keys", "revoke", "--id", str(rows[1]["id"])], env=env).exit_code == 0
+    with session_scope(stack.runtime.sessions) as session:
+        assert keys.tenant_of_key(session, first) is None and keys.tenant_of_key(session, second) is None
+    again = CliRunner().invoke(app, ["keys", "revoke", first], env=env)
+    assert again.exit_code == 2 and "already revoked" in again.stderr
+    both = CliRunner().invoke(app, ["keys", "revoke", first, "--id", "1"], env=env)
+    assert both.exit_code == 2 and "not both" in both.stderr
+    table = CliRunner().invoke(app, ["keys", "list", "--tenant", "hooli"], env=env).stdout
+    assert table.count("hooli") == 2 and "revoked" in table.splitlines()[0]
+
+
+def test_version_is_the_installed_package_s() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"servelab {version('servelab')}"
+
+
 def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api, jobs_worker, tmp_path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([line(f"s{i}", "whatever") for i in range(12)] + ["{oops"]) + "\n")
