@@ -42,8 +42,8 @@ def list_models(state: State, _tenant: Tenant) -> ModelList:
 
 
 @router.get("/healthz", tags=["operations"])
-def healthz() -> dict[str, str]:
-    """The process answers."""
+async def healthz() -> dict[str, str]:
+    """The process answers. NOTE: async, so it runs on the event loop, never behind blocking waits in the pool."""
     return {"status": "ok"}
 
 
