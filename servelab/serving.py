@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import ServingConfig
@@ -94,6 +95,10 @@ class ServingWorker:
         keeper = threading.Thread(target=self._keep_claims, name=f"{self.name}-keeper", daemon=True)
         keeper.start()
         while not self.stop.is_set():
+            if not keeper.is_alive():
+                # NOTE: without the keeper, claims lapse (others would run this worker's rows twice) and the
+                # heartbeat stops: end loudly, so the supervisor restarts the process, never serve on silently
+                raise RuntimeError(f"worker {self.name}: the claim keeper stopped; stopping the worker")
             self.step()
         while self.running:  # NOTE: a clean stop admits nothing more and finishes the rows in hand
             self._advance([])
@@ -337,7 +342,11 @@ class ServingWorker:
                     with session_scope(self.sessions) as session:
                         store.heartbeat(session, name=self.name)
             except (redis.RedisError, OSError) as exc:  # NOTE: Redis restarting: keep serving, retry next tick
-                log.warning("claim keeper: %s", exc)
+                log.warning("claim keeper: Redis: %s", exc)
+            except SQLAlchemyError as exc:  # PostgreSQL restarting: the same
+                log.warning("claim keeper: PostgreSQL: %s", exc)
+            except Exception:  # NOTE: anything else is said with its traceback, and the keeper goes on
+                log.exception("claim keeper: unexpected error; retrying next tick")
 
     def reap_lost(self) -> int:
         """Re-add unfinished requests of this config whose stream entry is gone (e.g. Redis restarted empty)."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
+import pytest
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
+
+import servelab.serving as serving
 
 from servelab.queue.batcher import BatchPolicy
 from servelab.queue.streams import wait_done
@@ -252,3 +257,39 @@ def test_entries_with_the_same_id_in_both_streams_are_both_served(make_served) -
         served.streams.client.xadd(key, {"request_id": ids[-1]}, id="1-1")
     served.streams.client.sadd(served.streams.enqueued_key, *ids)
     step_until(served, ids, max_steps=40)  # both, long before a take-over could find one left idle
+
+
+# --- the claim keeper survives what the main loop survives ---
+
+def test_the_claim_keeper_outlives_database_errors_and_keeps_renewing(make_served, monkeypatch) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000),
+                         FaultPolicy(renew_every_s=0.05, heartbeat_every_s=0.05, reap_every_s=0.05))
+    beats, renewals = [], []
+    real_beat, real_renew = serving.store.heartbeat, served.streams.renew
+
+    def failing_beat(session, *, name):  # PostgreSQL restarting: the first three beats fail
+        beats.append(name)
+        if len(beats) <= 3:
+            raise OperationalError("UPDATE workers", {}, Exception("server closed the connection"))
+        return real_beat(session, name=name)
+
+    monkeypatch.setattr(serving.store, "heartbeat", failing_beat)
+    monkeypatch.setattr(served.streams, "renew", lambda *a, **k: renewals.append(1) or real_renew(*a, **k))
+    keeper = threading.Thread(target=served.worker._keep_claims, daemon=True)
+    keeper.start()
+    deadline = time.monotonic() + 10
+    while len(beats) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert keeper.is_alive() and len(beats) >= 6  # it went on after the errors, beating again
+    renewed_after = len(renewals)
+    time.sleep(0.3)
+    assert len(renewals) > renewed_after  # and renewing claims
+    served.worker.stop.set()
+    keeper.join(timeout=5)
+
+
+def test_a_worker_whose_claim_keeper_died_stops_loudly(make_served, monkeypatch) -> None:
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000))
+    monkeypatch.setattr(served.worker, "_keep_claims", lambda: None)  # the thread ends at once
+    with pytest.raises(RuntimeError, match="the claim keeper stopped"):
+        served.worker.run()
