@@ -39,6 +39,13 @@ def _checked(response) -> dict:
     return response.json()
 
 
+def _content(response) -> bytes:
+    """A file's bytes; an error response fails the command (its body is never written as the file)."""
+    if response.status_code >= 400:
+        _checked(response)
+    return response.content
+
+
 def _with_model(path: Path, config: str | None) -> tuple[bytes, str, int]:
     """The file with every parseable line's body.model set to config -> (content, endpoint, number of lines)."""
     out, endpoint, num_lines = [], None, 0
@@ -116,6 +123,6 @@ def results(
         for file_id, path in ((batch["output_file_id"], output), (batch["error_file_id"], errors)):
             if path is None:
                 continue
-            content = b"" if file_id is None else client.get(f"/v1/files/{file_id}/content").content
+            content = b"" if file_id is None else _content(client.get(f"/v1/files/{file_id}/content"))
             path.write_bytes(content)
             typer.echo(f"{path}: {len(content.splitlines())} lines")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy import select
+import httpx
+from sqlalchemy import select, update
 from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.store import keys
 from servelab.store.db import session_scope
-from servelab.store.models import ApiKeyRow
+from servelab.store.models import ApiKeyRow, FileRow
 from tests.jobs.conftest import line
 
 
@@ -66,6 +67,14 @@ def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api,
     assert fetched.exit_code == 0, fetched.output
     assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(f"s{i}" for i in range(12))
     assert [json.loads(x)["error"]["code"] for x in errors.read_text().splitlines()] == ["invalid_json"]
+    # a file this key may no longer read: the command fails with the API's message and writes no error body
+    batch = httpx.get(f"{served_api}/batches/{batch_id}",
+                      headers={"Authorization": f"Bearer {jobs_worker.key('acme')}"}).json()
+    with session_scope(jobs_worker.runtime.sessions) as session:
+        session.execute(update(FileRow).where(FileRow.id == batch["output_file_id"]).values(tenant="someone-else"))
+    gone = tmp_path / "gone.jsonl"
+    failed = CliRunner().invoke(app, ["results", batch_id, "-o", str(gone), *options])
+    assert failed.exit_code == 2 and "404" in failed.stderr and not gone.exists()
 
 
 def test_submit_no_wait_returns_the_batch_id_at_once(served_api, jobs_worker, tmp_path) -> None:
