@@ -43,6 +43,9 @@ class FileOut(BaseModel):
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileOut]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class BatchIn(BaseModel):
@@ -125,9 +128,17 @@ def upload_file(state: State, tenant: Tenant, file: UploadFile = File(descriptio
 
 
 @router.get("/v1/files", response_model=FileList, tags=["files"])
-def list_files(state: State, tenant: Tenant) -> FileList:
+def list_files(state: State, tenant: Tenant, after: str | None = Query(default=None, max_length=100),
+               limit: int = Query(default=10_000, ge=1, le=10_000),
+               order: Literal["asc", "desc"] = Query(default="desc"),
+               purpose: str | None = Query(default=None, max_length=64)) -> FileList:
+    """A page of files (OpenAI's cursor: pass the last id as `after` while has_more is true)."""
     with session_scope(state.runtime.sessions) as session:
-        return FileList(data=[FileOut.of(f) for f in files.list_files(session, tenant=tenant)])
+        page = files.list_files(session, tenant=tenant, after=after, limit=limit + 1, purpose=purpose,
+                                ascending=order == "asc")
+    data = [FileOut.of(f) for f in page[:limit]]
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=len(page) > limit)
 
 
 @router.get("/v1/files/{file_id}", response_model=FileOut, tags=["files"])

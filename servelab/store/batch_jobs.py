@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, literal, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -152,7 +152,8 @@ def list_jobs(session: Session, *, tenant: str, after: uuid.UUID | None = None, 
     query = select(BatchJobRow).where(BatchJobRow.tenant == tenant)
     if after is not None:
         anchor = select(BatchJobRow.created_at).where(BatchJobRow.id == after).scalar_subquery()
-        query = query.where((BatchJobRow.created_at, BatchJobRow.id) < (anchor, after))
+        # NOTE: a SQL row comparison (tuple_), so jobs made in the same instant page by id, none skipped
+        query = query.where(tuple_(BatchJobRow.created_at, BatchJobRow.id) < tuple_(anchor, literal(after)))
     rows = session.scalars(query.order_by(BatchJobRow.created_at.desc(), BatchJobRow.id.desc()).limit(limit))
     return [_stored(r) for r in rows]
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, literal, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -52,12 +52,21 @@ def get_file(session: Session, *, file_id: str, tenant: str) -> StoredFile | Non
     return StoredFile(*row) if row else None
 
 
-def list_files(session: Session, *, tenant: str, limit: int = 100) -> list[StoredFile]:
-    rows = session.execute(
-        select(FileRow.id, FileRow.tenant, FileRow.purpose, FileRow.filename, FileRow.num_bytes, FileRow.created_at)
-        .where(FileRow.tenant == tenant).order_by(FileRow.created_at.desc()).limit(limit)
-    ).all()
-    return [StoredFile(*r) for r in rows]
+def list_files(session: Session, *, tenant: str, after: str | None = None, limit: int = 100,
+               purpose: str | None = None, ascending: bool = False) -> list[StoredFile]:
+    """A page of the tenant's files by creation time (newest first unless ascending); `after` is the last id
+    of the previous page. NOTE: ordered by (created_at, id), so files made in the same instant page stably."""
+    query = select(FileRow.id, FileRow.tenant, FileRow.purpose, FileRow.filename, FileRow.num_bytes,
+                   FileRow.created_at).where(FileRow.tenant == tenant)
+    if purpose is not None:
+        query = query.where(FileRow.purpose == purpose)
+    key = tuple_(FileRow.created_at, FileRow.id)
+    if after is not None:
+        anchor = tuple_(select(FileRow.created_at).where(FileRow.id == after).scalar_subquery(), literal(after))
+        query = query.where(key > anchor if ascending else key < anchor)
+    order = (FileRow.created_at.asc(), FileRow.id.asc()) if ascending else (FileRow.created_at.desc(),
+                                                                            FileRow.id.desc())
+    return [StoredFile(*r) for r in session.execute(query.order_by(*order).limit(limit)).all()]
 
 
 def read_content(session: Session, *, file_id: str, tenant: str) -> bytes | None:

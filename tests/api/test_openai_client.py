@@ -59,3 +59,18 @@ def test_batches_create_retrieve_and_files_content(client, jobs_worker) -> None:
     errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
     assert [(e["line"], e["error"]["code"]) for e in errors] == [(21, "invalid_json")]
     assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_files_and_batches_lists_page_with_a_cursor_to_the_end(client, jobs_worker) -> None:
+    made = [client.files.create(file=(f"p{i}.jsonl", io.BytesIO((line(f"p{i}", jobs_worker.model) + "\n").encode())),
+                                purpose="batch").id for i in range(5)]
+    seen = [f.id for f in client.files.list(limit=2)]  # the client follows `after` while has_more is true
+    assert len(seen) == len(set(seen)) and set(made) <= set(seen)  # every file once, and the loop ends
+    first = client.files.list(limit=2)
+    assert first.has_more and len(first.data) == 2
+    oldest_first = [f.id for f in client.files.list(limit=3, order="asc")]
+    assert oldest_first == list(reversed(seen))
+    for file_id in made[:3]:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    batches = [b.id for b in client.batches.list(limit=1)]
+    assert len(batches) == len(set(batches)) >= 3
