@@ -25,13 +25,8 @@ def run(
 ) -> None:
     """Serve a workload with one config through a real worker and the queue; store and print the run."""
     from servelab.lab.runner import RunError, run_workload, start_worker, warm_up
-    from servelab.lab.workload import WorkloadError, load_workload
 
-    serving = load_config(config)
-    try:
-        loaded = load_workload(workload)
-    except WorkloadError as exc:
-        fail(str(exc))
+    serving, loaded = _config_and_workload(config, workload)
     with connected() as runtime:
         try:
             with start_worker(serving, config, runtime) as started:
@@ -42,6 +37,17 @@ def run(
     typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint}), "
                f"kernel {outcome.kernel}")
     typer.echo(_format_summary(outcome.summary))
+
+
+def _config_and_workload(config: Path, workload: Path):
+    """The serving config and the workload, or one line naming what is wrong with either (exit 2)."""
+    from servelab.lab.workload import WorkloadError, load_workload
+
+    serving = load_config(config)
+    try:
+        return serving, load_workload(workload)
+    except WorkloadError as exc:
+        fail(str(exc))
 
 
 def _format_summary(summary) -> str:
@@ -116,13 +122,8 @@ def calibrate(
     from servelab.lab.calibrate import calibrate as run_calibration
     from servelab.lab.calibrate import format_calibration
     from servelab.lab.runner import RunError
-    from servelab.lab.workload import WorkloadError, load_workload
 
-    serving = load_config(config)
-    try:
-        loaded = load_workload(workload)
-    except WorkloadError as exc:
-        fail(str(exc))
+    serving, loaded = _config_and_workload(config, workload)
     with connected() as runtime, contextlib.redirect_stdout(sys.stderr):
         try:
             result = run_calibration(serving, config, loaded, runtime, num_comparisons=comparisons, num_known=known,
