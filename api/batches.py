@@ -7,9 +7,9 @@ Thin: jobs and files are rows (servelab/store); the jobs-worker ingests, advance
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Path, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,11 @@ from servelab.jobs.lifecycle import NotCancellable, cancel_job, parse_window
 from servelab.store import batch_jobs as jobs
 from servelab.store import files
 from servelab.store.db import session_scope
+
+# NOTE: ids are letters, digits, "-" and "_" (file-<hex>, batch_<hex>): anything else (a NUL byte, which
+# PostgreSQL text cannot hold) is a 400 naming the field, never a database error
+ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+FileId = Annotated[str, Path(max_length=100, pattern=ID_PATTERN)]
 
 router = APIRouter()
 INPUT_PURPOSE = "batch"
@@ -50,7 +55,7 @@ class FileList(BaseModel):
 
 class BatchIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input_file_id: str = Field(min_length=1, max_length=100)
+    input_file_id: str = Field(min_length=1, max_length=100, pattern=ID_PATTERN)
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -128,10 +133,11 @@ def upload_file(state: State, tenant: Tenant, file: UploadFile = File(descriptio
 
 
 @router.get("/v1/files", response_model=FileList, tags=["files"])
-def list_files(state: State, tenant: Tenant, after: str | None = Query(default=None, max_length=100),
+def list_files(state: State, tenant: Tenant,
+               after: str | None = Query(default=None, max_length=100, pattern=ID_PATTERN),
                limit: int = Query(default=10_000, ge=1, le=10_000),
                order: Literal["asc", "desc"] = Query(default="desc"),
-               purpose: str | None = Query(default=None, max_length=64)) -> FileList:
+               purpose: str | None = Query(default=None, max_length=64, pattern=r"^[a-z_-]+$")) -> FileList:
     """A page of files (OpenAI's cursor: pass the last id as `after` while has_more is true)."""
     with session_scope(state.runtime.sessions) as session:
         page = files.list_files(session, tenant=tenant, after=after, limit=limit + 1, purpose=purpose,
@@ -142,7 +148,7 @@ def list_files(state: State, tenant: Tenant, after: str | None = Query(default=N
 
 
 @router.get("/v1/files/{file_id}", response_model=FileOut, tags=["files"])
-def read_file(file_id: str, state: State, tenant: Tenant) -> FileOut:
+def read_file(file_id: FileId, state: State, tenant: Tenant) -> FileOut:
     with session_scope(state.runtime.sessions) as session:
         found = files.get_file(session, file_id=file_id, tenant=tenant)
     if found is None:
@@ -152,7 +158,7 @@ def read_file(file_id: str, state: State, tenant: Tenant) -> FileOut:
 
 @router.get("/v1/files/{file_id}/content", tags=["files"],
             responses={200: {"content": {"application/octet-stream": {}}}})
-def read_file_content(file_id: str, state: State, tenant: Tenant) -> Response:
+def read_file_content(file_id: FileId, state: State, tenant: Tenant) -> Response:
     with session_scope(state.runtime.sessions) as session:
         content = files.read_content(session, file_id=file_id, tenant=tenant)
     if content is None:

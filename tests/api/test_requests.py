@@ -137,6 +137,11 @@ def test_bad_parameters_are_400_naming_the_field(stack) -> None:
     window = api.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions",
                                            "completion_window": "forever"})
     assert window.status_code == 400 and "completion_window" in window.json()["error"]["message"]
+    # a NUL byte (which PostgreSQL text cannot hold) in an id or a filter is the client's error, named
+    nul_file = api.post("/v1/batches", json={"input_file_id": "\x00", "endpoint": "/v1/completions"})
+    assert nul_file.status_code == 400 and "input_file_id" in nul_file.json()["error"]["message"]
+    for path in ("/v1/files/%00", "/v1/files/%00/content", "/v1/files?purpose=%00", "/v1/files?after=%00"):
+        assert api.get(path).status_code == 400, path
 
 
 def test_cancelling_a_finished_batch_is_409(stack) -> None:
