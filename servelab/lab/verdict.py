@@ -237,6 +237,11 @@ def run_values(run_set: RunSet, measure) -> list[float | None]:
     return [measure(run_set, i) for i in range(len(run_set.run_ids))]
 
 
+def measured_values(run_set: RunSet, measure) -> list[float]:
+    """The per-run figures of the runs that have one (a run with no successful request has no percentile)."""
+    return [v for v in run_values(run_set, measure) if v is not None]
+
+
 def run_ratio(baseline: RunSet, candidate: RunSet, measure, pairs) -> RunRatio:
     """candidate / baseline of a per-run figure, paired by round where the runs pair (else Welch)."""
     base, cand = run_values(baseline, measure), run_values(candidate, measure)
@@ -298,7 +303,8 @@ def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs)
     for limit in limits.latency:
         name = f"p{limit.percentile} {limit.metric}"
         measure = run_percentile(limit.metric, limit.percentile)
-        if all(v is None for v in run_values(candidate, measure)):
+        candidate_values = measured_values(candidate, measure)
+        if not candidate_values:
             criteria.append(Criterion("latency", name, Estimate(float("nan")), "-", "fail",
                                       "the candidate completed no request"))
             continue
@@ -307,7 +313,7 @@ def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs)
                 f"<= x{limit.max_ratio}"
             name += " ratio"
         else:
-            measured = geometric_mean_interval([v for v in run_values(candidate, measure) if v is not None])
+            measured = geometric_mean_interval(candidate_values)
             bound, label = limit.max_ms, f"<= {limit.max_ms} ms"
         outcome = judge(measured, bound, upper_is_bad=True)
         note = _runs_note(measured) if limit.max_ratio is not None else \
@@ -385,7 +391,7 @@ def run_spread(run_set: RunSet, metrics: tuple[str, ...] = ("ttft_ms", "tpot_ms"
     parts = []
     for name, measure in [("output tokens/s", summary_metric("output_tokens_per_s"))] + \
             [(f"p95 {m}", run_percentile(m, 95)) for m in metrics]:
-        values = [v for v in run_values(run_set, measure) if v is not None]
+        values = measured_values(run_set, measure)
         if len(values) >= 2 and statistics.fmean(values) > 0:
             parts.append(f"{name} {100 * statistics.stdev(values) / statistics.fmean(values):.1f} %")
     return f"{len(run_set.summaries)} runs; run-to-run spread (coefficient of variation): " + ", ".join(parts)
@@ -397,7 +403,7 @@ def changed_factors(baseline_config: dict[str, Any], candidate_config: dict[str,
 
 
 def _geometric_mean(run_set: RunSet, measure) -> float | None:
-    values = [v for v in run_values(run_set, measure) if v is not None]
+    values = measured_values(run_set, measure)
     if not values:
         return None
     if any(v <= 0 for v in values):
