@@ -25,6 +25,18 @@ from bench.peers.peers import ROOT
 from bench.peers.protocol import AdapterArgs, Request, adapter_argv, thread_env
 
 
+def _die_with_parent() -> None:
+    """In the adapter, before it runs: the kernel sends it SIGKILL when the runner dies, however the runner
+    ends (even SIGKILL, which runs no cleanup) and even while it is held stopped, when no closed pipe
+    would reach it. Linux's prctl(PR_SET_PDEATHSIG); elsewhere the runner's own cleanup is all there is."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class EngineError(RuntimeError):
     """The adapter failed to load, died, answered nonsense or took too long."""
 
@@ -40,6 +52,7 @@ class EngineProcess:
         self._proc = subprocess.Popen(
             [str(python), "-m", module, *adapter_argv(args)], cwd=ROOT, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -10,6 +10,7 @@ tables to stdout.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -31,13 +32,23 @@ Key = tuple[str, str]  # (precision, engine)
 CellKey = tuple[str, int, str]  # (precision, batch size, engine)
 
 
+def _stop(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)  # NOTE: unwinds through run()'s cleanup, which closes every adapter
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(argv)
     except OptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    report = run(options)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    try:
+        report = run(options)
+    except KeyboardInterrupt:
+        print("interrupted: every adapter was stopped", file=sys.stderr)
+        return 130
     print(format_report(report))
     if options.json_path:
         options.json_path.write_text(json.dumps(report_json(report), indent=1))
@@ -148,8 +159,16 @@ def start(options: Options, slots: dict[Key, Slot], models: dict[Key, Path]) -> 
                              options.prompt_tokens + options.new_tokens) for key, model in models.items()
             if slots[key].note is None}
     say(f"starting {len(args)} adapter(s)")
-    return {key: EngineProcess(PEERS[key[1]].python, f"bench.peers.engines.{key[1]}", a,
-                               LOGS / f"{key[1]}-{key[0]}.log") for key, a in args.items()}
+    processes: dict[Key, EngineProcess] = {}
+    try:
+        for key, a in args.items():
+            processes[key] = EngineProcess(PEERS[key[1]].python, f"bench.peers.engines.{key[1]}", a,
+                                           LOGS / f"{key[1]}-{key[0]}.log")
+    except BaseException:  # NOTE: interrupted or failed half-way: the ones already started end too
+        for process in processes.values():
+            process.close()
+        raise
+    return processes
 
 
 def wait_ready(slots: dict[Key, Slot], processes: dict[Key, EngineProcess]) -> dict[Key, dict]:

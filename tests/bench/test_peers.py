@@ -19,6 +19,7 @@ from bench.peers.report import PrecisionResult, Report, Slot, format_report, rep
 from servelab.lab.stats import common_prefix_length
 
 PYTHON = Path(sys.executable)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_tokens_per_second_from_a_full_and_a_one_token_call():
@@ -221,3 +222,38 @@ def test_servelab_adapter_speaks_the_protocol(tmp_path):
         assert "servelab takes text" in process.call(Request(1, [504, 3458, 3005, 702, 260, 6594], 2), 120)["error"]
     finally:
         process.close()
+
+
+def test_held_adapters_end_with_a_runner_that_is_killed(tmp_path):
+    """A runner killed outright (no cleanup runs) while its adapter is held stopped: the adapter ends too."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runner = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from bench.peers.process import EngineProcess\n"
+        "from bench.peers.protocol import AdapterArgs\n"
+        "args = AdapterArgs('unused', 'ok', threads=1, max_batch_size=4, max_tokens=16)\n"
+        f"p = EngineProcess(Path(sys.executable), 'tests.bench.fake_adapter', args, Path({str(tmp_path)!r}) / 'a.log')\n"
+        "p.wait_ready(60); p.hold(); print(p._proc.pid, flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        adapter = int(proc.stdout.readline())
+        assert Path(f"/proc/{adapter}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"  # held
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{adapter}").exists() and time.monotonic() < deadline:
+            state = Path(f"/proc/{adapter}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "Z":  # killed, waiting for its (new) parent to reap it
+                break
+            time.sleep(0.05)
+        alive = Path(f"/proc/{adapter}").exists() and \
+            Path(f"/proc/{adapter}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the adapter outlived its runner"
+    finally:
+        proc.kill()
