@@ -87,6 +87,10 @@ def format_precision(result: PrecisionResult, o: Options) -> list[str]:
         lines.append(f"{b:>5} " + " ".join(parts) + f" {bw} {flop}")
     if result.rooflines:
         r = result.rooflines
+        shares = [f"B={b} {cell.decode_tokens_per_s / r.bandwidth_tokens_per_s[b]:.0%}" for b in o.batch_sizes
+                  if (cell := result.cells.get((b, "servelab"))) is not None and cell.decode_tokens_per_s]
+        if shares:
+            lines.append(f"servelab's decode against the bandwidth roofline: {', '.join(shares)}")
         lines.append(f"rooflines from servelab {result.precision}: weights {r.weight_bytes / 1e6:.1f} MB, KV "
                      f"{r.kv_bytes_per_token / 1e3:.1f} kB/token, compute {r.compute_dtype} at "
                      f"{r.peak_flops_per_s / 1e9:.1f} GFLOP/s")
