@@ -69,7 +69,8 @@ class AWQConfig(_Frozen):
     num_calibration_samples: int = Field(default=128, ge=1, le=4096)
     calibration_seq_len: int = Field(default=256, ge=16, le=4096)
     calibration_set: Literal["hellaswag", "arc_easy", "piqa"] = "hellaswag"
-    kernel: Literal["auto", "torch", "triton", "marlin", "gemm", "exllama"] = "auto"
+    kernel: Literal["auto", "servelab", "aten", "torch", "triton", "marlin", "gemm", "exllama"] = Field(
+        default="auto", description="int4 matmul: auto = servelab's own on CPU (gptqmodel's ATen kernel where it cannot run), a CUDA kernel on GPU; servelab / aten name a CPU kernel; the rest name a gptqmodel backend")
 
 
 class ServingConfig(_Frozen):

@@ -1,4 +1,4 @@
-"""Loading a cached int4 checkpoint into a LoadedModel: the serving dtype, the kernel, a warm-up forward.
+"""Loading a cached int4 checkpoint into a LoadedModel: the serving dtype and the kernel backend.
 
 Knows transformers' AWQ integration (gptqmodel's kernels behind it: ATen int4 on CPU, a CUDA kernel on
 GPU, or the one awq.kernel names) and checks the checkpoint before trusting it. Does not know how a
@@ -32,8 +32,10 @@ from servelab.settings import Settings
 log = logging.getLogger(__name__)
 
 # config.awq.kernel -> transformers AwqBackend value; "auto" picks ATen int4 on CPU, a CUDA kernel on GPU.
+# "servelab" and "aten" load gptqmodel's CPU layers (ATen's); servelab's decoder then lays out their AWQ tensors
+# for its own int4 kernel ("servelab", and "auto" on CPU) or joins the ATen ones ("aten").
 KERNEL_BACKENDS = {
-    "auto": "auto", "torch": "torch_awq", "triton": "gemm_triton",
+    "auto": "auto", "servelab": "auto", "aten": "auto", "torch": "torch_awq", "triton": "gemm_triton",
     "marlin": "marlin", "gemm": "gemm", "exllama": "exllama_v2",
 }
 
@@ -78,8 +80,7 @@ def load_awq_model(config: ServingConfig, settings: Settings, *, method: QuantMe
     model = _from_pretrained(folder, device, dtype, awq_cfg)
     dense = _count_dense_layer_linears(model)
     assert not dense, f"{folder}: layers left in full precision after loading: {dense[:4]}"
-    model.eval()
-    _warm_up(model, device)
+    model.eval()  # NOTE: gptqmodel's CPU layers repack for ATen on their first forward: build_decoder decides
     log.info("loaded %s int4 checkpoint %s on %s in %s, kernel %s", slot.method, folder.name, device, dtype,
              kernel_name(model))
     return LoadedModel(
@@ -97,7 +98,7 @@ def _from_pretrained(folder: Path, device: torch.device, dtype: torch.dtype, awq
     from transformers import AwqConfig as HfAwqConfig
 
     kwargs = {}
-    if awq_cfg.kernel != "auto":  # NOTE: only the backend of a passed config overrides the checkpoint's
+    if KERNEL_BACKENDS[awq_cfg.kernel] != "auto":  # NOTE: only the backend of a passed config overrides the checkpoint's
         kwargs["quantization_config"] = HfAwqConfig(
             bits=awq_cfg.bits, group_size=awq_cfg.group_size, zero_point=awq_cfg.zero_point,
             backend=KERNEL_BACKENDS[awq_cfg.kernel],
@@ -110,10 +111,3 @@ def _from_pretrained(folder: Path, device: torch.device, dtype: torch.dtype, awq
         raise AWQCheckpointError(
             f"cannot load the int4 checkpoint {folder} with kernel {awq_cfg.kernel!r}: {exc}"
         ) from exc
-
-
-@torch.inference_mode()
-def _warm_up(model: PreTrainedModel, device: torch.device) -> None:
-    # NOTE: the CPU ATen kernel repacks its weights on the first forward; doing it here keeps that
-    # one-off cost in load_s instead of in the first request's TTFT.
-    model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))

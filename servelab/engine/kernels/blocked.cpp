@@ -264,6 +264,243 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed) {
 
 namespace {
 
+// ---- int4 weights (AWQ: group-wise asymmetric int4 with zero points) ----------------------------------------
+// Layout "int4x16": W (N, K) of 4-bit values q becomes (N/16, K/8, 64 bytes): per block of 16 outputs and per
+// 8 consecutive k, byte 4 j + t holds q[output j][k0 + t] in its low nibble and q[output j][k0 + 4 + t] in its
+// high one (j < 16, t < 4). So one 32-bit lane holds 4 consecutive k of one output: the low nibbles of a
+// 64-byte line are 16 lanes x k0..k0+3 and the high nibbles k0+4..k0+7, which is what an integer dot product
+// of 4 unsigned bytes against 4 signed ones per lane takes (AVX-512 VNNI vpdpbusd, or vpmaddubsw + vpmaddwd),
+// and an AVX2 build reads the same line as two 32-byte halves (outputs 0-7, 8-15). Per block and group:
+// scale s and s * zero, fp32, so that w = s * q - s * zero.
+//
+// Few rows (decode): each row's activations are quantised per group to int8 (symmetric, d = max|x| / 127),
+// and y = sum over groups of s * d * (sum_k xi q) - (s * zero) * (d * sum_k xi): the integer sums run over
+// the group, the weights are read once as a stream. Many rows (prefill): each span of blocks is dequantised
+// to fp32 into a thread-local tile in the blocked16 layout, and block_f32 runs every row against it, so the
+// dequantisation costs once per span, not per row, and the arithmetic is the fp32 matmul's.
+
+#if defined(__AVX512F__)
+using IVec = __m512i;
+inline IVec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline IVec iset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec iand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec isrl(IVec a, int n) { return _mm512_srli_epi32(a, n); }
+inline Vec itof(IVec a) { return _mm512_cvtepi32_ps(a); }
+#ifdef __AVX512VNNI__
+inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+constexpr const char* kInt8Dot = "AVX-512 VNNI vpdpbusd";
+#else
+inline IVec idot(IVec acc, IVec u8, IVec s8) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+}
+constexpr const char* kInt8Dot = "AVX-512 vpmaddubsw + vpmaddwd";
+#endif
+#else
+using IVec = __m256i;
+inline IVec iload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline IVec iset1(int32_t x) { return _mm256_set1_epi32(x); }
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec iand(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec isrl(IVec a, int n) { return _mm256_srli_epi32(a, n); }
+inline Vec itof(IVec a) { return _mm256_cvtepi32_ps(a); }
+#ifdef __AVXVNNI__
+inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+constexpr const char* kInt8Dot = "AVX-VNNI vpdpbusd";
+#else
+// q <= 15 and |xi| <= 127: a pair of products sums to at most 3810, so vpmaddubsw's int16 never saturates.
+inline IVec idot(IVec acc, IVec u8, IVec s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+constexpr const char* kInt8Dot = "AVX2 vpmaddubsw + vpmaddwd";
+#endif
+#endif
+
+constexpr int64_t kUnit = 64;  // bytes per 16 outputs x 8 k
+// Blocks per pass: each block takes 2 x kVecs registers of unpacked weights and kVecs integer sums per row.
+#if defined(__AVX512F__)
+inline int64_t int4_span_for(int64_t M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+#else
+inline int64_t int4_span_for(int64_t M) { return M == 1 ? 2 : 1; }
+#endif
+
+struct Int4Rows {  // the rows of x, quantised per group: xi (M, K) int8, d (M, groups), d * sum(xi) (M, groups)
+  const int8_t* xi;
+  const float* d;
+  const float* dsum;
+  int64_t K, groups;
+};
+
+// R rows x C adjacent blocks, integer dot products per group. w: the first block's bytes; s, sz: its (groups, 16).
+template <int R, int C>
+void block_int4(const uint8_t* w, const float* s, const float* sz, const Int4Rows& x, int64_t group, int64_t row0,
+                float* y, int64_t ldy) {
+  const int64_t K = x.K, units_per_group = group / 8, block_bytes = K / 8 * kUnit, block_groups = x.groups * kBlock;
+  const IVec low = iset1(0x0F0F0F0F);
+  Vec acc[R][C][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    IVec dots[R][C][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) dots[r][c][v] = izero();
+    for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
+      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * block_bytes + (u + 16) * kUnit), _MM_HINT_T0);
+      IVec lo[C][kVecs], hi[C][kVecs];
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) {
+          const IVec raw = iload(w + c * block_bytes + u * kUnit + v * (kUnit / kVecs));
+          lo[c][v] = iand(raw, low);
+          hi[c][v] = iand(isrl(raw, 4), low);
+        }
+      for (int r = 0; r < R; ++r) {
+        int32_t first, second;  // xi[k0..k0+3] and xi[k0+4..k0+7], broadcast
+        std::memcpy(&first, x.xi + (row0 + r) * K + u * 8, 4);
+        std::memcpy(&second, x.xi + (row0 + r) * K + u * 8 + 4, 4);
+        const IVec xa = iset1(first), xb = iset1(second);
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < kVecs; ++v) dots[r][c][v] = idot(idot(dots[r][c][v], lo[c][v], xa), hi[c][v], xb);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec d = vset1(x.d[(row0 + r) * x.groups + g]), dsum = vset1(x.dsum[(row0 + r) * x.groups + g]);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) {
+          const int64_t at = c * block_groups + g * kBlock + v * kLanes;
+          acc[r][c][v] = vfma(itof(dots[r][c][v]), vmul(vload(s + at), d), acc[r][c][v]);
+          acc[r][c][v] = vfma(vload(sz + at), vmul(dsum, vset1(-1.f)), acc[r][c][v]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
+}
+
+// One block of int4 weights -> (K, 16) fp32 in the blocked16 layout.
+void dequantize_block(const uint8_t* w, const float* s, const float* sz, int64_t K, int64_t group, float* out) {
+  const IVec low = iset1(0x0F);
+  for (int64_t u = 0; u < K / 8; ++u) {
+    const int64_t g = u * 8 / group;
+    for (int v = 0; v < kVecs; ++v) {
+      const IVec raw = iload(w + u * kUnit + v * (kUnit / kVecs));
+      const Vec scale = vload(s + g * kBlock + v * kLanes), shift = vload(sz + g * kBlock + v * kLanes);
+      for (int t = 0; t < 4; ++t) {
+        const Vec q_lo = itof(iand(isrl(raw, 8 * t), low)), q_hi = itof(iand(isrl(raw, 8 * t + 4), low));
+        vstore(out + (u * 8 + t) * kBlock + v * kLanes, vfma(q_lo, scale, vmul(shift, vset1(-1.f))));
+        vstore(out + (u * 8 + 4 + t) * kBlock + v * kLanes, vfma(q_hi, scale, vmul(shift, vset1(-1.f))));
+      }
+    }
+  }
+}
+
+Int4Rows quantize_rows(const float* X, int64_t M, int64_t K, int64_t group, std::vector<int8_t>& xi,
+                       std::vector<float>& d, std::vector<float>& dsum) {
+  const int64_t groups = K / group;
+  xi.resize(M * K);
+  d.resize(M * groups);
+  dsum.resize(M * groups);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = X + m * K + g * group;
+      float amax = 0.f;
+      for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      for (int64_t k = 0; k < group; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] * inv));
+        xi[m * K + g * group + k] = static_cast<int8_t>(q);
+        total += q;
+      }
+      d[m * groups + g] = step;
+      dsum[m * groups + g] = step * static_cast<float>(total);
+    }
+  return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
+}
+
+}  // namespace
+
+// AWQ's unpacked int4 values q (N, K) uint8 in 0..15, scales and zeros (K / group, N) -> [weights (N/16, K/8, 64)
+// uint8, scales (N/16, K/group, 16) fp32, scale x zero (same)]. N % 16 == 0, K % group == 0, group % 8 == 0.
+std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
+                                     int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8, "int4_pack: q must be (N, K) uint8");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(N % kBlock == 0, "int4_pack: N must be a multiple of 16");
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "int4_pack: the group size must divide K and be a multiple of 8");
+  TORCH_CHECK(scales.sizes() == zeros.sizes() && scales.size(0) == K / group && scales.size(1) == N,
+              "int4_pack: scales and zeros must be (K / group, N)");
+  TORCH_CHECK(q.max().item<int>() <= 15, "int4_pack: q holds values above 15");
+  // (N/16, 16, K/8, 2, 4) -> (N/16, K/8, 16, 4) with the second 4 k in the high nibble
+  const auto blocks = q.contiguous().view({N / kBlock, kBlock, K / 8, 2, 4}).permute({0, 2, 1, 3, 4});
+  const auto lo = blocks.select(3, 0), hi = blocks.select(3, 1);
+  const auto packed = lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous().view({N / kBlock, K / 8, kUnit});
+  const auto s = scales.to(torch::kFloat32);
+  const auto sz = s * zeros.to(torch::kFloat32);
+  auto lay = [&](const torch::Tensor& t) { return t.view({K / group, N / kBlock, kBlock}).transpose(0, 1).contiguous(); };
+  return {packed, lay(s), lay(sz)};
+}
+
+// x (M, K) fp32 or bf16, weights from int4_pack -> y (M, N) in x's dtype. Up to `int_rows` rows: integer dot
+// products on int8 activations; more: fp32 tiles dequantised per span of blocks.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const torch::Tensor& scaled_zeros, int64_t group, int64_t int_rows) {
+  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be (M, K)");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
+  TORCH_CHECK(packed.size(1) * 8 == K && scales.size(1) * group == K, "int4_linear: x has K=", K, " but the weight does not");
+  auto y = torch::empty({M, N}, xf.options());
+  const auto* W = packed.data_ptr<uint8_t>();
+  const auto* S = scales.data_ptr<float>();
+  const auto* SZ = scaled_zeros.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t groups = K / group, block_bytes = K / 8 * kUnit, block_groups = groups * kBlock;
+  if (M <= int_rows) {
+    std::vector<int8_t> xi;
+    std::vector<float> d, dsum;
+    const Int4Rows rows = quantize_rows(xf.data_ptr<float>(), M, K, group, xi, d, dsum);
+    const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
+    at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+      for (int64_t i = s0; i < s1; ++i) {
+        const int64_t b = span * i;
+        const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+        for (int64_t m = 0; m < M; m += kMaxRows) {
+          dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+            block_int4<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * block_groups,
+                                                               SZ + b * block_groups, rows, group, m, Y + m * N + b * kBlock, N);
+          });
+        }
+      }
+    });
+  } else {
+    const float* X = xf.data_ptr<float>();
+    const int64_t span = span_for(M);  // as the fp32 matmul: the tile's blocks x kMaxRows rows fit the registers
+    const int64_t num_spans = (num_blocks + span - 1) / span;
+    at::parallel_for(0, num_spans, 1, [&](int64_t s0, int64_t s1) {
+      std::vector<float> tile(span * K * kBlock);
+      for (int64_t i = s0; i < s1; ++i) {
+        const int64_t b = span * i;
+        const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+        for (int c = 0; c < blocks; ++c)
+          dequantize_block(W + (b + c) * block_bytes, S + (b + c) * block_groups, SZ + (b + c) * block_groups, K, group,
+                           tile.data() + c * K * kBlock);
+        for (int64_t m = 0; m < M; m += kMaxRows) {
+          dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+            block_f32<decltype(r)::value, decltype(c)::value>(tile.data(), X + m * K, K, Y + m * N + b * kBlock, N);
+          });
+        }
+      }
+    });
+  }
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+std::string int8_dot() { return kInt8Dot; }
+
+namespace {
+
 // One row, one kv head: the G query heads of its group against S cached keys and values, all in fp32.
 template <typename Q, typename KV>
 void attend_group(const Q* q, int64_t q_head_stride, const KV* k, const KV* v, int64_t s_stride, int64_t S,
@@ -403,6 +640,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x (M, K) @ W^T with W in the blocked16 layout");
   m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512 or avx2");
+  m.def("int4_pack", &int4_pack, "AWQ int4 values, scales and zeros -> the int4x16 layout");
+  m.def("int4_linear", &int4_linear, "x (M, K) @ W^T with int4 W in the int4x16 layout");
+  m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 kernel uses");
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
 }
