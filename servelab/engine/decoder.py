@@ -26,7 +26,10 @@ import torch.nn.functional as F
 
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, SlotKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, new_cache)
-from servelab.engine.linear import Int4Linear, LinearKernel, choose_linear_kernel, measured_shapes
+from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
+from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, LinearKernel, LinearKernelError, RowDispatchLinear, ServelabInt4Linear,
+                                    choose_linear_kernel,
+                                    int4_int_rows, int4_modules_reason, measured_shapes)
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,16 +51,72 @@ class Decoder(Protocol):
         A prefill's cache takes T tokens per row; a running batch's one."""
         ...
 
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+               keep: int) -> torch.Tensor:
+        """A left-padded prefill with no cache kept -> logits (B, keep, V) of its last `keep` positions."""
+        ...
+
 
 def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                  linear_kernel: str, cache_dir: Path) -> Decoder:
-    """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it."""
+                  linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto") -> Decoder:
+    """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
+    int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
+    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU)."""
+    int4_layers = [m for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)]
+    int4 = None
     if choice == "auto" and unsupported_reason(model) is None:
+        if int4_layers:
+            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir)
+        if int4 is None:
+            _warm_up_int4(model, int4_layers, device)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
                                       shapes=measured_shapes(dense) or ((64, 64),))
-        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel)
+        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4)
+    if int4_kernel == "servelab":
+        raise LinearKernelError("awq.kernel 'servelab' needs servelab's decoder, which does not cover this model: "
+                                f"{unsupported_reason(model) or 'decoder: transformers'}")
+    _warm_up_int4(model, int4_layers, device)
     return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Int4Kernel:
+    """servelab's int4 kernel for AWQ layers: the build, and up to how many rows it takes integer dot products."""
+
+    blocked: BlockedKernel
+    int_rows: int
+
+    @property
+    def label(self) -> str:
+        tiles = "" if self.int_rows >= 1 << 20 else f" up to {self.int_rows} rows, fp32 tiles above"
+        return f"int4 {self.blocked.label} ({self.blocked.module.int8_dot()}{tiles})"
+
+
+def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.device, cache_dir: Path) -> Int4Kernel | None:
+    if choice not in ("auto", "servelab"):
+        return None
+    reason = (next((r for m in layers if (r := int4_modules_reason([m])) is not None), None) if device.type == "cpu"
+              else f"servelab's int4 kernel is for CPUs (device {device})")
+    blocked = None
+    if reason is None:
+        blocked = load_blocked_kernel(cache_dir)
+        reason = blocked.reason if blocked.module is None else None
+    if reason is not None:
+        if choice == "servelab":
+            raise LinearKernelError(f"awq.kernel 'servelab' cannot run here: {reason}")
+        return None
+    group = layers[0].in_features // layers[0].scales.shape[0]
+    per_layer = {(m.out_features, m.in_features) for m in layers[:7]}  # one decoder layer's shapes
+    return Int4Kernel(blocked, int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group))
+
+
+@torch.inference_mode()
+def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device) -> None:
+    """gptqmodel's CPU int4 layers repack their weights for ATen on their first forward: done here, so that the
+    one-off cost lands in the load and not in the first request's TTFT (and Int4Linear can join them)."""
+    if layers and device.type == "cpu" and any(getattr(m, "linear_mode", "") is None for m in layers):
+        model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
 
 
 def unsupported_reason(model) -> str | None:
@@ -94,9 +153,15 @@ class TransformersDecoder:
                          cache=held.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
+    def logits(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, logits_to_keep=keep).logits
 
-def projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Projection:
+
+def projection(modules: list[torch.nn.Module], kernel: LinearKernel, int4: Int4Kernel | None = None) -> Projection:
     """One matmul for one projection, or for several of the same input (q/k/v, gate/up), outputs side by side."""
+    if int4 is not None and int4_modules_reason(modules) is None:
+        return ServelabInt4Linear(int4.blocked, modules, int4.int_rows)
     if all(type(m) is torch.nn.Linear for m in modules):
         weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight  # (sum N_i, K)
         biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
@@ -104,10 +169,66 @@ def projection(modules: list[torch.nn.Module], kernel: LinearKernel) -> Projecti
         return kernel.make(weight, bias)
     if Int4Linear.covers(modules):
         return Int4Linear(modules)
-    if len(modules) == 1:
-        return modules[0]
-    # NOTE: other quantised layers keep their own kernels; each runs, the outputs are joined.
-    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+    return JoinedModules(modules)
+
+
+class JoinedModules:
+    """Other quantised layers keep their own kernels; each runs, the outputs are joined."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.modules[0](x) if len(self.modules) == 1 else torch.cat([m(x) for m in self.modules], dim=-1)
+
+
+def projection_tensors(p) -> list[torch.Tensor]:
+    """The tensors a projection reads, whichever kernel serves it."""
+    if isinstance(p, JoinedModules):
+        return [t for m in p.modules for t in (*m.parameters(), *m.buffers())]
+    if isinstance(p, RowDispatchLinear):
+        return [t for linear in p.linears for t in projection_tensors(linear)]
+    if isinstance(p, ServelabInt4Linear):
+        return p.tensors()
+    if isinstance(p, Int4Linear):
+        return [p.weight, p.scales_and_zeros]
+    return [t for t in (p.weight, p.bias) if t is not None]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A copy in the process's own memory: transformers' tensors may be views into the mapped checkpoint file,
+    which stays mapped (and resident) while any one of them lives."""
+    return t.detach().clone()
+
+
+def _blocked_layout(p) -> BlockedLinear | None:
+    """The one blocked layout a projection serves every batch size from, if it has one."""
+    linears = p.linears if isinstance(p, RowDispatchLinear) else [p]
+    layouts = {id(x.blocked if isinstance(x, BlockedMatmulLinear) else x): x.blocked if isinstance(x, BlockedMatmulLinear) else x
+               for x in linears if isinstance(x, (BlockedLinear, BlockedMatmulLinear))}
+    return next(iter(layouts.values())) if len(layouts) == 1 and all(
+        isinstance(x, (BlockedLinear, BlockedMatmulLinear)) for x in linears) else None
+
+
+def release_copied_weights(model: torch.nn.Module, decoder: Decoder) -> int:
+    """Empty the model's tensors that servelab's decoder holds a copy of (its layouts, norms, the embedding), so
+    a serving process keeps one copy (transformers' forward then needs a fresh load: Engine.model does that).
+    -> bytes released. Layers the decoder reads in place (F.linear, ATen int4) are kept."""
+    if not isinstance(decoder, LlamaDecoder):
+        return 0
+    held = {t.untyped_storage().data_ptr() for t in decoder.tensors() if t.layout == torch.strided}
+    released = 0
+    for module in model.modules():
+        tensors = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        if any(t.untyped_storage().data_ptr() in held for t in tensors.values()):
+            continue
+        for name, tensor in tensors.items():
+            released += tensor.untyped_storage().nbytes()
+            empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=False)
+                    if isinstance(tensor, torch.nn.Parameter) else empty)
+    model.servelab_released = True  # NOTE: an Engine refuses to build on this model again
+    return released
 
 
 @dataclass
@@ -126,9 +247,9 @@ class LlamaDecoder:
     name = "servelab"
 
     def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                 kernel: LinearKernel) -> None:
+                 kernel: LinearKernel, int4: Int4Kernel | None = None) -> None:
         config = model.config
-        self.kernel = kernel
+        self.kernel, self.int4 = kernel, int4
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -136,17 +257,21 @@ class LlamaDecoder:
         self.dtype, self.device = dtype, device
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
-        self.embed = body.embed_tokens.weight  # (V, C), shared with transformers' model
-        self.final_norm = body.norm.weight
+        self.final_norm = _own(body.norm.weight)
         self.lm_head = projection([model.lm_head], kernel)
+        # NOTE: with tied weights and the head in servelab's blocked layout, a token's embedding is read from
+        # that layout (a strided gather of one row per token): the table is then held once, not twice
+        tied = model.lm_head.weight is body.embed_tokens.weight
+        self.embed_from_head = _blocked_layout(self.lm_head) if tied else None
+        self.embed = None if self.embed_from_head else _own(body.embed_tokens.weight)  # (V, C)
         self.layers = [
             _Layer(
-                attn_norm=layer.input_layernorm.weight,
-                qkv=projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel),
-                o=projection([layer.self_attn.o_proj], kernel),
-                mlp_norm=layer.post_attention_layernorm.weight,
-                gate_up=projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel),
-                down=projection([layer.mlp.down_proj], kernel),
+                attn_norm=_own(layer.input_layernorm.weight),
+                qkv=projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel, int4),
+                o=projection([layer.self_attn.o_proj], kernel, int4),
+                mlp_norm=_own(layer.post_attention_layernorm.weight),
+                gate_up=projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel, int4),
+                down=projection([layer.mlp.down_proj], kernel, int4),
             )
             for layer in body.layers
         ]
@@ -163,6 +288,19 @@ class LlamaDecoder:
         self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)
         self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the decoder holds: weights in their layouts, embeddings, norms, rotary tables."""
+        return [*([self.embed] if self.embed is not None else []), self.cos, self.sin, *self.step_tensors()]
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """The weights a decode step reads in full (the embedding and rotary tables only a row per token)."""
+        out = [self.final_norm, *projection_tensors(self.lm_head)]
+        for layer in self.layers:
+            out += [layer.attn_norm, layer.mlp_norm]
+            for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                out += projection_tensors(p)
+        return [t for t in out if t.layout == torch.strided]
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return StaticKVCache(num_layers=len(self.layers), batch_size=batch_size, num_kv_heads=self.num_kv_heads,
                              capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
@@ -172,10 +310,11 @@ class LlamaDecoder:
         return SlotKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            dtype=self.cache_dtype, device=self.device)
 
-    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
+    def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(input_ids, self.embed)  # (B, T, C)
+        h = (self.embed_from_head.rows(input_ids) if self.embed_from_head is not None
+             else F.embedding(input_ids, self.embed))  # (B, T, C)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)
         for i, layer in enumerate(self.layers):
@@ -187,7 +326,18 @@ class LlamaDecoder:
             gate, up = layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         cache.advance(T)
+        return h
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
+        h = self._hidden(input_ids, attention_mask, position_ids, cache)
         return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+               keep: int) -> torch.Tensor:
+        """A prefill's logits at its last `keep` positions (B, keep, V), through the kernels that serve."""
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        h = self._hidden(input_ids, attention_mask, position_ids, cache)[:, -keep:, :].contiguous()
+        return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
         B, H, T, D = q.shape

@@ -11,6 +11,7 @@ fails alone, its batch-mates carry on.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from transformers import PreTrainedModel
+
 from servelab.config import ServingConfig
 from servelab.engine import measure
-from servelab.engine.decoder import build_decoder
+from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
 from servelab.engine.detokenize import Detokenizer
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
@@ -69,30 +72,61 @@ class _Meter:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: ServingConfig, *, cache_dir: Path = Path(".cache")) -> None:
+    def __init__(self, loaded: LoadedModel, config: ServingConfig, *, cache_dir: Path = Path(".cache"),
+                 settings: Settings | None = None) -> None:
+        """With `settings`, a serving process keeps one copy of its weights: the linear layers servelab's decoder
+        lays out for its kernels are emptied in transformers' model, and `model` loads a fresh copy where
+        transformers' forward is needed (the quality lab, comparisons against `generate`)."""
+        if getattr(loaded.model, "servelab_released", False):
+            raise ValueError("this loaded model's weights were handed to another engine's decoder: load it again "
+                             "(an engine keeps one copy of its weights and empties transformers' copies)")
         self.loaded = loaded
         self.config = config
-        self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.eos_token_ids = _eos_token_ids(loaded)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.weight_bytes = measure.weight_bytes(self.model)
         self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
-        self.decoder = build_decoder(self.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
+        self.decoder = build_decoder(loaded.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
-                                     cache_dir=cache_dir)
+                                     cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto")
+        self._settings = settings
+        self._reference: PreTrainedModel | None = None
+        self.released_bytes = release_copied_weights(loaded.model, self.decoder) if settings is not None else 0
+        if self.released_bytes:
+            gc.collect()
+            measure.return_freed_memory()
+        # NOTE: what the process holds: the model's remaining tensors and the decoder's layouts, shared storage once
+        own = isinstance(self.decoder, LlamaDecoder)
+        held = [t for t in self.decoder.tensors() if t.layout == torch.strided] if own else []
+        self.weight_bytes = measure.tensor_storage_bytes([*loaded.model.parameters(), *loaded.model.buffers(), *held])
+        # what one decode step reads (the rooflines' bytes); transformers' forward: every weight but the embedding
+        self.step_weight_bytes = (measure.tensor_storage_bytes(self.decoder.step_tensors()) if own
+                                  else self.weight_bytes - measure.tensor_storage_bytes(
+                                      [loaded.model.get_input_embeddings().weight]) * (not _tied(loaded.model)))
         self._rows: list[_Row] = []  # the running batch, row i of the cache is rows[i]
         self._batch_cache: BatchKVCache | None = None
         self._meter: _Meter | None = None
 
     @property
+    def model(self) -> PreTrainedModel:
+        """transformers' model with all its weights: the loaded one, or (when this engine emptied the layers its
+        decoder copied) a fresh copy loaded on first use."""
+        if not self.released_bytes:
+            return self.loaded.model
+        if self._reference is None:
+            self._reference = load_model(self.config, self._settings).model
+        return self._reference
+
+    @property
     def kernel(self) -> str:
         """The decoder and the linear-layer kernel serving the weights, reported with every run."""
-        if self.config.weights == "awq-int4":
+        if self.config.weights == "awq-int4" and getattr(self.decoder, "int4", None) is not None:
+            linear = self.decoder.int4.label
+        elif self.config.weights == "awq-int4":
             from servelab.engine.awq import kernel_name
 
-            linear = kernel_name(self.model)
+            linear = kernel_name(self.loaded.model)
         else:
             kernel = self.decoder.kernel.label if self.decoder.name == "servelab" else LABELS["torch"]
             linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {kernel}"
@@ -102,7 +136,7 @@ class Engine:
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)
         check_configured_kernel(config, settings)
-        return cls(load_model(config, settings), config, cache_dir=settings.cache_dir)
+        return cls(load_model(config, settings), config, cache_dir=settings.cache_dir, settings=settings)
 
     # --- admission: text -> token ids, every limit checked per request ---
 
@@ -338,6 +372,12 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
     if loaded.tokenizer.eos_token_id is not None:
         ids.add(loaded.tokenizer.eos_token_id)
     return ids
+
+
+def _tied(model: PreTrainedModel) -> bool:
+    """Whether the output layer reads the embedding matrix (tied weights)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:

@@ -33,7 +33,7 @@ from servelab.engine.loader import ModelLoadError, file_lock
 LINEAR_KERNELS = ("auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch")
 MEASURED_ROWS = (1, 16, 64)  # 'auto' measures at these row counts ...
 ROW_LIMITS = (4, 32, None)  # ... and serves up to this many rows with each one's winner
-LABELS = {"onednn": "oneDNN pre-packed", "torch": "torch F.linear"}
+LABELS = {"onednn": "oneDNN pre-packed", "torch": "torch F.linear", "torch-on-blocked": "torch matmul on the blocked layout"}
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -118,20 +118,35 @@ class LinearKernel:
         return "auto, measured: " + ", ".join(parts)
 
     def _label(self, name: str) -> str:
-        return self.blocked.label if name == "servelab" and self.blocked else LABELS.get(name, name)
+        if name == "servelab" and self.blocked:
+            return self.blocked.label
+        return LABELS["torch-on-blocked" if name == "torch" and self._torch_on_blocked() else name]
+
+    def _torch_on_blocked(self, dtype: torch.dtype = torch.float32) -> bool:
+        """'auto' with servelab's build, fp32: torch's matmul reads servelab's blocked layout (N/16, K, 16) as
+        N/16 products of (M, K) x (K, 16), so both kernels serve from one copy of the weights. Measured on
+        an AVX2 EPYC (24 of the bundled model's matrices, one thread): 74 ms against F.linear's 130 at 64
+        rows, 446 against 442 at 256, so 'auto' measures this, not F.linear, as its torch candidate."""
+        return self.name == "auto" and self.blocked is not None and dtype == torch.float32
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         # NOTE: torch's kernel reads the weights where they are; the others lay out their own copy
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
         if not self.by_rows:
             return self._make_one(self.name, weight, bias)
-        linears = {kernel: self._make_one(kernel, weight, bias) for kernel in self.kernels}
+        if self._torch_on_blocked(weight.dtype) and set(self.kernels) == {"servelab", "torch"}:
+            blocked = BlockedLinear(self.blocked, weight, bias)  # one copy for both
+            linears = {"servelab": blocked, "torch": BlockedMatmulLinear(blocked)}
+        else:
+            linears = {kernel: self._make_one(kernel, weight, bias) for kernel in self.kernels}
         if len(linears) == 1:
             return next(iter(linears.values()))
         merged = _merged(self.by_rows)
         return RowDispatchLinear([rows for rows, _ in merged[:-1]], [linears[k] for _, k in merged])
 
     def _make_one(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if name == "torch" and self._torch_on_blocked(weight.dtype):
+            return BlockedMatmulLinear(BlockedLinear(self.blocked, weight, bias))
         if name == "servelab" and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0):
             return BlockedLinear(self.blocked, weight, bias)
         if name in ("servelab", "onednn") and onednn_reason(weight.device, weight.dtype) is None:
@@ -187,17 +202,29 @@ def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torc
     """The fastest candidate at each of MEASURED_ROWS, from the cache or measured now and cached."""
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": [list(s) for s in shapes], "candidates": candidates,
-            "isa": probe.blocked.isa.name if probe.blocked else None, "rows": list(MEASURED_ROWS)}
+            "isa": probe.blocked.isa.name if probe.blocked else None, "rows": list(MEASURED_ROWS),
+            "torch_on_blocked": probe._torch_on_blocked(dtype)}
+
+    def measure() -> dict:
+        timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes)
+        return {"winners": [min(candidates, key=lambda k: timings[k][i]) for i in range(len(MEASURED_ROWS))],
+                "seconds": timings}
+
+    return _cached_choice(cache_dir, "", what, measure)["winners"]
+
+
+def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[], dict]) -> dict:
+    """A measured choice, keyed by everything it depends on (`what`), from the cache or measured now (under a
+    file lock, so workers starting together measure once) and cached with what it was measured on."""
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / "kernels" / "choices" / f"{key}.json"
+    path = cache_dir / "kernels" / "choices" / f"{prefix}{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path.with_suffix(".lock")):
         if path.is_file():
-            return json.loads(path.read_text())["winners"]
-        timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes)
-        winners = [min(candidates, key=lambda k: timings[k][i]) for i in range(len(MEASURED_ROWS))]
-        path.write_text(json.dumps({"winners": winners, "seconds": timings, **what}, indent=1))
-    return winners
+            return json.loads(path.read_text())
+        record = {**measure(), **what}
+        path.write_text(json.dumps(record, indent=1))
+    return record
 
 
 @torch.inference_mode()
@@ -266,9 +293,142 @@ class BlockedLinear:
         self.weight = self.kernel.pack(weight.contiguous())
         self.bias = bias
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding lookup from the blocked layout): ids (...) -> (..., K)."""
+        flat = ids.reshape(-1)
+        block, lane = flat // BLOCK, flat % BLOCK
+        if self.weight.dim() == 3:  # fp32 (N/16, K, 16)
+            out = self.weight[block, :, lane]
+        else:  # bf16 (N/16, K/2, 16, 2)
+            out = self.weight[block, :, lane, :].reshape(flat.shape[0], -1)
+        return out.reshape(*ids.shape, -1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)  # (M, N padded)
         y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def int4_modules_reason(modules: list[torch.nn.Module]) -> str | None:
+    """Why servelab's int4 kernel cannot take these AWQ layers (as one joined matmul), or None when it can."""
+    first = modules[0]
+    for m in modules:
+        qweight = getattr(m, "qweight", None)
+        if not isinstance(qweight, torch.Tensor) or not hasattr(m, "qzeros") or not hasattr(m, "scales"):
+            return f"{type(m).__name__} is not an AWQ int4 layer"
+        if getattr(m, "bits", 4) != 4 or qweight.dtype != torch.int32 or qweight.shape[1] * 8 != m.out_features:
+            return f"{type(m).__name__} does not hold AWQ's 4-bit gemm layout (already transformed for another kernel?)"
+        if qweight.device.type != "cpu":
+            return f"servelab's int4 kernel is for CPUs (device {qweight.device})"
+        if m.in_features != first.in_features or m.scales.shape[0] != first.scales.shape[0]:
+            return "the joined layers differ in inputs or group size"
+    if first.in_features % 8 or first.in_features % first.scales.shape[0]:
+        return f"{first.in_features} inputs are not a multiple of 8 and of the group size"
+    return None
+
+
+class ServelabInt4Linear:
+    """AWQ int4 weights through servelab's own kernel (blocked.cpp, 'int4x16'), several projections of one
+    input as one matmul: their outputs side by side. The AWQ tensors are unpacked and laid out once; this
+    layout is then the only copy of these weights the decoder needs. Up to `int_rows` rows the kernel takes
+    integer dot products on activations quantised per group to int8; above, fp32 tiles dequantised per
+    block (int4_int_rows says which is faster where)."""
+
+    def __init__(self, blocked: BlockedKernel, modules: list[torch.nn.Module], int_rows: int) -> None:
+        from servelab.engine.awq.unpack import unpack_awq
+
+        self.kernel, self.int_rows = blocked.module, int_rows
+        parts = [unpack_awq(m.qweight, m.qzeros, m.scales) for m in modules]
+        self.group_size = parts[0][3]
+        q = torch.cat([p[0] for p in parts])  # (N, K)
+        zeros = torch.cat([p[1] for p in parts], dim=1)  # (K / group, N)
+        scales = torch.cat([p[2].float() for p in parts], dim=1)
+        self.out_features = q.shape[0]
+        padding = -self.out_features % BLOCK
+        if padding:  # NOTE: zero rows with a zero scale: the padded outputs are 0 and cut off
+            q = torch.cat([q, q.new_zeros(padding, q.shape[1])])
+            zeros = torch.cat([zeros, zeros.new_zeros(zeros.shape[0], padding)], dim=1)
+            scales = torch.cat([scales, scales.new_zeros(scales.shape[0], padding)], dim=1)
+        self.packed, self.scales, self.scaled_zeros = self.kernel.int4_pack(q, scales, zeros.float(), self.group_size)
+        biases = [getattr(m, "bias", None) for m in modules]
+        self.bias = (torch.cat([b.detach().float() if b is not None else torch.zeros(m.out_features)
+                                for b, m in zip(biases, modules)]) if any(b is not None for b in biases) else None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales, self.scaled_zeros, self.bias) if t is not None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.kernel.int4_linear(rows, self.packed, self.scales, self.scaled_zeros, self.group_size, self.int_rows)
+        y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+INT4_MEASURED_ROWS = (16, 64, 256)
+
+
+def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[int, int], ...],
+                  group: int) -> int:
+    """Up to how many rows servelab's int4 kernel takes integer dot products rather than fp32 tiles: measured
+    once per CPU, threads and shapes (the tiles' fp32 arithmetic can win at many rows where the CPU has no
+    fast int8 dot product), cached like the dense kernels' choice. One row and few rows always take the
+    integer path: it streams the weights once and does 4x the work per instruction."""
+    what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "isa": blocked.isa.name if blocked.isa else None, "shapes": [list(s) for s in shapes], "group": group,
+            "rows": list(INT4_MEASURED_ROWS), "kernel": "int4"}
+
+    def measure() -> dict:
+        timings = _measure_int4(blocked, shapes, group)
+        int_rows = 1 << 30
+        for rows, (dot, tile) in zip(INT4_MEASURED_ROWS, timings):
+            if tile < dot:
+                int_rows = max(4, rows // 2)
+                break
+        return {"int_rows": int_rows, "seconds": timings}
+
+    return _cached_choice(cache_dir, "int4-", what, measure)["int_rows"]
+
+
+@torch.inference_mode()
+def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], group: int,
+                  num_rounds: int = 3) -> list[tuple[float, float]]:
+    """(integer path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds."""
+    kernel = blocked.module
+    generator = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in shapes:
+        q = torch.randint(0, 16, (n + -n % BLOCK, k), dtype=torch.uint8, generator=generator)
+        scales = torch.rand(k // group, q.shape[0], generator=generator) * 0.02
+        zeros = torch.randint(0, 16, scales.shape, generator=generator).float()
+        weights.append(kernel.int4_pack(q, scales, zeros, group))
+    out = []
+    for rows in INT4_MEASURED_ROWS:
+        inputs = [torch.randn(rows, k, generator=generator) for _, k in shapes]
+        best = [float("inf"), float("inf")]
+        for round_idx in range(num_rounds + 1):  # the first round warms up
+            for path, int_rows in enumerate((1 << 30, 0)):
+                started = time.perf_counter()
+                for packed, x in zip(weights, inputs):
+                    kernel.int4_linear(x, *packed, group, int_rows)
+                if round_idx:
+                    best[path] = min(best[path], time.perf_counter() - started)
+        out.append((best[0], best[1]))
+    return out
+
+
+class BlockedMatmulLinear:
+    """torch's matmul over servelab's fp32 blocked layout: y = x (M, K) @ W (N/16, K, 16), blocks side by side."""
+
+    def __init__(self, blocked: BlockedLinear) -> None:
+        self.blocked = blocked
+        self.weight, self.bias = blocked.weight, blocked.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.matmul(rows, self.weight).transpose(0, 1).reshape(rows.shape[0], -1)  # (M, N padded)
+        y = y[:, : self.blocked.out_features].reshape(*x.shape[:-1], self.blocked.out_features)
         return y + self.bias if self.bias is not None else y
 
 

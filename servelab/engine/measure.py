@@ -20,6 +20,18 @@ def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def return_freed_memory() -> None:
+    """Hand memory freed inside the heap back to the OS (glibc's malloc_trim), so resident memory is what the
+    process still holds: after the decoder lays its weights out and transformers' copies are emptied, glibc
+    would otherwise keep the freed pages. A no-op where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return tensor_storage_bytes([*model.parameters(), *model.buffers()])
 

@@ -109,7 +109,7 @@ def bench_engines(
     medians = interleaved_medians(cells, measure, num_rounds=num_rounds, progress=progress,
                                   label=lambda cell: f"{engines[cell[0]].config.name} batch {cell[1]}")
     return [EngineBenchRow(engines[e].config.name, engines[e].config.weights, b, torch.get_num_threads(), ours, decode,
-                           hf, weights_roofline(engines[e].weight_bytes, bandwidth_gbs, b))
+                           hf, weights_roofline(engines[e].step_weight_bytes, bandwidth_gbs, b))
             for (e, b), (ours, decode, hf) in medians.items()]
 
 
@@ -163,7 +163,7 @@ def bench_steps(
         cells, lambda cell: time_engine(engines[cell[0]], bench_requests(engines[cell[0]], cell[1], num_prompt_tokens,
                                                                          num_new_tokens)),
         num_rounds=num_rounds, progress=progress, label=lambda cell: f"batch {cell[1]}: {cell[0]}")
-    return [StepRow(step, b, tokens, decode, weights_roofline(engines[step].weight_bytes, bandwidth_gbs, b))
+    return [StepRow(step, b, tokens, decode, weights_roofline(engines[step].step_weight_bytes, bandwidth_gbs, b))
             for (step, b), (tokens, decode) in medians.items()]
 
 

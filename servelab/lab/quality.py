@@ -170,7 +170,7 @@ def is_last_word_correct(generated: str, target: str, *, is_cut_off: bool = Fals
 
 def evaluate_lambada(engine: Engine, passages: list[LambadaPassage], *, batch_size: int = 16,
                      max_new_tokens: int = 8) -> QualityResult:
-    """Greedy last word through engine.generate, target-word NLL through a forward pass of engine.model.
+    """Greedy last word through engine.generate, target-word NLL through a prefill of the serving decoder.
 
     Correct when the first whitespace-delimited word of the greedy continuation equals the target, both
     lower-cased with punctuation stripped from their ends (is_last_word_correct). max_new_tokens 8 covers
@@ -218,9 +218,10 @@ def _target_nll(engine: Engine, batch: list[LambadaPassage]) -> list[tuple[float
         input_ids[row, width - len(ctx) - len(tgt):] = torch.tensor(ctx + tgt)
         attention_mask[row, width - len(ctx) - len(tgt):] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    out = engine.model(input_ids=input_ids.to(engine.device), attention_mask=attention_mask.to(engine.device),
-                       position_ids=position_ids.to(engine.device), use_cache=False, logits_to_keep=num_keep)
-    log_probs = torch.log_softmax(out.logits.float(), dim=-1)  # (B, num_keep, V)
+    # NOTE: through the serving decoder and its kernels (servelab's int4 kernel included), not transformers'
+    logits = engine.decoder.logits(input_ids.to(engine.device), attention_mask.to(engine.device),
+                                   position_ids.to(engine.device), num_keep)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, num_keep, V)
     results = []
     for row, (_, tgt) in enumerate(pairs):
         # logits at column j predict the token at column j + 1: the target's k tokens are predicted by

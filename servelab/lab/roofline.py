@@ -22,8 +22,8 @@ class DecodeCost:
     weights read 1/8 of the fp32 bytes but do the same multiply-adds, dequantised to the compute dtype.
     """
 
-    weight_bytes: int  # read once per decode step, whatever the batch (the embedding gather reads B rows
-    # of its table, but a tied lm_head reads all of it, so this is the usual approximation)
+    weight_bytes: int  # read once per decode step, whatever the batch: Engine.step_weight_bytes, the decoder's
+    # own layouts without the embedding table (its gather reads B rows; a head that reads it in place counts it)
     num_matmul_params: int  # in x out over every matmul the token passes through, the lm_head included
     num_layers: int
     attention_width: int  # query heads x head_dim: each attends over the whole context

@@ -59,16 +59,16 @@ def compute_dtype_name(engine: Engine) -> str:
 
 
 def decode_cost(engine: Engine) -> DecodeCost:
-    hf_config = engine.model.config
+    hf_config = engine.loaded.model.config
     shape = engine.loaded.shape
     # NOTE: every matmul layer (nn.Linear and the quantised linear kernels alike) names its logical
     # in_features / out_features; packed int4 storage would undercount parameters 8-fold
     num_matmul_params = sum(
-        m.in_features * m.out_features for m in engine.model.modules()
+        m.in_features * m.out_features for m in engine.loaded.model.modules()
         if not any(True for _ in m.children()) and hasattr(m, "in_features") and hasattr(m, "out_features")
     )
     return DecodeCost(
-        weight_bytes=engine.weight_bytes,
+        weight_bytes=engine.step_weight_bytes,
         num_matmul_params=num_matmul_params,
         num_layers=shape.num_layers,
         attention_width=hf_config.num_attention_heads * shape.head_dim,

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from servelab.config import ServingConfig
 from servelab.engine import awq
 from servelab.engine.engine import Engine
-from servelab.engine.linear import Int4Linear
+from servelab.engine.kernels import load_blocked_kernel
+from servelab.engine.linear import Int4Linear, ServelabInt4Linear
 from servelab.engine.measure import weight_bytes
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
@@ -224,18 +225,59 @@ def test_rtn_baseline_shares_the_layout_and_kernel_but_not_the_weights(
             assert (got - want).pow(2).mean() < 0.5 * want.pow(2).mean(), prompt  # garbage is ~1x or more
 
 
+class _OwnKernel(torch.nn.Module):
+    """One AWQ layer through servelab's int4 kernel, as a module transformers' forward can call."""
+
+    def __init__(self, linear: ServelabInt4Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
 def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: ServingConfig,
                                                         awq_settings: Settings) -> None:
+    """servelab's own int4 kernel where this CPU runs a build (else gptqmodel's ATen layers, joined): the engine
+    (batched, cached, q/k/v joined) against transformers' forward with the same kernel in each layer."""
     engine = Engine.from_config(tiny_config, awq_settings)
+    blocked = load_blocked_kernel(awq_settings.cache_dir)
+    # NOTE: the serving engine emptied the int4 layers it laid out for its own kernel (one copy of the
+    # weights); engine.model is a fresh load of gptqmodel's layers
+    assert (engine.released_bytes > 0) == (blocked.module is not None)
+    reference = engine.model
+    if blocked.module is not None:
+        for layer in engine.decoder.layers:  # the integer path at every row count, in both
+            for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                projection.int_rows = 1 << 30
+        for name, module in list(reference.named_modules()):
+            if hasattr(module, "qweight"):
+                parent, _, child = name.rpartition(".")
+                setattr(reference.get_submodule(parent), child,
+                        _OwnKernel(ServelabInt4Linear(blocked, [module], 1 << 30)))
     requests = [GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=8))
                 for i, p in enumerate(PROMPTS)]
     result = engine.generate(requests)
     for request, completion in zip(requests, result.completions):
-        expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
+        expected = naive_greedy(reference, engine.encode(request), 8, engine.eos_token_ids)
         assert list(completion.token_ids) == expected, request.prompt
-    assert engine.kernel == "servelab decoder, TorchAtenAwqLinear"  # reported with every run
+    fused = engine.decoder.layers[0].qkv  # q/k/v int4 weights joined: one int4 matmul
+    if blocked.module is not None:
+        assert isinstance(fused, ServelabInt4Linear)
+        assert engine.kernel.startswith("servelab decoder, int4 servelab")  # reported with every run
+        assert engine.loaded.model.model.layers[0].self_attn.q_proj.qweight.numel() == 0
+        own_layout = sum(t.untyped_storage().nbytes() for layer in engine.decoder.layers for t in layer.qkv.tensors())
+        assert engine.weight_bytes >= own_layout > 0  # the process's weights: the decoder's layouts
+    else:
+        assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
+
+
+def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:
+    engine = Engine.from_config(_awq_config(tiny_base, kernel="aten"), awq_settings)
+    assert engine.kernel == "servelab decoder, TorchAtenAwqLinear"
+    assert engine.released_bytes > 0  # Int4Linear joined (copied) the layers: their own tensors are emptied
     attention = engine.model.model.layers[0].self_attn
-    fused = engine.decoder.layers[0].qkv  # q/k/v int4 rows and scales joined: one int4 matmul
+    fused = engine.decoder.layers[0].qkv
     assert isinstance(fused, Int4Linear)
     x = torch.randn(3, attention.q_proj.in_features)
     with torch.inference_mode():

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from servelab.engine.engine import Engine
+from servelab.engine.measure import tensor_storage_bytes, weight_bytes
 from servelab.engine.outputs import FinishReason
 from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 from tests.engine.naive import naive_greedy
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _random_prompt(rng: random.Random, length: int) -> str:
@@ -88,11 +95,42 @@ def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine)
     assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
 
 
-def test_weight_bytes_count_tied_embeddings_once(tiny_engine: Engine) -> None:
-    model = tiny_engine.model
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    assert tiny_engine.weight_bytes == sum(unique.values()) + sum(b.numel() * b.element_size() for b in model.buffers())
+def test_weight_bytes_are_the_one_copy_the_process_holds(tiny_engine: Engine) -> None:
+    """A serving engine keeps one copy of its weights: the decoder's layouts. transformers' model keeps only
+    what the decoder reads in place, and weight_bytes counts each storage once."""
+    decoder = [t for t in tiny_engine.decoder.tensors() if t.layout == torch.strided]
+    held = {t.untyped_storage().data_ptr() for t in decoder}
+    remaining = [t for t in (*tiny_engine.loaded.model.parameters(), *tiny_engine.loaded.model.buffers()) if t.numel()]
+    assert tiny_engine.released_bytes > 0
+    assert all(t.untyped_storage().data_ptr() in held for t in remaining), "a second copy was kept"
+    assert tiny_engine.weight_bytes == tensor_storage_bytes(decoder + remaining)
+    reference = tiny_engine.model  # transformers' forward needs the weights: a fresh copy, loaded for it
+    assert reference is not tiny_engine.loaded.model
+    assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()  # tied
+    # the layouts pad to 16 outputs, and an untied layout of the head is one more table at most
+    assert 0.99 * weight_bytes(reference) <= tiny_engine.weight_bytes <= 2 * weight_bytes(reference)
+
+
+def test_weight_bytes_match_the_resident_memory_of_a_serving_process(tmp_path: Path) -> None:
+    """The lab's weight figure is what loading adds to the process's resident memory (the bundled model, fp32,
+    in a fresh process as a worker loads it): one copy, the checkpoint's file pages and freed copies returned."""
+    script = (
+        "import json, torch\n"
+        "from pathlib import Path\n"
+        "from servelab.cli.options import load_config\n"
+        "from servelab.engine.engine import Engine\n"
+        "from servelab.settings import Settings\n"
+        "def rss():\n"
+        "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
+        "torch.set_num_threads(1)\n"
+        "config, before = load_config(Path('configs/fp32.yaml')), rss()\n"
+        "engine = Engine.from_config(config, Settings())\n"
+        "print(json.dumps({'growth': rss() - before, 'weights': engine.weight_bytes}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0.9 * seen["weights"] <= seen["growth"] <= 1.15 * seen["weights"] + (32 << 20), seen
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_engine: Engine) -> None:

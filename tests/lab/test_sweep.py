@@ -18,9 +18,9 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def tiny_twin(tiny_engine: Engine) -> Engine:
-    """The same loaded tiny model under a second config name: a candidate to sweep against the baseline."""
-    return Engine(tiny_engine.loaded, make_config(str(tiny_engine.loaded.folder), name="twin"))
+def tiny_twin(tiny_engine: Engine, settings) -> Engine:
+    """The same tiny model under a second config name: a candidate to sweep against the baseline."""
+    return Engine.from_config(make_config(str(tiny_engine.loaded.folder), name="twin"), settings)
 
 
 def test_decode_cost_counts_every_matmul_weight_of_the_tiny_llama(tiny_engine: Engine) -> None:
@@ -30,7 +30,7 @@ def test_decode_cost_counts_every_matmul_weight_of_the_tiny_llama(tiny_engine: E
     assert cost.num_matmul_params == 2 * per_layer + hidden * vocab  # the tied lm_head is a matmul too
     assert cost.attention_width == 64 and cost.num_layers == 2
     assert cost.kv_bytes_per_token == 2 * 2 * kv_width * 4  # keys + values, 2 layers, fp32
-    assert cost.weight_bytes == tiny_engine.weight_bytes
+    assert cost.weight_bytes == tiny_engine.step_weight_bytes  # what a step reads: no embedding table
 
 
 def test_peak_flops_of_a_small_matmul_is_positive() -> None:

@@ -152,7 +152,7 @@ def test_lost_stream_entries_are_enqueued_again_and_served(make_served) -> None:
     assert all(r.status is RequestStatus.SUCCEEDED and r.num_attempts == 1 for r in rows.values())
 
 
-def test_a_workers_kv_budget_counts_the_models_shape_and_cache_dtype(tiny_engine) -> None:
+def test_a_workers_kv_budget_counts_the_models_shape_and_cache_dtype(tiny_engine, settings) -> None:
     from servelab.engine.engine import Engine
     from servelab.serving import batch_policy
 
@@ -160,7 +160,7 @@ def test_a_workers_kv_budget_counts_the_models_shape_and_cache_dtype(tiny_engine
     batching = tiny_engine.config.batching.model_copy(update={"max_kv_cache_mib": 1, "max_batch_tokens": 10**9})
     for cache_dtype, bytes_per_element in (("auto", 4), ("bf16", 2)):  # the tiny model computes in fp32
         config = tiny_engine.config.model_copy(update={"batching": batching, "kv_cache_dtype": cache_dtype})
-        policy = batch_policy(Engine(tiny_engine.loaded, config))
+        policy = batch_policy(Engine.from_config(config, settings))  # NOTE: an engine holds its own weights
         assert policy.max_batch_tokens == 2**20 // int(shape.kv_bytes_per_token(bytes_per_element))
 
 
