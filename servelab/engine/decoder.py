@@ -195,6 +195,17 @@ def projection_tensors(p) -> list[torch.Tensor]:
     return [t for t in (p.weight, p.bias) if t is not None]
 
 
+def _lossless_bf16_head(head: torch.nn.Linear, kernel: LinearKernel, dtype: torch.dtype) -> BlockedLinear | None:
+    """An fp32 output layer whose values all are bf16 values (a checkpoint stored in bf16 and loaded as fp32,
+    as AWQ checkpoints store it) is laid out in bf16 for servelab's kernel, fp32 activations and logits: the
+    same products and sums, half the bytes a step reads."""
+    weight = getattr(head, "weight", None)
+    if (kernel.blocked is None or dtype != torch.float32 or type(head) is not torch.nn.Linear or head.bias is not None
+            or weight.device.type != "cpu" or weight.shape[1] % 2 or not torch.equal(weight, weight.bfloat16().float())):
+        return None
+    return BlockedLinear(kernel.blocked, weight.detach().bfloat16(), None)
+
+
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A copy in the process's own memory: transformers' tensors may be views into the mapped checkpoint file,
     which stays mapped (and resident) while any one of them lives."""
@@ -258,7 +269,7 @@ class LlamaDecoder:
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
         self.final_norm = _own(body.norm.weight)
-        self.lm_head = projection([model.lm_head], kernel)
+        self.lm_head = _lossless_bf16_head(model.lm_head, kernel, dtype) or projection([model.lm_head], kernel)
         # NOTE: with tied weights and the head in servelab's blocked layout, a token's embedding is read from
         # that layout (a strided gather of one row per token): the table is then held once, not twice
         tied = model.lm_head.weight is body.embed_tokens.weight
@@ -313,7 +324,7 @@ class LlamaDecoder:
     def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = (self.embed_from_head.rows(input_ids) if self.embed_from_head is not None
+        h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(input_ids, self.embed))  # (B, T, C)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)

@@ -117,3 +117,22 @@ def test_layers_the_kernel_cannot_take_are_named() -> None:
     q = torch.zeros(16, 96, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="group size must divide K"):
         kernel.int4_pack(q, torch.ones(2, 16), torch.zeros(2, 16), 64)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_bf16_weights_with_fp32_activations_equal_the_fp32_product(build: str) -> None:
+    """An output layer stored in bf16 (as AWQ checkpoints store it) serves fp32 activations and logits: the same
+    products as fp32 weights holding those values, half the bytes."""
+    from servelab.engine.linear import BlockedLinear
+
+    blocked = load_blocked_kernel(CACHE, build)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(72, 64, generator=generator).bfloat16()
+    head = BlockedLinear(blocked, weight, None)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 64, generator=generator)
+        got = head(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 15, 16, 71])
+    assert torch.equal(head.rows(ids), weight[ids])  # the embedding read from the head's layout

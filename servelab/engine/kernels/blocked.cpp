@@ -126,9 +126,9 @@ void block_f32(const float* w, const float* x, int64_t K, float* y, int64_t ldy)
       for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
 }
 
-// bf16 weights converted to fp32 in registers, fp32 activations x, bf16 output y.
-template <int R, int C>
-void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, at::BFloat16* y, int64_t ldy) {
+// bf16 weights converted to fp32 in registers, fp32 activations x, bf16 or fp32 output y.
+template <int R, int C, typename TY>
+void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, int64_t ldy) {
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -233,10 +233,19 @@ torch::Tensor pack(const torch::Tensor& weight) {
 // x (M, K) contiguous, packed from pack() -> y (M, N) in x's dtype.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "linear: x must be a contiguous (M, K) tensor");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x and weight dtypes differ");
+  const bool mixed = x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(mixed || x.scalar_type() == packed.scalar_type(), "linear: x and weight dtypes differ");
   const int64_t M = x.size(0), K = x.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
   TORCH_CHECK(packed.numel() == N * K, "linear: x has K=", K, " but the weight does not");
   auto y = torch::empty({M, N}, x.options());
+  if (mixed) {  // bf16 weights, fp32 activations and output: fp32 arithmetic on half the weight bytes
+    run_blocks(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), x.data_ptr<float>(),
+               y.data_ptr<float>(), M, K, num_blocks,
+               [&](auto rows, auto cols, const uint16_t* w, const float* xr, float* yr) {
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+               });
+    return y;
+  }
   if (x.scalar_type() == torch::kFloat32) {
     run_blocks(packed.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), M, K, num_blocks,
                [&](auto rows, auto cols, const float* w, const float* xr, float* yr) {
