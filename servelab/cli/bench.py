@@ -37,12 +37,13 @@ def bench_engine(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """This engine vs transformers' generate, tokens/s and ratio per batch size, beside the roofline."""
+    serving = [load_config(path) for path in config_paths(configs)]
+
     import torch
 
     from servelab.lab.bench import bench_engines, format_engine_table
     from servelab.hardware import measure_bandwidth_gbs
 
-    serving = [load_config(path) for path in config_paths(configs)]
     sizes = parse_ints(batch_sizes, "--batch-sizes")
     engines = load_engines(serving, threads)
     bandwidth = measure_bandwidth_gbs(engines[0].device)
@@ -66,13 +67,14 @@ def bench_steps_command(
     threads: Annotated[int, typer.Option(min=1, max=256, help="torch threads for every step")] = 1,
 ) -> None:
     """Each step of the engine's speed work on one config, side by side: tokens/s, gain, roofline."""
+    serving = load_config(config)
+
     from servelab.engine.engine import Engine
     from servelab.engine.linear import LinearKernelError
     from servelab.engine.loader import ModelLoadError
     from servelab.lab.bench import STEPS, bench_steps, format_steps_table
     from servelab.hardware import measure_bandwidth_gbs
 
-    serving = load_config(config)
     sizes = parse_ints(batch_sizes, "--batch-sizes")
     with_threads = settings().model_copy(update={"num_threads": threads})
     engines, skipped = {}, []
@@ -106,10 +108,11 @@ def bench_queue(
     threads: Annotated[int | None, typer.Option(min=1, max=256, help="torch threads (default: the config's)")] = None,
 ) -> None:
     """The same burst served by the engine in-process and through the full queue path; the ratios."""
+    serving = [load_config(c) for c in configs]
+
     from servelab.engine.loader import ModelLoadError
     from servelab.lab.bench import format_queue_comparison, format_queue_table, start_bench_worker, time_queue_rounds
 
-    serving = [load_config(c) for c in configs]
     if threads:
         serving = [c.model_copy(update={"num_threads": threads}) for c in serving]
     with connected() as runtime, ExitStack() as started:
@@ -143,6 +146,8 @@ def bench_head_of_line(
 ) -> None:
     """Head of line: interactive end-to-end time alone and while a bulk job runs, per admission policy,
     through the real queue; one engine, only the policy differs."""
+    serving = load_config(config)
+
     from servelab.lab.hol import HolWorkload, format_head_of_line, run_head_of_line, time_join_cost
     from servelab.queue.batcher import BatchPolicy
 
@@ -150,7 +155,6 @@ def bench_head_of_line(
     unknown = [p for p in names if p not in ("window", "continuous")]
     if not names or unknown:
         fail(f"--policies: {', '.join(unknown) or 'none given'} is not a policy; use window and/or continuous")
-    serving = load_config(config)
     if bulk_tokens > serving.decoding.max_new_tokens or call_tokens > serving.decoding.max_new_tokens:
         fail(f"--bulk-tokens {bulk_tokens} / --call-tokens {call_tokens}: above the config's "
              f"decoding.max_new_tokens ({serving.decoding.max_new_tokens})")
@@ -186,9 +190,10 @@ def bench_stream(
 ) -> None:
     """What streaming costs: tokens/s of one batch through the queue with every row's text published per step
     and read by a relay per row, against the same batch with no row streamed."""
+    serving = load_config(config)
+
     from servelab.lab.hol import run_stream_overhead
 
-    serving = load_config(config)
     if new_tokens > serving.decoding.max_new_tokens:
         fail(f"--new-tokens {new_tokens}: above the config's decoding.max_new_tokens ({serving.decoding.max_new_tokens})")
     if rows > serving.batching.max_batch_size:

@@ -29,11 +29,12 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON record")] = False,
 ) -> None:
     """Run the engine in-process (no queue) and print each completion with its timings."""
+    serving = load_config(config)
+
     from servelab.engine.engine import Engine
     from servelab.engine.loader import ModelLoadError
     from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 
-    serving = load_config(config)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop or ()))
     requests = [
@@ -89,10 +90,11 @@ def _print_result(prompts: list[str], result) -> None:
 
 def quantize(config: ConfigOption) -> None:
     """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it."""
+    serving = load_config(config)
+
     from servelab.engine.awq import quantize as quantize_model
     from servelab.engine.loader import ModelLoadError
 
-    serving = load_config(config)
     if serving.weights != "awq-int4":
         fail(f"{config}: weights is {serving.weights!r}; quantize needs weights: awq-int4")
     try:

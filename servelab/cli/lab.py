@@ -41,9 +41,10 @@ def run(
 
 def _config_and_workload(config: Path, workload: Path):
     """The serving config and the workload, or one line naming what is wrong with either (exit 2)."""
+    serving = load_config(config)
+
     from servelab.lab.workload import WorkloadError, load_workload
 
-    serving = load_config(config)
     try:
         return serving, load_workload(workload)
     except WorkloadError as exc:
@@ -139,11 +140,12 @@ def quality(
     seed: int = 0,
 ) -> None:
     """LAMBADA last-word accuracy and perplexity of each config through the serving engine, paired."""
+    serving = [load_config(path) for path in config_paths(configs)]
+
     from servelab.engine.engine import Engine
     from servelab.engine.loader import ModelLoadError
     from servelab.lab.quality import accuracy_drop, evaluate_lambada, lambada_passages, perplexity_ratio
 
-    serving = [load_config(path) for path in config_paths(configs)]
     passages = lambada_passages(samples, seed=seed)
     results = []
     for config in serving:
@@ -178,9 +180,10 @@ def sweep(
     store: Annotated[bool, typer.Option(help="store the sweep in PostgreSQL for the dashboard")] = True,
 ) -> None:
     """Decode speed against batch size per config, beside the bandwidth and compute rooflines."""
+    serving = [load_config(path) for path in config_paths(configs)]
+
     from servelab.lab.sweep import format_sweep_table, sweep_report
 
-    serving = [load_config(path) for path in config_paths(configs)]
     sizes = parse_ints(batch_sizes, "--batch-sizes")
     if not serving:
         fail(f"--configs names no config file, got {configs!r}")

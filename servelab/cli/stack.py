@@ -19,10 +19,11 @@ def worker(
     name: Annotated[str | None, typer.Option(help="consumer name; reuse it after a crash to take back its entries")] = None,
 ) -> None:
     """Serve one config from its Redis streams until stopped (the gpu-worker service)."""
+    serving = load_config(config)
+
     from servelab.engine.loader import ModelLoadError
     from servelab.serving import run_worker
 
-    serving = load_config(config)
     named = settings().model_copy(update={"worker_name": name}) if name else settings()
     with connected(named) as runtime:
         try:

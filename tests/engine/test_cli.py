@@ -76,3 +76,19 @@ def test_bench_engine_rejects_bad_batch_sizes(tmp_path: Path, tiny_folder: Path)
                                  "--batch-sizes", "1,x"])
     assert result.exit_code == 2
     assert "--batch-sizes must be comma-separated whole numbers" in result.stderr
+
+
+def test_a_missing_config_is_named_before_the_engine_is_imported(tmp_path: Path) -> None:
+    """Each command that takes a config reads it before importing torch and the engine (seconds)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom servelab.cli import app\n"
+             "try:\n    app(sys.argv[1:])\nexcept SystemExit as exc:\n    code = exc.code\n"
+             "print('exit', code, 'torch' in sys.modules)\n")
+    for argv in (["generate", "--config", "nope.yaml", "hi"], ["quantize", "--config", "nope.yaml"],
+                 ["quality", "--configs", "nope.yaml"], ["bench", "engine", "--configs", "nope.yaml"]):
+        run = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+        assert "nope.yaml" in run.stderr and "no such config file" in run.stderr, (argv, run.stderr[-2000:])
+        assert run.stdout.split()[-3:] == ["exit", "2", "False"], (argv, run.stdout[-500:])
