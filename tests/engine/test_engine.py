@@ -127,8 +127,11 @@ def test_weight_bytes_match_the_resident_memory_of_a_serving_process(tmp_path: P
         "engine = Engine.from_config(config, Settings())\n"
         "print(json.dumps({'growth': rss() - before, 'weights': engine.weight_bytes}))\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # NOTE: twice: the first run fills the caches (the bundled model's conversion, the kernel build, 'auto''s
+    # measurement), whose transient memory a worker pays once per machine, not per load; the second measures
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert 0.9 * seen["weights"] <= seen["growth"] <= 1.15 * seen["weights"] + (32 << 20), seen
 
