@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, SlotKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
-from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, LinearKernel, LinearKernelError, RowDispatchLinear, ServelabInt4Linear,
-                                    choose_linear_kernel,
+from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, LinearKernel, LinearKernelError,
+                                    RowDispatchLinear, ServelabInt4Linear, add_projection, choose_linear_kernel,
                                     int4_int_rows, int4_modules_reason, measured_shapes)
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -269,10 +269,12 @@ class LlamaDecoder:
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
         self.final_norm = _own(body.norm.weight)
-        self.lm_head = _lossless_bf16_head(model.lm_head, kernel, dtype) or projection([model.lm_head], kernel)
+        tied = model.lm_head.weight is body.embed_tokens.weight
+        head_kernel = kernel.for_tied_head() if tied else kernel
+        self.lm_head = (_lossless_bf16_head(model.lm_head, head_kernel, dtype)
+                        or projection([model.lm_head], head_kernel))
         # NOTE: with tied weights and the head in servelab's blocked layout, a token's embedding is read from
         # that layout (a strided gather of one row per token): the table is then held once, not twice
-        tied = model.lm_head.weight is body.embed_tokens.weight
         self.embed_from_head = _blocked_layout(self.lm_head) if tied else None
         self.embed = None if self.embed_from_head else _own(body.embed_tokens.weight)  # (V, C)
         self.layers = [
@@ -290,8 +292,12 @@ class LlamaDecoder:
         fits = (self.head_dim % 16 == 0 and self.num_heads // self.num_kv_heads <= 16
                 and {self.dtype, self.cache_dtype} <= {torch.float32, torch.bfloat16})
         self.decode_attention = blocked.decode_attention if blocked is not None and fits else None
+        # NOTE: a decode step's rotary positions, cache write and attention as one kernel call per layer: at batch 1
+        # the dozen small operations it replaces cost as much as reading a layer's int4 weights
+        self.decode_step_attention = blocked.decode_step_attention if self.decode_attention is not None else None
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
+        self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
         rotary = body.rotary_emb
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
@@ -310,7 +316,7 @@ class LlamaDecoder:
             out += [layer.attn_norm, layer.mlp_norm]
             for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 out += projection_tensors(p)
-        return [t for t in out if t.layout == torch.strided]
+        return out
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return StaticKVCache(num_layers=len(self.layers), batch_size=batch_size, num_kv_heads=self.num_kv_heads,
@@ -326,6 +332,8 @@ class LlamaDecoder:
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(input_ids, self.embed))  # (B, T, C)
+        if T == 1 and self.decode_step_attention is not None and isinstance(cache, SlotKVCache):
+            return self._decode_hidden(h, position_ids.view(-1), cache)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)
         for i, layer in enumerate(self.layers):
@@ -333,10 +341,25 @@ class LlamaDecoder:
             qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
             keys, values = cache.append(i, k, qkv[:, :, H + H_kv:].transpose(1, 2))  # (B, H_kv, S, D)
-            h = h + layer.o(self._attend(q, keys, values, mask))  # attention out: (B, T, H x D)
-            gate, up = layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = add_projection(layer.o, self._attend(q, keys, values, mask), h)  # attention out: (B, T, H x D)
+            gate_up = layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))
+            h = add_projection(layer.down, self.silu_mul(gate_up), h)
         cache.advance(T)
+        return h
+
+    def _decode_hidden(self, h: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
+        """A running batch's decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into
+        two), the fused attention step and SwiGLU's activation: eight kernel calls."""
+        B, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        lengths = cache.lengths_tensor()  # (B,): where each row's new key and value go
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
+            keys, values = cache.layer(i)
+            attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, keys, values, lengths, H,
+                                                  D ** -0.5)  # (B, H x D)
+            h = add_projection(layer.o, attended.view(B, 1, H * D), h)
+            h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
+        cache.advance(1)
         return h
 
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
@@ -386,6 +409,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

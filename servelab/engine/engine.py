@@ -98,7 +98,7 @@ class Engine:
             measure.return_freed_memory()
         # NOTE: what the process holds: the model's remaining tensors and the decoder's layouts, shared storage once
         own = isinstance(self.decoder, LlamaDecoder)
-        held = [t for t in self.decoder.tensors() if t.layout == torch.strided] if own else []
+        held = self.decoder.tensors() if own else []
         self.weight_bytes = measure.tensor_storage_bytes([*loaded.model.parameters(), *loaded.model.buffers(), *held])
         # what one decode step reads (the rooflines' bytes); transformers' forward: every weight but the embedding
         self.step_weight_bytes = (measure.tensor_storage_bytes(self.decoder.step_tensors()) if own

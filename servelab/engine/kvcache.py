@@ -209,6 +209,15 @@ class SlotKVCache:
         width = max(self.lengths) + 1
         return self.keys[layer][:B, :, :width], self.values[layer][:B, :, :width]
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole slots (rows, H_kv, columns, D), for a kernel that writes each row's new token at its
+        length itself (decode_step_attention); advance() follows, as after append()."""
+        return self.keys[layer], self.values[layer]
+
+    def lengths_tensor(self) -> torch.Tensor:
+        """(B,) int64 on the device: each row's held tokens, i.e. the column its next token goes to."""
+        return self._lengths()
+
     def advance(self, num_columns: int) -> None:
         self.lengths = [n + num_columns for n in self.lengths]
         self._lengths_t = None

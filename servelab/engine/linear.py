@@ -9,14 +9,16 @@ loses to it by 2x on an AMD EPYC; AMX makes oneDNN's bf16 the fastest at 16+ row
 kernel this CPU can run at 1, 16 and 64 rows on the model's own matrix shapes, as many bytes of them as
 a decode step reads (a few seconds; see `measured_shapes`: a set that fits in the CPU's cache measures
 the cache, not the memory), keeps the result in the cache per CPU, threads, dtype and shapes, and serves
-each batch with the kernel that won at its size. A kernel named explicitly that cannot run here is refused with the reason, before any
-model is loaded (`linear_kernel_reason`). Does not know models.
+each batch with the kernel that won at its size among the kernels that share one layout of the weights
+(one copy per process: `one_layout_winners`). A kernel named explicitly that cannot run here is refused
+with the reason, before any model is loaded (`linear_kernel_reason`). Does not know models.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -99,6 +101,14 @@ class LinearKernel:
     name: str  # 'servelab' | 'onednn' | 'torch' | 'auto'
     blocked: BlockedKernel | None = None  # servelab's build, when one serves (its attention and norm too)
     by_rows: tuple[tuple[int | None, str], ...] = ()  # auto: (up to this many rows or None, kernel), ascending
+    blocked_by_rows: tuple[tuple[int | None, str], ...] = ()  # auto: the same within servelab's layout
+
+    def for_tied_head(self) -> LinearKernel:
+        """A head tied to the embedding stays in servelab's blocked layout, where the embedding is read from it
+        (one table, not two), whichever layout the other weights take."""
+        if self.name == "auto" and self.blocked_by_rows and self.by_rows != self.blocked_by_rows:
+            return LinearKernel("auto", self.blocked, self.blocked_by_rows, self.blocked_by_rows)
+        return self
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -193,24 +203,58 @@ def choose_linear_kernel(choice: str, *, device: torch.device, dtype: torch.dtyp
     if len(candidates) == 1:
         return LinearKernel(candidates[0], blocked)
     probe = LinearKernel("auto", blocked)
-    winners = _measured_winners(probe, candidates, dtype=dtype, shapes=shapes, cache_dir=cache_dir)
-    return LinearKernel("auto", blocked, tuple(zip(ROW_LIMITS, winners)))
+    record = _measured_winners(probe, candidates, dtype=dtype, shapes=shapes, cache_dir=cache_dir)
+    blocked_winners = record.get("blocked_winners") or []
+    return LinearKernel("auto", blocked, tuple(zip(ROW_LIMITS, record["winners"])),
+                        tuple(zip(ROW_LIMITS, blocked_winners)))
+
+
+def layout_families(candidates: list[str], *, torch_on_blocked: bool) -> dict[str, list[str]]:
+    """The candidates grouped by the layout of the weights they read: servelab's blocked layout (with torch's
+    matmul over it, fp32), oneDNN's own packed one, torch's F.linear on the checkpoint's tensor."""
+    families: dict[str, list[str]] = {}
+    for kernel in candidates:
+        layout = "servelab" if kernel == "servelab" or (kernel == "torch" and torch_on_blocked) else kernel
+        families.setdefault(layout, []).append(kernel)
+    return families
+
+
+def one_layout_winners(timings: dict[str, list[float]], families: dict[str, list[str]]) -> tuple[str, list[str]]:
+    """The layout to keep and its fastest kernel at each measured row count. NOTE: a worker keeps one copy of its
+    weights, so 'auto' never mixes two layouts: the layout kept is the one whose kernels lose least against the
+    fastest measured at each row count (geometric mean of the slowdowns over the row counts)."""
+    num_rows = len(next(iter(timings.values())))
+    best = [min(t[i] for t in timings.values()) for i in range(num_rows)]
+
+    def winners(layout: str) -> list[str]:
+        return [min(families[layout], key=lambda k: timings[k][i]) for i in range(num_rows)]
+
+    def slowdown(layout: str) -> float:
+        ratios = [timings[k][i] / best[i] for i, k in enumerate(winners(layout))]
+        return math.prod(ratios) ** (1 / len(ratios))
+
+    layout = min(families, key=slowdown)
+    return layout, winners(layout)
 
 
 def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torch.dtype,
-                      shapes: tuple[tuple[int, int], ...], cache_dir: Path) -> list[str]:
-    """The fastest candidate at each of MEASURED_ROWS, from the cache or measured now and cached."""
+                      shapes: tuple[tuple[int, int], ...], cache_dir: Path) -> dict:
+    """The measured choice: `winners` (the kept layout's fastest kernel at each of MEASURED_ROWS) and
+    `blocked_winners` (the same within servelab's layout, for a tied head), from the cache or measured now."""
+    torch_on_blocked = probe._torch_on_blocked(dtype)
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": [list(s) for s in shapes], "candidates": candidates,
             "isa": probe.blocked.isa.name if probe.blocked else None, "rows": list(MEASURED_ROWS),
-            "torch_on_blocked": probe._torch_on_blocked(dtype)}
+            "torch_on_blocked": torch_on_blocked, "rule": "one layout"}
 
     def measure() -> dict:
         timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes)
-        return {"winners": [min(candidates, key=lambda k: timings[k][i]) for i in range(len(MEASURED_ROWS))],
-                "seconds": timings}
+        families = layout_families(candidates, torch_on_blocked=torch_on_blocked)
+        layout, winners = one_layout_winners(timings, families)
+        blocked = one_layout_winners(timings, {"servelab": families["servelab"]})[1] if "servelab" in families else None
+        return {"layout": layout, "winners": winners, "blocked_winners": blocked, "seconds": timings}
 
-    return _cached_choice(cache_dir, "", what, measure)["winners"]
+    return _cached_choice(cache_dir, "", what, measure)
 
 
 def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[], dict]) -> dict:
@@ -256,8 +300,19 @@ class RowDispatchLinear:
         assert len(linears) == len(max_rows) + 1, "one kernel per row range; the last has no upper limit"
         self.max_rows, self.linears = max_rows, linears
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linears[bisect_left(self.max_rows, x.numel() // x.shape[-1])](x)
+    takes_residual = True
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        linear = self.linears[bisect_left(self.max_rows, x.numel() // x.shape[-1])]
+        return add_projection(linear, x, residual) if residual is not None else linear(x)
+
+
+def add_projection(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x), the add fused into the matmul's output where the kernel takes it (servelab's
+    kernels: one operation fewer per projection, the same values; see store_out in blocked.cpp)."""
+    if getattr(linear, "takes_residual", False):
+        return linear(x, residual=residual)
+    return residual + linear(x)
 
 
 class TorchLinear:
@@ -303,8 +358,16 @@ class BlockedLinear:
             out = self.weight[block, :, lane, :].reshape(flat.shape[0], -1)
         return out.reshape(*ids.shape, -1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)  # (M, N padded)
+    @property
+    def takes_residual(self) -> bool:
+        return self.bias is None and self.out_features % BLOCK == 0
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if residual is not None:
+            assert self.takes_residual, "a residual needs unpadded outputs and no bias"
+            return self.kernel.linear(rows, self.weight, residual.reshape(rows.shape[0], -1)).view_as(residual)
+        y = self.kernel.linear(rows, self.weight)  # (M, N padded)
         y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
@@ -342,24 +405,36 @@ class ServelabInt4Linear:
         self.group_size = parts[0][3]
         q = torch.cat([p[0] for p in parts])  # (N, K)
         zeros = torch.cat([p[1] for p in parts], dim=1)  # (K / group, N)
-        scales = torch.cat([p[2].float() for p in parts], dim=1)
+        scales = torch.cat([p[2] for p in parts], dim=1)
+        if scales.dtype != torch.float16 and not torch.equal(scales.half().to(scales.dtype), scales):
+            raise ValueError(f"AWQ scales in {scales.dtype} that fp16 does not hold exactly: servelab's int4 kernel "
+                             "keeps them in fp16, as AWQ's gemm format stores them")
         self.out_features = q.shape[0]
         padding = -self.out_features % BLOCK
         if padding:  # NOTE: zero rows with a zero scale: the padded outputs are 0 and cut off
             q = torch.cat([q, q.new_zeros(padding, q.shape[1])])
             zeros = torch.cat([zeros, zeros.new_zeros(zeros.shape[0], padding)], dim=1)
             scales = torch.cat([scales, scales.new_zeros(scales.shape[0], padding)], dim=1)
-        self.packed, self.scales, self.scaled_zeros = self.kernel.int4_pack(q, scales, zeros.float(), self.group_size)
+        # (N/16, K/8, 64) uint8; fp16 scales and uint8 zero points, (N/16, K/group, 16) each
+        self.packed, self.scales, self.zeros = self.kernel.int4_pack(q, scales.float(), zeros.float(), self.group_size)
         biases = [getattr(m, "bias", None) for m in modules]
         self.bias = (torch.cat([b.detach().float() if b is not None else torch.zeros(m.out_features)
                                 for b, m in zip(biases, modules)]) if any(b is not None for b in biases) else None)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.scales, self.scaled_zeros, self.bias) if t is not None]
+    @property
+    def takes_residual(self) -> bool:
+        return self.bias is None and self.out_features % BLOCK == 0
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = self.kernel.int4_linear(rows, self.packed, self.scales, self.scaled_zeros, self.group_size, self.int_rows)
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scales, self.zeros, self.bias) if t is not None]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if residual is not None:
+            assert self.takes_residual, "a residual needs unpadded outputs and no bias"
+            return self.kernel.int4_linear(rows, self.packed, self.scales, self.zeros, self.group_size, self.int_rows,
+                                           residual.reshape(rows.shape[0], -1)).view_as(residual)
+        y = self.kernel.int4_linear(rows, self.packed, self.scales, self.zeros, self.group_size, self.int_rows)
         y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -400,7 +475,7 @@ def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], g
     weights = []
     for n, k in shapes:
         q = torch.randint(0, 16, (n + -n % BLOCK, k), dtype=torch.uint8, generator=generator)
-        scales = torch.rand(k // group, q.shape[0], generator=generator) * 0.02
+        scales = (torch.rand(k // group, q.shape[0], generator=generator) * 0.02).half().float()
         zeros = torch.randint(0, 16, scales.shape, generator=generator).float()
         weights.append(kernel.int4_pack(q, scales, zeros, group))
     out = []

@@ -13,11 +13,16 @@ import torch
 
 
 def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes held, each storage once; an opaque tensor (oneDNN's packed weights) by its elements."""
     seen: dict[int, int] = {}
+    opaque = 0
     for t in tensors:
+        if t.layout != torch.strided:
+            opaque += t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + opaque
 
 
 def return_freed_memory() -> None:

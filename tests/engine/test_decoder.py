@@ -14,7 +14,8 @@ from servelab.engine.decoder import LlamaDecoder, build_decoder, unsupported_rea
 from servelab.engine.kernels import ISAS, best_isa, isa_reason, load_blocked_kernel
 from servelab.engine.kvcache import SlotKVCache, StaticKVCache
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
-                                    TorchLinear, choose_linear_kernel, linear_kernel_reason)
+                                    TorchLinear, choose_linear_kernel, layout_families, linear_kernel_reason,
+                                    one_layout_winners)
 
 CPU = torch.device("cpu")
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
@@ -197,14 +198,34 @@ def test_auto_serves_each_batch_size_with_the_kernel_measured_fastest_there(tmp_
     [cached] = list((tmp_path / "kernels" / "choices").glob("*.json"))
     record = json.loads(cached.read_text())
     assert kernel.name == "auto" and [k for _, k in kernel.by_rows] == record["winners"]
-    for i, winner in enumerate(record["winners"]):  # the winner is the fastest measured at that row count
-        assert record["seconds"][winner][i] == min(times[i] for times in record["seconds"].values())
+    families = layout_families(record["candidates"], torch_on_blocked=record["torch_on_blocked"])
+    kept = families[record["layout"]]
+    for i, winner in enumerate(record["winners"]):  # the kept layout's fastest kernel at that row count
+        assert winner in kept and record["seconds"][winner][i] == min(record["seconds"][k][i] for k in kept)
+    assert (record["layout"], record["winners"]) == one_layout_winners(record["seconds"], families)
     assert set(record["candidates"]) >= {"torch"} and kernel.label.endswith(("(auto, measured)", "rows torch F.linear", "rows torch matmul on the blocked layout",
                                                                            "rows oneDNN pre-packed", "kernel"))
     # the second choice reads the cache: a doctored record is what it serves
     cached.write_text(json.dumps({**record, "winners": ["torch", "torch", record["candidates"][0]]}))
     again = choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
     assert [k for _, k in again.by_rows] == ["torch", "torch", record["candidates"][0]]
+
+
+def test_auto_keeps_one_layout_of_the_weights() -> None:
+    """oneDNN fastest at 16 and 64 rows, servelab's kernel at one: two layouts would be two copies of the weights,
+    so the layout kept is the one that loses least over the row counts, and only its kernels serve."""
+    timings = {"servelab": [1.0, 3.0, 9.0], "torch": [4.0, 2.5, 7.0], "onednn": [1.8, 1.0, 3.0]}
+    families = layout_families(list(timings), torch_on_blocked=True)
+    assert families == {"servelab": ["servelab", "torch"], "onednn": ["onednn"]}
+    # servelab's layout: slowdowns 1.0, 2.5, 2.33 (geometric mean 1.80); oneDNN's: 1.8, 1.0, 1.0 (1.22)
+    assert one_layout_winners(timings, families) == ("onednn", ["onednn", "onednn", "onednn"])
+    timings["onednn"] = [4.0, 1.0, 3.0]  # 4x slower at one row, and still the lesser loss: 4 ** (1 / 3) = 1.59 < 1.80
+    assert one_layout_winners(timings, families) == ("onednn", ["onednn", "onednn", "onednn"])
+    timings["onednn"] = [8.0, 1.0, 3.0]  # 2.0 against 1.80
+    assert one_layout_winners(timings, families) == ("servelab", ["servelab", "torch", "torch"])
+    # without torch's matmul over the blocked layout, F.linear reads the checkpoint's tensor: a layout of its own
+    assert layout_families(["servelab", "onednn", "torch"], torch_on_blocked=False) == {
+        "servelab": ["servelab"], "onednn": ["onednn"], "torch": ["torch"]}
 
 
 def test_row_dispatch_sends_each_batch_to_its_kernel() -> None:

@@ -93,8 +93,8 @@ def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine)
 def test_weight_bytes_are_the_one_copy_the_process_holds(tiny_engine: Engine) -> None:
     """A serving engine keeps one copy of its weights: the decoder's layouts. transformers' model keeps only
     what the decoder reads in place, and weight_bytes counts each storage once."""
-    decoder = [t for t in tiny_engine.decoder.tensors() if t.layout == torch.strided]
-    held = {t.untyped_storage().data_ptr() for t in decoder}
+    decoder = tiny_engine.decoder.tensors()
+    held = {t.untyped_storage().data_ptr() for t in decoder if t.layout == torch.strided}
     remaining = [t for t in (*tiny_engine.loaded.model.parameters(), *tiny_engine.loaded.model.buffers()) if t.numel()]
     assert tiny_engine.released_bytes > 0
     assert all(t.untyped_storage().data_ptr() in held for t in remaining), "a second copy was kept"
@@ -102,8 +102,8 @@ def test_weight_bytes_are_the_one_copy_the_process_holds(tiny_engine: Engine) ->
     reference = tiny_engine.model  # transformers' forward needs the weights: a fresh copy, loaded for it
     assert reference is not tiny_engine.loaded.model
     assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()  # tied
-    # the layouts pad to 16 outputs, and an untied layout of the head is one more table at most
-    assert 0.99 * weight_bytes(reference) <= tiny_engine.weight_bytes <= 2 * weight_bytes(reference)
+    # one layout per weight, whichever kernels 'auto' measured fastest here; the tied table once
+    assert 0.99 * weight_bytes(reference) <= tiny_engine.weight_bytes <= 1.05 * weight_bytes(reference)
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_engine: Engine) -> None:

@@ -40,10 +40,21 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vround(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2(Vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec vload(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+inline Vec vload(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline Vec vload_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 // A line of bf16 pairs (lane j: k in the low half, k + 1 in the high half) -> the k and k + 1 fp32 vectors.
 inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
@@ -73,6 +84,15 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vround(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2(Vec n) {  // 2^n for integral n in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 inline float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -81,6 +101,8 @@ inline float vsum(Vec v) {
 inline Vec vload(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline Vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline Vec vload_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -99,13 +121,48 @@ inline void vstore(at::BFloat16* p, Vec v) {  // round to nearest even; NaN stay
 #endif
 
 constexpr int kVecs = kBlock / kLanes;  // vectors per 16-output block line
+
+inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
+  alignas(64) at::BFloat16 tmp[kLanes];
+  vstore(tmp, v);
+  return vload(tmp);
+}
+
+// e^x to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), x clamped to
+// [-87, 88], where e^x and 2^n are normal floats (what lies beyond only feeds silu, where it rounds away).
+inline Vec vexp(Vec x) {
+  x = vmin(vmax(x, vset1(-87.f)), vset1(88.f));
+  const Vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  Vec r = vfnma(n, vset1(0.693359375f), x);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.f)));
+  return vmul(p, vpow2(n));
+}
+
+// The output of a matmul, optionally with a residual r added: r + y as `r + x @ W^T` computes it unfused, y
+// rounded to the output dtype first, so fusing the add changes no result.
+template <typename TY>
+inline void store_out(TY* y, Vec acc, const TY* r) {
+  if (r != nullptr) {
+    if constexpr (std::is_same_v<TY, at::BFloat16>) acc = round_to_bf16(acc);
+    acc = vadd(acc, vload(r));
+  }
+  vstore(y, acc);
+}
 // Each block's stream is prefetched 2 KB ahead (32 lines): measured +10-30 % at 4 rows and in bf16 on an
 // Intel Xeon (both builds), unchanged at 1 fp32 row. A prefetch past the end of the weights is harmless.
 constexpr int64_t kPrefetch = 32;
 
 // R rows of x times C adjacent blocks (16 C outputs): R x C x kVecs accumulators, each weight line used R times.
-template <int R, int C>
-void block_f32(const float* w, const float* x, int64_t K, float* y, int64_t ldy) {
+// y (and the residual r added to it, when given) has row stride ldy.
+template <int R, int C, typename TY>
+void block_f32(const float* w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -123,12 +180,15 @@ void block_f32(const float* w, const float* x, int64_t K, float* y, int64_t ldy)
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = r * ldy + c * kBlock + v * kLanes;
+        store_out(y + at, acc[r][c][v], res ? res + at : nullptr);
+      }
 }
 
 // bf16 weights converted to fp32 in registers, fp32 activations x, bf16 or fp32 output y.
 template <int R, int C, typename TY>
-void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, int64_t ldy) {
+void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -146,12 +206,15 @@ void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, i
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = r * ldy + c * kBlock + v * kLanes;
+        store_out(y + at, acc[r][c][v], res ? res + at : nullptr);
+      }
 }
 
 #ifdef __AVX512BF16__
 template <int R, int C>
-void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, uint16_t* y, int64_t ldy) {
+void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -167,8 +230,10 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, uint16_t* y, in
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + c * kBlock), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = r * ldy + c * kBlock;
+      store_out(y + at, acc[r][c], res ? res + at : nullptr);
+    }
 }
 #endif
 
@@ -201,7 +266,8 @@ void dispatch(int rows, int blocks, Fn&& fn) {
 
 // Every span of blocks once from memory; all rows of x against it while it is in cache.
 template <typename TW, typename TX, typename TY, typename Kernel>
-void run_blocks(const TW* W, const TX* X, TY* Y, int64_t M, int64_t K, int64_t num_blocks, Kernel&& kernel) {
+void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64_t K, int64_t num_blocks,
+                Kernel&& kernel) {
   const int64_t span = span_for(M);
   const int64_t num_spans = (num_blocks + span - 1) / span;
   at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
@@ -210,7 +276,8 @@ void run_blocks(const TW* W, const TX* X, TY* Y, int64_t M, int64_t K, int64_t n
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
       for (int64_t m = 0; m < M; m += kMaxRows) {
         dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto rows, auto cols) {
-          kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + m * (num_blocks * kBlock) + b * kBlock);
+          const int64_t at = m * (num_blocks * kBlock) + b * kBlock;
+          kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + at, res ? res + at : nullptr);
         });
       }
     }
@@ -230,42 +297,52 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return weight.view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // (N/16, K/2, 16, 2)
 }
 
-// x (M, K) contiguous, packed from pack() -> y (M, N) in x's dtype.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed) {
+// A residual to add to a matmul's output: (M, N) contiguous, in the output's dtype, or none.
+static const void* residual_of(const c10::optional<torch::Tensor>& residual, const torch::Tensor& y, const char* what) {
+  if (!residual) return nullptr;
+  TORCH_CHECK(residual->sizes() == y.sizes() && residual->scalar_type() == y.scalar_type() && residual->is_contiguous(),
+              what, ": the residual must be a contiguous (M, N) tensor in the output's dtype");
+  return residual->data_ptr();
+}
+
+// x (M, K) contiguous, packed from pack() -> y (M, N) in x's dtype, plus the residual (M, N) when given.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "linear: x must be a contiguous (M, K) tensor");
   const bool mixed = x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(mixed || x.scalar_type() == packed.scalar_type(), "linear: x and weight dtypes differ");
   const int64_t M = x.size(0), K = x.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
   TORCH_CHECK(packed.numel() == N * K, "linear: x has K=", K, " but the weight does not");
   auto y = torch::empty({M, N}, x.options());
+  const void* res = residual_of(residual, y, "linear");
   if (mixed) {  // bf16 weights, fp32 activations and output: fp32 arithmetic on half the weight bytes
     run_blocks(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), x.data_ptr<float>(),
-               y.data_ptr<float>(), M, K, num_blocks,
-               [&](auto rows, auto cols, const uint16_t* w, const float* xr, float* yr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+               y.data_ptr<float>(), static_cast<const float*>(res), M, K, num_blocks,
+               [&](auto rows, auto cols, const uint16_t* w, const float* xr, float* yr, const float* rr) {
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
                });
     return y;
   }
   if (x.scalar_type() == torch::kFloat32) {
-    run_blocks(packed.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), M, K, num_blocks,
-               [&](auto rows, auto cols, const float* w, const float* xr, float* yr) {
-                 block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+    run_blocks(packed.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const float*>(res),
+               M, K, num_blocks, [&](auto rows, auto cols, const float* w, const float* xr, float* yr, const float* rr) {
+                 block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
                });
     return y;
   }
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: fp32 or bf16 only");
   const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* R = static_cast<const at::BFloat16*>(res);
 #ifdef __AVX512BF16__
-  run_blocks(W, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, num_blocks,
-             [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, uint16_t* yr) {
-               block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+  run_blocks(W, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), y.data_ptr<at::BFloat16>(), R, M, K,
+             num_blocks, [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, at::BFloat16* yr,
+                             const at::BFloat16* rr) {
+               block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
              });
 #else
   const auto xf = x.to(torch::kFloat32);  // (M, K): a few KB, converted once for every block
-  run_blocks(W, xf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), M, K, num_blocks,
-             [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr) {
-               block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N);
+  run_blocks(W, xf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), R, M, K, num_blocks,
+             [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+               block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
              });
 #endif
   return y;
@@ -279,12 +356,13 @@ namespace {
 // high one (j < 16, t < 4). So one 32-bit lane holds 4 consecutive k of one output: the low nibbles of a
 // 64-byte line are 16 lanes x k0..k0+3 and the high nibbles k0+4..k0+7, which is what an integer dot product
 // of 4 unsigned bytes against 4 signed ones per lane takes (AVX-512 VNNI vpdpbusd, or vpmaddubsw + vpmaddwd),
-// and an AVX2 build reads the same line as two 32-byte halves (outputs 0-7, 8-15). Per block and group:
-// scale s and s * zero, fp32, so that w = s * q - s * zero.
+// and an AVX2 build reads the same line as two 32-byte halves (outputs 0-7, 8-15). Per block and group: the
+// 16 outputs' scales s in fp16 (as AWQ stores them) and zero points z as bytes, so that w = s (q - z): 3 bytes
+// per output and group (fp32 s and s z took 8, a fifth of what a step read at group 64).
 //
 // Few rows (decode): each row's activations are quantised per group to int8 (symmetric, d = max|x| / 127),
-// and y = sum over groups of s * d * (sum_k xi q) - (s * zero) * (d * sum_k xi): the integer sums run over
-// the group, the weights are read once as a stream. Many rows (prefill): each span of blocks is dequantised
+// and y = sum over groups of s (d sum_k xi q - z d sum_k xi): the integer sums run over the group, the
+// weights are read once as a stream. Many rows (prefill): each span of blocks is dequantised
 // to fp32 into a thread-local tile in the blocked16 layout, and block_f32 runs every row against it, so the
 // dequantisation costs once per span, not per row, and the arithmetic is the fp32 matmul's.
 
@@ -340,10 +418,11 @@ struct Int4Rows {  // the rows of x, quantised per group: xi (M, K) int8, d (M, 
   int64_t K, groups;
 };
 
-// R rows x C adjacent blocks, integer dot products per group. w: the first block's bytes; s, sz: its (groups, 16).
-template <int R, int C>
-void block_int4(const uint8_t* w, const float* s, const float* sz, const Int4Rows& x, int64_t group, int64_t row0,
-                float* y, int64_t ldy) {
+// R rows x C adjacent blocks, integer dot products per group. w: the first block's bytes; s, z: its (groups, 16)
+// scales and zero points; y and the residual (when given) have row stride ldy.
+template <int R, int C, typename TY>
+void block_int4(const uint8_t* w, const at::Half* s, const uint8_t* z, const Int4Rows& x, int64_t group, int64_t row0,
+                TY* y, int64_t ldy, const TY* res) {
   const int64_t K = x.K, units_per_group = group / 8, block_bytes = K / 8 * kUnit, block_groups = x.groups * kBlock;
   const IVec low = iset1(0x0F0F0F0F);
   Vec acc[R][C][kVecs];
@@ -373,53 +452,65 @@ void block_int4(const uint8_t* w, const float* s, const float* sz, const Int4Row
           for (int v = 0; v < kVecs; ++v) dots[r][c][v] = idot(idot(dots[r][c][v], lo[c][v], xa), hi[c][v], xb);
       }
     }
+    Vec scale[C][kVecs], zero[C][kVecs];
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = c * block_groups + g * kBlock + v * kLanes;
+        scale[c][v] = vload(s + at);
+        zero[c][v] = vload_u8(z + at);
+      }
     for (int r = 0; r < R; ++r) {
       const Vec d = vset1(x.d[(row0 + r) * x.groups + g]), dsum = vset1(x.dsum[(row0 + r) * x.groups + g]);
       for (int c = 0; c < C; ++c)
-        for (int v = 0; v < kVecs; ++v) {
-          const int64_t at = c * block_groups + g * kBlock + v * kLanes;
-          acc[r][c][v] = vfma(itof(dots[r][c][v]), vmul(vload(s + at), d), acc[r][c][v]);
-          acc[r][c][v] = vfma(vload(sz + at), vmul(dsum, vset1(-1.f)), acc[r][c][v]);
-        }
+        for (int v = 0; v < kVecs; ++v)  // s (d dot - z d sum)
+          acc[r][c][v] = vfma(scale[c][v], vfnma(zero[c][v], dsum, vmul(itof(dots[r][c][v]), d)), acc[r][c][v]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) vstore(y + r * ldy + c * kBlock + v * kLanes, acc[r][c][v]);
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = r * ldy + c * kBlock + v * kLanes;
+        store_out(y + at, acc[r][c][v], res ? res + at : nullptr);
+      }
 }
 
-// One block of int4 weights -> (K, 16) fp32 in the blocked16 layout.
-void dequantize_block(const uint8_t* w, const float* s, const float* sz, int64_t K, int64_t group, float* out) {
+// One block of int4 weights -> (K, 16) fp32 in the blocked16 layout: w = s (q - z).
+void dequantize_block(const uint8_t* w, const at::Half* s, const uint8_t* z, int64_t K, int64_t group, float* out) {
   const IVec low = iset1(0x0F);
   for (int64_t u = 0; u < K / 8; ++u) {
     const int64_t g = u * 8 / group;
     for (int v = 0; v < kVecs; ++v) {
       const IVec raw = iload(w + u * kUnit + v * (kUnit / kVecs));
-      const Vec scale = vload(s + g * kBlock + v * kLanes), shift = vload(sz + g * kBlock + v * kLanes);
+      const Vec scale = vload(s + g * kBlock + v * kLanes), zero = vload_u8(z + g * kBlock + v * kLanes);
       for (int t = 0; t < 4; ++t) {
         const Vec q_lo = itof(iand(isrl(raw, 8 * t), low)), q_hi = itof(iand(isrl(raw, 8 * t + 4), low));
-        vstore(out + (u * 8 + t) * kBlock + v * kLanes, vfma(q_lo, scale, vmul(shift, vset1(-1.f))));
-        vstore(out + (u * 8 + 4 + t) * kBlock + v * kLanes, vfma(q_hi, scale, vmul(shift, vset1(-1.f))));
+        vstore(out + (u * 8 + t) * kBlock + v * kLanes, vmul(scale, vfnma(zero, vset1(1.f), q_lo)));
+        vstore(out + (u * 8 + 4 + t) * kBlock + v * kLanes, vmul(scale, vfnma(zero, vset1(1.f), q_hi)));
       }
     }
   }
 }
 
-Int4Rows quantize_rows(const float* X, int64_t M, int64_t K, int64_t group, std::vector<int8_t>& xi,
+template <typename T>
+Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vector<int8_t>& xi,
                        std::vector<float>& d, std::vector<float>& dsum) {
   const int64_t groups = K / group;
   xi.resize(M * K);
   d.resize(M * groups);
   dsum.resize(M * groups);
+  std::vector<float> xf(group);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = X + m * K + g * group;
+      const T* xg = X + m * K + g * group;
       float amax = 0.f;
-      for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      for (int64_t k = 0; k < group; ++k) {
+        xf[k] = static_cast<float>(xg[k]);
+        amax = std::max(amax, std::fabs(xf[k]));
+      }
       const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t total = 0;
       for (int64_t k = 0; k < group; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] * inv));
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xf[k] * inv));
         xi[m * K + g * group + k] = static_cast<int8_t>(q);
         total += q;
       }
@@ -429,10 +520,59 @@ Int4Rows quantize_rows(const float* X, int64_t M, int64_t K, int64_t group, std:
   return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
 }
 
+template <typename TX>
+void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
+                       int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
+  std::vector<int8_t> xi;
+  std::vector<float> d, dsum;
+  const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
+  const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
+  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
+  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const int64_t b = span * i;
+      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+          const int64_t at = m * N + b * kBlock;
+          block_int4<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * block_groups,
+                                                             Z + b * block_groups, rows, group, m, Y + at, N,
+                                                             res ? res + at : nullptr);
+        });
+      }
+    }
+  });
+}
+
+template <typename TY>
+void int4_tile_path(const float* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TY* Y, const TY* res,
+                    int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
+  const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
+  const int64_t span = span_for(M);  // as the fp32 matmul: the tile's blocks x kMaxRows rows fit the registers
+  const int64_t num_spans = (num_blocks + span - 1) / span;
+  at::parallel_for(0, num_spans, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<float> tile(span * K * kBlock);
+    for (int64_t i = s0; i < s1; ++i) {
+      const int64_t b = span * i;
+      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+      for (int c = 0; c < blocks; ++c)
+        dequantize_block(W + (b + c) * block_bytes, S + (b + c) * block_groups, Z + (b + c) * block_groups, K, group,
+                         tile.data() + c * K * kBlock);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+          const int64_t at = m * N + b * kBlock;
+          block_f32<decltype(r)::value, decltype(c)::value>(tile.data(), X + m * K, K, Y + at, N, res ? res + at : nullptr);
+        });
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// AWQ's unpacked int4 values q (N, K) uint8 in 0..15, scales and zeros (K / group, N) -> [weights (N/16, K/8, 64)
-// uint8, scales (N/16, K/group, 16) fp32, scale x zero (same)]. N % 16 == 0, K % group == 0, group % 8 == 0.
+// AWQ's unpacked int4 values q (N, K) uint8 in 0..15, scales (K / group, N) holding fp16 values and zeros (same
+// shape, 0..15) -> [weights (N/16, K/8, 64) uint8, scales (N/16, K/group, 16) fp16, zeros (same) uint8].
+// N % 16 == 0, K % group == 0, group % 8 == 0.
 std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                                      int64_t group) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8, "int4_pack: q must be (N, K) uint8");
@@ -442,68 +582,56 @@ std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(scales.sizes() == zeros.sizes() && scales.size(0) == K / group && scales.size(1) == N,
               "int4_pack: scales and zeros must be (K / group, N)");
   TORCH_CHECK(q.max().item<int>() <= 15, "int4_pack: q holds values above 15");
+  const auto half_scales = scales.to(torch::kHalf);
+  TORCH_CHECK(half_scales.to(scales.scalar_type()).equal(scales),
+              "int4_pack: the scales must be fp16 values (AWQ checkpoints store them in fp16)");
+  const auto z = zeros.round();
+  TORCH_CHECK(z.equal(zeros) && zeros.min().item<double>() >= 0 && zeros.max().item<double>() <= 15,
+              "int4_pack: the zero points must be whole numbers in 0..15");
   // (N/16, 16, K/8, 2, 4) -> (N/16, K/8, 16, 4) with the second 4 k in the high nibble
   const auto blocks = q.contiguous().view({N / kBlock, kBlock, K / 8, 2, 4}).permute({0, 2, 1, 3, 4});
   const auto lo = blocks.select(3, 0), hi = blocks.select(3, 1);
   const auto packed = lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous().view({N / kBlock, K / 8, kUnit});
-  const auto s = scales.to(torch::kFloat32);
-  const auto sz = s * zeros.to(torch::kFloat32);
   auto lay = [&](const torch::Tensor& t) { return t.view({K / group, N / kBlock, kBlock}).transpose(0, 1).contiguous(); };
-  return {packed, lay(s), lay(sz)};
+  return {packed, lay(half_scales), lay(z.to(torch::kUInt8))};
 }
 
-// x (M, K) fp32 or bf16, weights from int4_pack -> y (M, N) in x's dtype. Up to `int_rows` rows: integer dot
-// products on int8 activations; more: fp32 tiles dequantised per span of blocks.
+// x (M, K) fp32 or bf16, weights from int4_pack -> y (M, N) in x's dtype, plus the residual (M, N) when given.
+// Up to `int_rows` rows: integer dot products on int8 activations; more: fp32 tiles dequantised per span of blocks.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                          const torch::Tensor& scaled_zeros, int64_t group, int64_t int_rows) {
-  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be (M, K)");
-  const auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
+                          const torch::Tensor& zeros, int64_t group, int64_t int_rows,
+                          const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous (M, K) tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "int4_linear: fp32 or bf16 x");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && zeros.scalar_type() == torch::kUInt8,
+              "int4_linear: fp16 scales and uint8 zeros, as int4_pack lays them out");
+  const int64_t M = x.size(0), K = x.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
   TORCH_CHECK(packed.size(1) * 8 == K && scales.size(1) * group == K, "int4_linear: x has K=", K, " but the weight does not");
-  auto y = torch::empty({M, N}, xf.options());
+  auto y = torch::empty({M, N}, x.options());
+  const void* res = residual_of(residual, y, "int4_linear");
   const auto* W = packed.data_ptr<uint8_t>();
-  const auto* S = scales.data_ptr<float>();
-  const auto* SZ = scaled_zeros.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  const int64_t groups = K / group, block_bytes = K / 8 * kUnit, block_groups = groups * kBlock;
+  const auto* S = scales.data_ptr<at::Half>();
+  const auto* Z = zeros.data_ptr<uint8_t>();
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if (M <= int_rows) {
-    std::vector<int8_t> xi;
-    std::vector<float> d, dsum;
-    const Int4Rows rows = quantize_rows(xf.data_ptr<float>(), M, K, group, xi, d, dsum);
-    const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-    at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
-      for (int64_t i = s0; i < s1; ++i) {
-        const int64_t b = span * i;
-        const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-        for (int64_t m = 0; m < M; m += kMaxRows) {
-          dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
-            block_int4<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * block_groups,
-                                                               SZ + b * block_groups, rows, group, m, Y + m * N + b * kBlock, N);
-          });
-        }
-      }
-    });
+    if (bf16) {
+      int4_integer_path(x.data_ptr<at::BFloat16>(), W, S, Z, y.data_ptr<at::BFloat16>(),
+                        static_cast<const at::BFloat16*>(res), M, K, num_blocks, group);
+    } else {
+      int4_integer_path(x.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K,
+                        num_blocks, group);
+    }
   } else {
-    const float* X = xf.data_ptr<float>();
-    const int64_t span = span_for(M);  // as the fp32 matmul: the tile's blocks x kMaxRows rows fit the registers
-    const int64_t num_spans = (num_blocks + span - 1) / span;
-    at::parallel_for(0, num_spans, 1, [&](int64_t s0, int64_t s1) {
-      std::vector<float> tile(span * K * kBlock);
-      for (int64_t i = s0; i < s1; ++i) {
-        const int64_t b = span * i;
-        const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-        for (int c = 0; c < blocks; ++c)
-          dequantize_block(W + (b + c) * block_bytes, S + (b + c) * block_groups, SZ + (b + c) * block_groups, K, group,
-                           tile.data() + c * K * kBlock);
-        for (int64_t m = 0; m < M; m += kMaxRows) {
-          dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
-            block_f32<decltype(r)::value, decltype(c)::value>(tile.data(), X + m * K, K, Y + m * N + b * kBlock, N);
-          });
-        }
-      }
-    });
+    const auto xf = x.to(torch::kFloat32);  // many rows: converted once for every block
+    if (bf16) {
+      int4_tile_path(xf.data_ptr<float>(), W, S, Z, y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res),
+                     M, K, num_blocks, group);
+    } else {
+      int4_tile_path(xf.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K,
+                     num_blocks, group);
+    }
   }
-  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+  return y;
 }
 
 std::string int8_dot() { return kInt8Dot; }
@@ -590,11 +718,130 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys
 
 namespace {
 
-inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
-  alignas(64) at::BFloat16 tmp[kLanes];
-  vstore(tmp, v);
-  return vload(tmp);
+template <typename T>
+inline float rounded(float v) {  // v as an operation in T's dtype leaves it
+  if constexpr (std::is_same_v<T, at::BFloat16>) return static_cast<float>(at::BFloat16(v));
+  return v;
 }
+
+// One head's rotary positions, as transformers' apply_rotary_pos_emb computes them in T's dtype:
+// x cos + rotate_half(x) sin, each product and the sum rounded to T.
+template <typename T, typename TO>
+void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float xd = static_cast<float>(x[d]);
+    const float other = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+    const float a = rounded<T>(xd * static_cast<float>(cos[d])), b = rounded<T>(other * static_cast<float>(sin[d]));
+    out[d] = static_cast<TO>(rounded<T>(a + b));
+  }
+}
+
+template <typename Q, typename KV>
+void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                const torch::Tensor& lengths, int64_t H, double scale, torch::Tensor& out) {
+  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), G = H / H_kv;
+  const Q* X = qkv.data_ptr<Q>();
+  const Q* COS = cos.data_ptr<Q>();
+  const Q* SIN = sin.data_ptr<Q>();
+  const int64_t* P = positions.data_ptr<int64_t>();
+  const int64_t* L = lengths.data_ptr<int64_t>();
+  KV* Kc = keys.data_ptr<KV>();
+  KV* Vc = values.data_ptr<KV>();
+  Q* O = out.data_ptr<Q>();
+  at::parallel_for(0, B * H_kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<Q> queries(G * D);
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H_kv, h = i % H_kv, n = L[b];
+      const Q* row = X + b * qkv.stride(0);
+      const Q* c = COS + P[b] * D;
+      const Q* s = SIN + P[b] * D;
+      KV* k = Kc + b * keys.stride(0) + h * keys.stride(1);
+      KV* v = Vc + b * values.stride(0) + h * values.stride(1);
+      rotate_head(row + (H + h) * D, c, s, D, k + n * keys.stride(2));  // the new key, at column n
+      for (int64_t d = 0; d < D; ++d) v[n * values.stride(2) + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
+      for (int64_t g = 0; g < G; ++g) rotate_head(row + (h * G + g) * D, c, s, D, queries.data() + g * D);
+      scores.resize(G * (n + 1));
+      attend_group(queries.data(), D, static_cast<const KV*>(k), static_cast<const KV*>(v), keys.stride(2), n + 1, D,
+                   nullptr, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data());
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* gate = X + m * 2 * I;
+      const T* up = gate + I;
+      T* y = Y + m * I;
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {
+        const Vec g = vload(gate + i);
+        Vec act = vdiv(g, vadd(vset1(1.f), vexp(vmul(g, vset1(-1.f)))));
+        if constexpr (std::is_same_v<T, at::BFloat16>) act = round_to_bf16(act);  // silu's output, then the product
+        vstore(y + i, vmul(act, vload(up + i)));
+      }
+      for (; i < I; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        y[i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// One decode step's attention for one layer, fused: qkv (B, H + 2 H_kv, D), the row's new token's queries, key and
+// value side by side as the joined projection gives them; cos, sin (P, D) in qkv's dtype; positions, lengths (B,)
+// int64. Each row's key (rotated) and value are written into its cache slot keys / values (rows, H_kv, columns, D)
+// at column lengths[b], then its rotated queries attend over columns 0..lengths[b] -> (B, H x D) in qkv's dtype.
+// Rotation as transformers rounds it in qkv's dtype; softmax and sums in fp32.
+torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                    const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                    const torch::Tensor& lengths, int64_t num_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "decode_step_attention: qkv (B, heads, D)");
+  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1);
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() &&
+              keys.stride(3) == 1 && keys.size(3) == D && keys.size(0) >= B, "decode_step_attention: cache (rows, H_kv, columns, D)");
+  TORCH_CHECK(D % 16 == 0 && num_heads % H_kv == 0 && num_heads / H_kv <= 16 && qkv.size(1) == num_heads + 2 * H_kv,
+              "decode_step_attention: heads");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == D, "decode_step_attention: cos / sin (P, D) in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong && positions.numel() == B &&
+              lengths.numel() == B && positions.is_contiguous() && lengths.is_contiguous(), "decode_step_attention: positions, lengths (B,) int64");
+  for (int64_t b = 0; b < B; ++b) {  // NOTE: a loop, not tensor reductions: this runs once per layer and step
+    const int64_t position = positions.data_ptr<int64_t>()[b], length = lengths.data_ptr<int64_t>()[b];
+    TORCH_CHECK(position >= 0 && position < cos.size(0) && length >= 0 && length < keys.size(2),
+                "decode_step_attention: row ", b, " position ", position, " or length ", length, " out of range");
+  }
+  auto out = torch::empty({B, num_heads * D}, qkv.options());
+  const auto qt = qkv.scalar_type(), kt = keys.scalar_type();
+  if (qt == torch::kFloat32 && kt == torch::kFloat32) decode_step_attention_impl<float, float>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
+  else if (qt == torch::kFloat32 && kt == torch::kBFloat16) decode_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) decode_step_attention_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kFloat32) decode_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
+  else TORCH_CHECK(false, "decode_step_attention: fp32 or bf16 queries and cache");
+  return out;
+}
+
+// SwiGLU's activation: x (..., 2 I) holding gate and up side by side -> silu(gate) x up (..., I), in x's dtype,
+// rounded as transformers' act_fn(gate) * up rounds it.
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_mul: x (..., 2 I) contiguous");
+  const int64_t I = x.size(-1) / 2, M = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto y = torch::empty(sizes, x.options());
+  if (x.scalar_type() == torch::kFloat32) silu_mul_impl(x.data_ptr<float>(), y.data_ptr<float>(), M, I);
+  else if (x.scalar_type() == torch::kBFloat16) silu_mul_impl(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), M, I);
+  else TORCH_CHECK(false, "silu_mul: fp32 or bf16");
+  return y;
+}
+
+namespace {
 
 template <typename T>
 void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
@@ -646,12 +893,18 @@ std::string isa() { return kIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W (N, K) -> the blocked16 layout");
-  m.def("linear", &linear, "x (M, K) @ W^T with W in the blocked16 layout");
+  m.def("linear", &linear, "x (M, K) @ W^T (+ residual) with W in the blocked16 layout", py::arg("x"), py::arg("packed"),
+        py::arg("residual") = py::none());
   m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512 or avx2");
   m.def("int4_pack", &int4_pack, "AWQ int4 values, scales and zeros -> the int4x16 layout");
-  m.def("int4_linear", &int4_linear, "x (M, K) @ W^T with int4 W in the int4x16 layout");
+  m.def("int4_linear", &int4_linear, "x (M, K) @ W^T (+ residual) with int4 W in the int4x16 layout", py::arg("x"),
+        py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int_rows"),
+        py::arg("residual") = py::none());
   m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 kernel uses");
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
+  m.def("decode_step_attention", &decode_step_attention,
+        "a decode step's rotary positions, cache write and attention for one layer, fused");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
 }

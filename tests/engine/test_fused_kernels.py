@@ -1,0 +1,179 @@
+"""servelab's fused decode-step kernels (blocked.cpp) against the unfused operations they replace, on every build
+this CPU runs: the residual added inside a matmul, SwiGLU's activation, and a decode step's rotary positions,
+cache write and attention in one call; then the decoder's running-batch step against transformers' forward.
+
+The fused kernels round as the unfused operations do in bf16, so the residual and rotation checks are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from servelab.engine.awq.unpack import dequantize
+from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder
+from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
+from servelab.engine.kvcache import SlotKVCache
+from servelab.engine.linear import linear_kernel_reason
+from tests.engine.test_decoder import KERNELS, runnable
+
+CPU = torch.device("cpu")
+BUILDS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa_reason(isa) is not None, reason=f"{isa_reason(isa)}"))
+          for isa in ISAS]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_residual_fused_into_the_matmul_equals_adding_it_after(build: str, dtype: torch.dtype, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=generator).to(dtype)
+    packed = kernel.pack(weight)
+    q = torch.randint(0, 16, (48, 64), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(1, 48, generator=generator) * 0.02 + 0.001).half().float()
+    zeros = torch.randint(0, 16, (1, 48), generator=generator).float()
+    int4 = kernel.int4_pack(q, scales, zeros, 64)
+    for rows in (1, 3, 9, 20):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        residual = torch.randn(rows, 48, generator=generator).to(dtype)
+        fused = kernel.linear(x, packed, residual)
+        assert fused.dtype == dtype
+        torch.testing.assert_close(fused, kernel.linear(x, packed) + residual, atol=0, rtol=0)
+        for int_rows in (0, 1 << 30):  # fp32 tiles and integer dot products
+            fused = kernel.int4_linear(x, *int4, 64, int_rows, residual)
+            torch.testing.assert_close(fused, kernel.int4_linear(x, *int4, 64, int_rows) + residual, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous"):
+        kernel.linear(x, packed, residual.float() if dtype == torch.bfloat16 else residual.bfloat16())
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_matmul_takes_bf16_activations_as_they_are(build: str, dtype: torch.dtype, settings) -> None:
+    """No conversion around the kernel: bf16 in, bf16 out, the same products as fp32 activations holding the
+    same values, rounded once."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (32, 128), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(2, 32, generator=generator) * 0.02 + 0.001).half().float()
+    zeros = torch.randint(0, 16, (2, 32), generator=generator).float()
+    packed = kernel.int4_pack(q, scales, zeros, 64)
+    x = torch.randn(5, 128, generator=generator).to(dtype)
+    for int_rows in (0, 1 << 30):
+        got = kernel.int4_linear(x, *packed, 64, int_rows)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, kernel.int4_linear(x.float(), *packed, 64, int_rows).to(dtype), atol=0, rtol=0)
+    assert packed[1].dtype == torch.float16 and packed[2].dtype == torch.uint8  # 3 bytes per output and group
+    torch.testing.assert_close(kernel.int4_linear(x.float(), *packed, 64, 0),
+                               x.float() @ dequantize(q, zeros, scales, 64).t(), atol=1e-4, rtol=1e-4)
+
+
+def test_int4_scales_that_fp16_cannot_hold_are_refused(settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir).module
+    if kernel is None:
+        pytest.skip("this CPU runs no servelab build")
+    q = torch.zeros(16, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="scales must be fp16 values"):
+        kernel.int4_pack(q, torch.full((1, 16), 0.1), torch.zeros(1, 16), 64)
+    with pytest.raises(RuntimeError, match="zero points must be whole numbers in 0..15"):
+        kernel.int4_pack(q, torch.full((1, 16), 0.125), torch.full((1, 16), 16.0), 64)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_silu_of_gate_times_up(build: str, dtype: torch.dtype, settings) -> None:
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(2)
+    for width in (16, 72, 1536):  # 72: a tail shorter than a vector
+        x = (torch.randn(3, 2, 2 * width, generator=generator) * 4).to(dtype)
+        x[0, 0, :8] = torch.tensor([-200.0, -88.0, -20.0, 0.0, 1e-3, 20.0, 88.0, 200.0])  # the exp's range ends
+        gate, up = x.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        got = kernel.silu_mul(x)
+        assert got.shape == expected.shape and got.dtype == dtype
+        tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 0.008}
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+def _cache(rows: int, heads: int, columns: int, dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
+    return torch.randn(rows, heads, columns, dim, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv_dtype, settings) -> None:
+    """Rows of different lengths in slots of a larger cache, each row's new token at its own column."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(3)
+    B, H, H_kv, D, columns = 3, 6, 2, 32, 40
+    lengths = torch.tensor([5, 0, 31])
+    positions = lengths + torch.tensor([0, 7, 2])  # positions need not equal lengths (a prefill's padding)
+    keys, values = _cache(B + 1, H_kv, columns, D, kv_dtype, generator), _cache(B + 1, H_kv, columns, D, kv_dtype, generator)
+    angles = torch.arange(64)[:, None] * torch.rand(1, D // 2, generator=generator)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(q_dtype), torch.cat([angles.sin()] * 2, -1).to(q_dtype)
+    qkv = torch.randn(B, H + 2 * H_kv, D, generator=generator).to(q_dtype)
+    want_keys, want_values = keys.clone(), values.clone()
+    rotated = _rotate(qkv[:, None, : H + H_kv], cos[positions][:, None, None], sin[positions][:, None, None])[:, 0]
+    expected = []
+    for b, n in enumerate(lengths.tolist()):
+        want_keys[b, :, n] = rotated[b, H:].to(kv_dtype)
+        want_values[b, :, n] = qkv[b, H + H_kv:].to(kv_dtype)
+        q = rotated[b, :H].float().view(H_kv, H // H_kv, D)
+        scores = q @ want_keys[b, :, : n + 1].float().transpose(-1, -2) / D ** 0.5
+        expected.append((scores.softmax(-1) @ want_values[b, :, : n + 1].float()).reshape(H * D))
+    out = kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, H, D ** -0.5)
+    assert out.dtype == q_dtype and out.shape == (B, H * D)
+    # rotated as transformers rounds it in bf16 (exactly); in fp32 up to the compiler's fused multiply-adds
+    exact = {"atol": 0, "rtol": 0} if q_dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(keys, want_keys, **exact)
+    torch.testing.assert_close(values, want_values, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-5 if q_dtype == torch.float32 else 1e-2,
+                               rtol=1e-2)
+    with pytest.raises(RuntimeError, match="row 2 position .* or length 40 out of range"):
+        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, torch.tensor([5, 0, 40]), H, D ** -0.5)
+
+
+def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_steps: int):
+    """Prefill, join a running batch (SlotKVCache, the fused step), greedy steps -> logits per step, sequences."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    prefilled = decoder.new_cache(len(rows), width)
+    logits = [decoder.forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), prefilled)]
+    batch = decoder.new_batch_cache()
+    assert isinstance(batch, SlotKVCache)
+    batch.join(prefilled, mask, num_columns=width + num_steps + 1, max_rows=8)
+    sequences = [list(r) for r in rows]
+    for _ in range(num_steps):
+        next_ids = logits[-1].argmax(-1)
+        for seq, token in zip(sequences, next_ids.tolist()):
+            seq.append(token)
+        step_mask, positions = batch.next_inputs()
+        logits.append(decoder.forward(next_ids.view(-1, 1), step_mask, positions, batch))
+    return logits, sequences
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", [runnable(k) for k in KERNELS])
+def test_running_batch_step_equals_transformers(tiny_folder, kernel: str, dtype: torch.dtype, settings) -> None:
+    if (reason := linear_kernel_reason(kernel, device=CPU, dtype=dtype, cache_dir=settings.cache_dir)) is not None:
+        pytest.skip(f"{kernel}: {reason}")
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=dtype).eval()
+    decoder = build_decoder(model, choice="auto", kv_cache_dtype="auto", dtype=dtype, device=CPU,
+                            linear_kernel=kernel, cache_dir=settings.cache_dir)
+    fused = decoder.decode_step_attention is not None
+    assert fused == (decoder.kernel.blocked is not None)  # servelab's build serves the fused step where it runs
+    rows = [[5, 17, 923, 4001, 88, 12], [77], [301, 302, 303]]
+    steps, sequences = _running_batch_logits(decoder, rows, num_steps=4)
+    for step, logits in enumerate(steps):
+        for i, seq in enumerate(sequences):
+            expected = model(input_ids=torch.tensor([seq[: len(rows[i]) + step]])).logits[0, -1].float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(logits[i], expected, atol=2e-4, rtol=1e-4)
+            else:  # NOTE: as test_bf16_decoder_tracks_transformers_bf16: bf16 agrees to bf16 precision
+                assert (logits[i].float() - expected).abs().max() / expected.abs().max() < 0.03, (step, i)
