@@ -85,6 +85,10 @@ class ServingConfig(_Frozen):
     linear_kernel: Literal["auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch"] = Field(
         default="auto", description="matmul kernel of servelab's decoder on CPU; auto: measured on this CPU, "
                                     "the fastest at each batch size")
+    lm_head_weights: Literal["auto", "int8"] = Field(
+        default="auto", description="the output layer (and a tied embedding): auto = the serving dtype, or bf16 where "
+                                    "the checkpoint stores it so; int8 = quantised per output row at load (servelab's "
+                                    "kernel, CPU), half of bf16's bytes")
     batching: BatchingConfig = BatchingConfig()
     decoding: DecodingConfig = DecodingConfig()
     awq: AWQConfig | None = None

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, SlotKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
-from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, LinearKernel, LinearKernelError,
+from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, Int8Linear, LinearKernel, LinearKernelError,
                                     RowDispatchLinear, ServelabInt4Linear, add_projection, choose_linear_kernel,
                                     int4_int_rows, int4_modules_reason, measured_shapes)
 
@@ -58,10 +58,13 @@ class Decoder(Protocol):
 
 
 def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                  linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto") -> Decoder:
+                  linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto", lm_head_weights: str = "auto") -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
     int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
-    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU)."""
+    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU).
+    lm_head_weights 'int8': the output layer in int8 through servelab's kernel (refused where it cannot run)."""
+    if lm_head_weights != "auto" and (reason := lm_head_reason(model, choice, device, cache_dir)) is not None:
+        raise LinearKernelError(f"lm_head_weights {lm_head_weights!r} cannot run here: {reason}")
     int4_layers = [m for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)]
     int4 = None
     if choice == "auto" and unsupported_reason(model) is None:
@@ -72,7 +75,8 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
                                       shapes=measured_shapes(dense) or ((64, 64),))
-        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4)
+        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4,
+                            int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None)
     if int4_kernel == "servelab":
         raise LinearKernelError("awq.kernel 'servelab' needs servelab's decoder, which does not cover this model: "
                                 f"{unsupported_reason(model) or 'decoder: transformers'}")
@@ -117,6 +121,20 @@ def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device) ->
     one-off cost lands in the load and not in the first request's TTFT (and Int4Linear can join them)."""
     if layers and device.type == "cpu" and any(getattr(m, "linear_mode", "") is None for m in layers):
         model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
+
+
+def lm_head_reason(model, choice: str, device: torch.device, cache_dir: Path) -> str | None:
+    """Why the output layer cannot be served in int8 here, or None."""
+    if choice != "auto" or (reason := unsupported_reason(model)) is not None:
+        return f"it needs servelab's decoder ({'decoder: transformers' if choice != 'auto' else reason})"
+    if device.type != "cpu":
+        return f"servelab's int8 kernel is for CPUs (device {device})"
+    blocked = load_blocked_kernel(cache_dir)
+    if blocked.module is None:
+        return blocked.reason
+    if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None or model.lm_head.in_features % 4:
+        return "the output layer is not a plain linear layer with a multiple of 4 inputs"
+    return None
 
 
 def unsupported_reason(model) -> str | None:
@@ -188,7 +206,7 @@ def projection_tensors(p) -> list[torch.Tensor]:
         return [t for m in p.modules for t in (*m.parameters(), *m.buffers())]
     if isinstance(p, RowDispatchLinear):
         return [t for linear in p.linears for t in projection_tensors(linear)]
-    if isinstance(p, ServelabInt4Linear):
+    if isinstance(p, (ServelabInt4Linear, Int8Linear)):
         return p.tensors()
     if isinstance(p, Int4Linear):
         return [p.weight, p.scales_and_zeros]
@@ -212,8 +230,10 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _blocked_layout(p) -> BlockedLinear | None:
+def _blocked_layout(p) -> BlockedLinear | Int8Linear | None:
     """The one blocked layout a projection serves every batch size from, if it has one."""
+    if isinstance(p, Int8Linear):
+        return p
     linears = p.linears if isinstance(p, RowDispatchLinear) else [p]
     layouts = {id(x.blocked if isinstance(x, BlockedMatmulLinear) else x): x.blocked if isinstance(x, BlockedMatmulLinear) else x
                for x in linears if isinstance(x, (BlockedLinear, BlockedMatmulLinear))}
@@ -258,7 +278,7 @@ class LlamaDecoder:
     name = "servelab"
 
     def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                 kernel: LinearKernel, int4: Int4Kernel | None = None) -> None:
+                 kernel: LinearKernel, int4: Int4Kernel | None = None, int8_head: BlockedKernel | None = None) -> None:
         config = model.config
         self.kernel, self.int4 = kernel, int4
         self.num_heads = config.num_attention_heads
@@ -271,7 +291,8 @@ class LlamaDecoder:
         self.final_norm = _own(body.norm.weight)
         tied = model.lm_head.weight is body.embed_tokens.weight
         head_kernel = kernel.for_tied_head() if tied else kernel
-        self.lm_head = (_lossless_bf16_head(model.lm_head, head_kernel, dtype)
+        self.lm_head = (Int8Linear(int8_head, model.lm_head.weight) if int8_head is not None
+                        else _lossless_bf16_head(model.lm_head, head_kernel, dtype)
                         or projection([model.lm_head], head_kernel))
         # NOTE: with tied weights and the head in servelab's blocked layout, a token's embedding is read from
         # that layout (a strided gather of one row per token): the table is then held once, not twice

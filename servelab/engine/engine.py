@@ -26,6 +26,7 @@ from servelab.engine import measure
 from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
 from servelab.engine.detokenize import Detokenizer
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
+from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
@@ -89,7 +90,8 @@ class Engine:
         self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
         self.decoder = build_decoder(loaded.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
-                                     cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto")
+                                     cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto",
+                                     lm_head_weights=config.lm_head_weights)
         self._settings = settings
         self._reference: PreTrainedModel | None = None
         self.released_bytes = release_copied_weights(loaded.model, self.decoder) if settings is not None else 0
@@ -130,7 +132,8 @@ class Engine:
         else:
             kernel = self.decoder.kernel.label if self.decoder.name == "servelab" else LABELS["torch"]
             linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {kernel}"
-        return f"{self.decoder.name} decoder, {linear}"
+        head = ", int8 output layer" if self.config.lm_head_weights == "int8" else ""
+        return f"{self.decoder.name} decoder, {linear}{head}"
 
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
@@ -381,10 +384,17 @@ def _tied(model: PreTrainedModel) -> bool:
 
 
 def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
-    """A linear kernel named in the config that cannot run on this machine is refused before the model loads."""
+    """A linear kernel or an int8 output layer named in the config that cannot run on this machine is refused before
+    the model loads."""
+    device = resolve_device(config.device)
+    if config.lm_head_weights == "int8":
+        reason = ("it needs servelab's decoder (decoder: transformers)" if config.decoder != "auto"
+                  else f"servelab's int8 kernel is for CPUs (device {device})" if device.type != "cpu"
+                  else load_blocked_kernel(settings.cache_dir).reason or None)
+        if reason:
+            raise LinearKernelError(f"{config.name}: lm_head_weights 'int8' cannot run here: {reason}")
     if config.decoder != "auto" or config.linear_kernel == "auto":
         return
-    device = resolve_device(config.device)
     if config.weights == "awq-int4":
         from servelab.engine.awq import serving_dtype
 

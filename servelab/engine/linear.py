@@ -441,6 +441,44 @@ class ServelabInt4Linear:
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class Int8Linear:
+    """An output layer quantised at load to int8 per output row (symmetric), through servelab's int8 kernel
+    (blocked.cpp, 'int8x16'): the activations quantised per group to int8 as for int4, integer dot products. Half
+    the bytes of bf16; a tied embedding is read from the same table (rows)."""
+
+    def __init__(self, blocked: BlockedKernel, weight: torch.Tensor) -> None:
+        self.kernel = blocked.module
+        self.out_features, in_features = weight.shape
+        padding = -self.out_features % BLOCK
+        if padding:
+            weight = torch.cat([weight, weight.new_zeros(padding, in_features)])
+        self.group_size = next(g for g in (64, 32, 16, 8, 4) if in_features % g == 0)
+        self.weight, self.scales = self.kernel.int8_pack(weight.detach())  # (N/16, K/4, 64) uint8, (N/16, 16)
+
+    @property
+    def takes_residual(self) -> bool:
+        return self.out_features % BLOCK == 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantised weight (an embedding lookup): ids (...) -> (..., K) fp32."""
+        flat = ids.reshape(-1)
+        lines = self.weight.view(self.weight.shape[0], self.weight.shape[1], BLOCK, 4)  # (N/16, K/4, 16, 4)
+        q = lines[flat // BLOCK, :, flat % BLOCK, :].reshape(flat.shape[0], -1).to(torch.int16) - 128
+        return (q.float() * self.scales.view(-1)[flat, None]).reshape(*ids.shape, -1)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if residual is not None:
+            assert self.takes_residual, "a residual needs unpadded outputs"
+            return self.kernel.int8_linear(rows, self.weight, self.scales, self.group_size,
+                                           residual.reshape(rows.shape[0], -1)).view_as(residual)
+        y = self.kernel.int8_linear(rows, self.weight, self.scales, self.group_size)[:, : self.out_features]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 INT4_MEASURED_ROWS = (16, 64, 256)
 
 

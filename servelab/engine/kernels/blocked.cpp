@@ -376,11 +376,19 @@ inline IVec isrl(IVec a, int n) { return _mm512_srli_epi32(a, n); }
 inline Vec itof(IVec a) { return _mm512_cvtepi32_ps(a); }
 #ifdef __AVX512VNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+inline IVec idot8(IVec acc, IVec b, IVec s8) { return _mm512_dpbusd_epi32(acc, b, s8); }
+constexpr int kInt8Offset = 128;
 constexpr const char* kInt8Dot = "AVX-512 VNNI vpdpbusd";
 #else
 inline IVec idot(IVec acc, IVec u8, IVec s8) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
 }
+inline IVec idot8(IVec acc, IVec b, IVec s8) {  // |q| and s8 with q's sign: both <= 127, no int16 saturation
+  const IVec q = _mm512_xor_si512(b, _mm512_set1_epi8(static_cast<char>(0x80)));
+  const IVec negated = _mm512_mask_sub_epi8(s8, _mm512_movepi8_mask(q), _mm512_setzero_si512(), s8);
+  return idot(acc, _mm512_abs_epi8(q), negated);
+}
+constexpr int kInt8Offset = 0;
 constexpr const char* kInt8Dot = "AVX-512 vpmaddubsw + vpmaddwd";
 #endif
 #else
@@ -393,15 +401,25 @@ inline IVec isrl(IVec a, int n) { return _mm256_srli_epi32(a, n); }
 inline Vec itof(IVec a) { return _mm256_cvtepi32_ps(a); }
 #ifdef __AVXVNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+inline IVec idot8(IVec acc, IVec b, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, b, s8); }
+constexpr int kInt8Offset = 128;
 constexpr const char* kInt8Dot = "AVX-VNNI vpdpbusd";
 #else
 // q <= 15 and |xi| <= 127: a pair of products sums to at most 3810, so vpmaddubsw's int16 never saturates.
 inline IVec idot(IVec acc, IVec u8, IVec s8) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
 }
+inline IVec idot8(IVec acc, IVec b, IVec s8) {  // |q| and s8 with q's sign: both <= 127, no int16 saturation
+  const IVec q = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return idot(acc, _mm256_abs_epi8(q), _mm256_sign_epi8(s8, q));
+}
+constexpr int kInt8Offset = 0;
 constexpr const char* kInt8Dot = "AVX2 vpmaddubsw + vpmaddwd";
 #endif
 #endif
+// idot8: full 8-bit weights stored as b = q + 128 (q in -127..127, i.e. q's bits with the top one flipped) against
+// int8 activations: vpdpbusd takes b as it is and the 128 x sum(x) it adds is taken off per group (kInt8Offset);
+// vpmaddubsw would saturate at 255 x 127, so without VNNI the product is |q| x (x with q's sign) instead.
 
 constexpr int64_t kUnit = 64;  // bytes per 16 outputs x 8 k
 // Blocks per pass: each block takes 2 x kVecs registers of unpacked weights and kVecs integer sums per row.
@@ -568,6 +586,73 @@ void int4_tile_path(const float* X, const uint8_t* W, const at::Half* S, const u
   });
 }
 
+// ---- int8 output layer --------------------------------------------------------------------------------------
+// Layout "int8x16": W (N, K) quantised per output row (symmetric: s = max|w| / 127, q = round(w / s)) becomes
+// (N/16, K/4, 64 bytes): byte 4 j + t of a line holds q + 128 of output j, input k0 + t; s per output in fp32.
+// The activations are quantised per group as for int4, so y = s sum over groups of (d dot - offset d sum(x)).
+template <int R, int C, typename TY>
+void block_int8(const uint8_t* w, const float* s, const Int4Rows& x, int64_t group, int64_t row0, TY* y, int64_t ldy,
+                const TY* res) {
+  const int64_t K = x.K, units_per_group = group / 4, block_bytes = K / 4 * kUnit;
+  Vec acc[R][C][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    IVec dots[R][C][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) dots[r][c][v] = izero();
+    for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
+      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * block_bytes + (u + 16) * kUnit), _MM_HINT_T0);
+      IVec raw[C][kVecs];
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) raw[c][v] = iload(w + c * block_bytes + u * kUnit + v * (kUnit / kVecs));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;  // xi[k0..k0+3], broadcast
+        std::memcpy(&four, x.xi + (row0 + r) * K + u * 4, 4);
+        const IVec xa = iset1(four);
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < kVecs; ++v) dots[r][c][v] = idot8(dots[r][c][v], raw[c][v], xa);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec d = vset1(x.d[(row0 + r) * x.groups + g]), offset = vset1(kInt8Offset * x.dsum[(row0 + r) * x.groups + g]);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vadd(acc[r][c][v], vfnma(offset, vset1(1.f), vmul(itof(dots[r][c][v]), d)));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = r * ldy + c * kBlock + v * kLanes;
+        store_out(y + at, vmul(acc[r][c][v], vload(s + c * kBlock + v * kLanes)), res ? res + at : nullptr);
+      }
+}
+
+template <typename TX>
+void int8_path(const TX* X, const uint8_t* W, const float* S, TX* Y, const TX* res, int64_t M, int64_t K,
+               int64_t num_blocks, int64_t group) {
+  std::vector<int8_t> xi;
+  std::vector<float> d, dsum;
+  const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
+  const int64_t N = num_blocks * kBlock, block_bytes = K / 4 * kUnit;
+  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
+  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const int64_t b = span * i;
+      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+          const int64_t at = m * N + b * kBlock;
+          block_int8<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * kBlock, rows, group, m,
+                                                             Y + at, N, res ? res + at : nullptr);
+        });
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // AWQ's unpacked int4 values q (N, K) uint8 in 0..15, scales (K / group, N) holding fp16 values and zeros (same
@@ -630,6 +715,40 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
       int4_tile_path(xf.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K,
                      num_blocks, group);
     }
+  }
+  return y;
+}
+
+// W (N, K) fp32 or bf16, N % 16 == 0, K % 4 == 0 -> [int8 weights (N/16, K/4, 64) uint8, scales (N/16, 16) fp32].
+std::vector<torch::Tensor> int8_pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % kBlock == 0 && weight.size(1) % 4 == 0,
+              "int8_pack: weight must be (N, K) with N % 16 == 0 and K % 4 == 0");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const auto w = weight.to(torch::kFloat32);
+  const auto scales = w.abs().amax(1) / 127.0;  // (N,)
+  const auto q = torch::where(scales.unsqueeze(1) > 0, (w / scales.unsqueeze(1)).round(), torch::zeros_like(w))
+                     .clamp(-127, 127).to(torch::kInt16).add(128).to(torch::kUInt8);
+  const auto packed = q.view({N / kBlock, kBlock, K / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({N / kBlock, K / 4, kUnit});
+  return {packed, scales.view({N / kBlock, kBlock}).contiguous()};
+}
+
+// x (M, K) fp32 or bf16, weights from int8_pack, activations quantised per `group` -> y (M, N) in x's dtype
+// (+ residual).
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          int64_t group, const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_linear: x must be a contiguous (M, K) tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "int8_linear: fp32 or bf16 x");
+  const int64_t M = x.size(0), K = x.size(1), num_blocks = packed.size(0), N = num_blocks * kBlock;
+  TORCH_CHECK(packed.size(1) * 4 == K && group > 0 && group % 4 == 0 && K % group == 0,
+              "int8_linear: x has K=", K, " but the weight does not, or the group does not divide it");
+  auto y = torch::empty({M, N}, x.options());
+  const void* res = residual_of(residual, y, "int8_linear");
+  if (x.scalar_type() == torch::kBFloat16) {
+    int8_path(x.data_ptr<at::BFloat16>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), y.data_ptr<at::BFloat16>(),
+              static_cast<const at::BFloat16*>(res), M, K, num_blocks, group);
+  } else {
+    int8_path(x.data_ptr<float>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), y.data_ptr<float>(),
+              static_cast<const float*>(res), M, K, num_blocks, group);
   }
   return y;
 }
@@ -901,7 +1020,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x (M, K) @ W^T (+ residual) with int4 W in the int4x16 layout", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int_rows"),
         py::arg("residual") = py::none());
-  m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 kernel uses");
+  m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 and int8 kernels use");
+  m.def("int8_pack", &int8_pack, "W (N, K) -> int8 per output row, the int8x16 layout");
+  m.def("int8_linear", &int8_linear, "x (M, K) @ W^T (+ residual) with int8 W in the int8x16 layout", py::arg("x"),
+        py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
   m.def("decode_step_attention", &decode_step_attention,
