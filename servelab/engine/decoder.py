@@ -319,6 +319,7 @@ class LlamaDecoder:
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
+        self._stack = None  # Int4DecodeStack, built on first use; False where it does not fit
         rotary = body.rotary_emb
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
@@ -370,9 +371,15 @@ class LlamaDecoder:
 
     def _decode_hidden(self, h: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
         """A running batch's decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into
-        two), the fused attention step and SwiGLU's activation: eight kernel calls."""
+        two), the fused attention step and SwiGLU's activation: eight kernel calls, or (an int4 model) one call for
+        every layer (Int4DecodeStack in blocked.cpp: the same kernels in the same order)."""
         B, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         lengths = cache.lengths_tensor()  # (B,): where each row's new key and value go
+        if (stack := self._int4_stack()) is not None:
+            out = stack.step(h.reshape(B, -1).contiguous(), self.cos, self.sin, positions, cache.keys, cache.values,
+                             lengths)
+            cache.advance(1)
+            return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
             keys, values = cache.layer(i)
@@ -386,6 +393,24 @@ class LlamaDecoder:
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
         h = self._hidden(input_ids, attention_mask, position_ids, cache)
         return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
+
+    def _int4_stack(self):
+        """The decode step's layers as one kernel call, where every projection is servelab's int4 kernel without
+        bias or padding and the norms and attention are servelab's: built on the first decode step (after any
+        change to a projection's int_rows), else None."""
+        if self._stack is None:
+            projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            blocked = self.kernel.blocked.module if self.kernel.blocked is not None else None
+            fits = (blocked is not None and self.decode_step_attention is not None and self.rms_norm == blocked.rms_norm
+                    and all(isinstance(p, ServelabInt4Linear) and p.takes_residual for p in projections))
+            self._stack = False
+            if fits:
+                self._stack = blocked.Int4DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+                for layer in self.layers:
+                    self._stack.add_layer(layer.attn_norm, layer.mlp_norm,
+                                          *((p.packed, p.scales, p.zeros, p.group_size, p.int_rows)
+                                            for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+        return self._stack or None
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                keep: int) -> torch.Tensor:

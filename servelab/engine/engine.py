@@ -300,7 +300,8 @@ class Engine:
         """A token for each of these rows (logits row i is rows[indices[i]]), the text each released, and
         the rows that finished (they leave)."""
         rows = [self._rows[i] for i in indices]
-        next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows])
+        # NOTE: fp32 holds bf16 logits exactly; torch's argmax over bf16 is 5x slower than over fp32 on CPU
+        next_ids = sample_next(logits.float(), [r.request.params for r in rows], [r.generator for r in rows])
         now = time.perf_counter()
         tokens, texts, finished = [], [], []
         for row, token_id in zip(rows, next_ids.tolist()):

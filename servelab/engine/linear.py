@@ -463,10 +463,18 @@ class Int8Linear:
         return [self.weight, self.scales]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the dequantised weight (an embedding lookup): ids (...) -> (..., K) fp32."""
+        """Rows `ids` of the dequantised weight (an embedding lookup): ids (...) -> (..., K) fp32. NOTE: the layout
+        interleaves each 4 blocks unit by unit (quad_at in blocked.cpp): block b's unit u starts at
+        quad_start + u x (blocks in its quad) x 64 + (b % 4) x 64, output j of the block at byte 4 j of a unit."""
         flat = ids.reshape(-1)
-        lines = self.weight.view(self.weight.shape[0], self.weight.shape[1], BLOCK, 4)  # (N/16, K/4, 16, 4)
-        q = lines[flat // BLOCK, :, flat % BLOCK, :].reshape(flat.shape[0], -1).to(torch.int16) - 128
+        num_blocks, num_units = self.weight.shape[:2]
+        block, lane = flat // BLOCK, flat % BLOCK
+        quad = block // 4 * 4
+        stride = torch.clamp(num_blocks - quad, max=4) * 64
+        start = quad * num_units * 64 + (block - quad) * 64 + lane * 4  # (T,)
+        offsets = (start[:, None, None] + torch.arange(num_units)[None, :, None] * stride[:, None, None]
+                   + torch.arange(4)[None, None, :])  # (T, K/4, 4)
+        q = self.weight.view(-1)[offsets.view(flat.shape[0], -1)].to(torch.int16) - 128
         return (q.float() * self.scales.view(-1)[flat, None]).reshape(*ids.shape, -1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -263,6 +263,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert list(completion.token_ids) == expected, request.prompt
     fused = engine.decoder.layers[0].qkv  # q/k/v int4 weights joined: one int4 matmul
     if blocked.module is not None:
+        assert engine.decoder._int4_stack() is not None  # the decode steps above ran every layer in one call
         assert isinstance(fused, ServelabInt4Linear)
         assert engine.kernel.startswith("servelab decoder, int4 servelab")  # reported with every run
         assert engine.loaded.model.model.layers[0].self_attn.q_proj.qweight.numel() == 0
@@ -270,6 +271,37 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert engine.weight_bytes >= own_layout > 0  # the process's weights: the decoder's layouts
     else:
         assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
+
+
+@torch.inference_mode()
+def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: ServingConfig,
+                                                         awq_settings: Settings) -> None:
+    """The one-call decode step (Int4DecodeStack) runs the same kernels in the same order as the decoder's loop:
+    the same logits to the bit, and the same cache, over rows of different lengths."""
+    engine = Engine.from_config(tiny_config, awq_settings)
+    decoder = engine.decoder
+    if decoder._int4_stack() is None:
+        pytest.skip("servelab's int4 kernel does not serve here")
+    outputs = []
+    for stack in (None, False):
+        decoder._stack = stack  # None: built on first use; False: the Python loop
+        engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=6))
+                    for i, p in enumerate(PROMPTS)])
+        batch = engine._cache
+        steps = []
+        for _ in range(3):
+            mask, positions = batch.next_inputs()
+            last = torch.tensor([[r.token_ids[-1]] for r in engine._rows])
+            steps.append(decoder.forward(last, mask, positions, batch))
+            for row, token in zip(engine._rows, steps[-1].argmax(-1).tolist()):
+                row.token_ids.append(token)
+        outputs.append((steps, [k.clone() for k in batch.keys]))
+        engine.cancel(engine.live_request_ids)
+    (with_stack, keys_stack), (loop, keys_loop) = outputs
+    for a, b in zip(with_stack, loop):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(keys_stack, keys_loop):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:

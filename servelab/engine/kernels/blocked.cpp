@@ -356,7 +356,10 @@ namespace {
 // high one (j < 16, t < 4). So one 32-bit lane holds 4 consecutive k of one output: the low nibbles of a
 // 64-byte line are 16 lanes x k0..k0+3 and the high nibbles k0+4..k0+7, which is what an integer dot product
 // of 4 unsigned bytes against 4 signed ones per lane takes (AVX-512 VNNI vpdpbusd, or vpmaddubsw + vpmaddwd),
-// and an AVX2 build reads the same line as two 32-byte halves (outputs 0-7, 8-15). Per block and group: the
+// and an AVX2 build reads the same line as two 32-byte halves (outputs 0-7, 8-15). Each 4 consecutive blocks (a
+// "quad") are interleaved unit by unit, so the 1-4 blocks a pass reads side by side come as one sequential stream,
+// not 4 streams of a few KB each; quad_at() says where a block starts and how far apart its units are. Per
+// block and group: the
 // 16 outputs' scales s in fp16 (as AWQ stores them) and zero points z as bytes, so that w = s (q - z): 3 bytes
 // per output and group (fp32 s and s z took 8, a fifth of what a step read at group 64).
 //
@@ -429,6 +432,15 @@ inline int64_t int4_span_for(int64_t M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
 inline int64_t int4_span_for(int64_t M) { return M == 1 ? 2 : 1; }
 #endif
 
+struct QuadAt {  // a block in a quad-interleaved layout: its first unit, and the bytes from one of its units to the next
+  const uint8_t* first;
+  int64_t unit_stride;
+};
+inline QuadAt quad_at(const uint8_t* W, int64_t b, int64_t num_blocks, int64_t block_bytes) {
+  const int64_t quad = b / 4 * 4;
+  return {W + quad * block_bytes + (b - quad) * kUnit, std::min<int64_t>(4, num_blocks - quad) * kUnit};
+}
+
 struct Int4Rows {  // the rows of x, quantised per group: xi (M, K) int8, d (M, groups), d * sum(xi) (M, groups)
   const int8_t* xi;
   const float* d;
@@ -439,9 +451,9 @@ struct Int4Rows {  // the rows of x, quantised per group: xi (M, K) int8, d (M, 
 // R rows x C adjacent blocks, integer dot products per group. w: the first block's bytes; s, z: its (groups, 16)
 // scales and zero points; y and the residual (when given) have row stride ldy.
 template <int R, int C, typename TY>
-void block_int4(const uint8_t* w, const at::Half* s, const uint8_t* z, const Int4Rows& x, int64_t group, int64_t row0,
+void block_int4(QuadAt w, const at::Half* s, const uint8_t* z, const Int4Rows& x, int64_t group, int64_t row0,
                 TY* y, int64_t ldy, const TY* res) {
-  const int64_t K = x.K, units_per_group = group / 8, block_bytes = K / 8 * kUnit, block_groups = x.groups * kBlock;
+  const int64_t K = x.K, units_per_group = group / 8, block_groups = x.groups * kBlock;
   const IVec low = iset1(0x0F0F0F0F);
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
@@ -453,11 +465,11 @@ void block_int4(const uint8_t* w, const at::Half* s, const uint8_t* z, const Int
       for (int c = 0; c < C; ++c)
         for (int v = 0; v < kVecs; ++v) dots[r][c][v] = izero();
     for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
-      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * block_bytes + (u + 16) * kUnit), _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w.first + c * kUnit + (u + 8) * w.unit_stride), _MM_HINT_T0);
       IVec lo[C][kVecs], hi[C][kVecs];
       for (int c = 0; c < C; ++c)
         for (int v = 0; v < kVecs; ++v) {
-          const IVec raw = iload(w + c * block_bytes + u * kUnit + v * (kUnit / kVecs));
+          const IVec raw = iload(w.first + c * kUnit + u * w.unit_stride + v * (kUnit / kVecs));
           lo[c][v] = iand(raw, low);
           hi[c][v] = iand(isrl(raw, 4), low);
         }
@@ -493,12 +505,12 @@ void block_int4(const uint8_t* w, const at::Half* s, const uint8_t* z, const Int
 }
 
 // One block of int4 weights -> (K, 16) fp32 in the blocked16 layout: w = s (q - z).
-void dequantize_block(const uint8_t* w, const at::Half* s, const uint8_t* z, int64_t K, int64_t group, float* out) {
+void dequantize_block(QuadAt w, const at::Half* s, const uint8_t* z, int64_t K, int64_t group, float* out) {
   const IVec low = iset1(0x0F);
   for (int64_t u = 0; u < K / 8; ++u) {
     const int64_t g = u * 8 / group;
     for (int v = 0; v < kVecs; ++v) {
-      const IVec raw = iload(w + u * kUnit + v * (kUnit / kVecs));
+      const IVec raw = iload(w.first + u * w.unit_stride + v * (kUnit / kVecs));
       const Vec scale = vload(s + g * kBlock + v * kLanes), zero = vload_u8(z + g * kBlock + v * kLanes);
       for (int t = 0; t < 4; ++t) {
         const Vec q_lo = itof(iand(isrl(raw, 8 * t), low)), q_hi = itof(iand(isrl(raw, 8 * t + 4), low));
@@ -553,7 +565,7 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
       for (int64_t m = 0; m < M; m += kMaxRows) {
         dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
           const int64_t at = m * N + b * kBlock;
-          block_int4<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * block_groups,
+          block_int4<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
                                                              Z + b * block_groups, rows, group, m, Y + at, N,
                                                              res ? res + at : nullptr);
         });
@@ -574,7 +586,7 @@ void int4_tile_path(const float* X, const uint8_t* W, const at::Half* S, const u
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
       for (int c = 0; c < blocks; ++c)
-        dequantize_block(W + (b + c) * block_bytes, S + (b + c) * block_groups, Z + (b + c) * block_groups, K, group,
+        dequantize_block(quad_at(W, b + c, num_blocks, block_bytes), S + (b + c) * block_groups, Z + (b + c) * block_groups, K, group,
                          tile.data() + c * K * kBlock);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
@@ -588,12 +600,13 @@ void int4_tile_path(const float* X, const uint8_t* W, const at::Half* S, const u
 
 // ---- int8 output layer --------------------------------------------------------------------------------------
 // Layout "int8x16": W (N, K) quantised per output row (symmetric: s = max|w| / 127, q = round(w / s)) becomes
-// (N/16, K/4, 64 bytes): byte 4 j + t of a line holds q + 128 of output j, input k0 + t; s per output in fp32.
+// (N/16, K/4, 64 bytes), quads interleaved as for int4: byte 4 j + t of a line holds q + 128 of output j, input
+// k0 + t; s per output in fp32.
 // The activations are quantised per group as for int4, so y = s sum over groups of (d dot - offset d sum(x)).
 template <int R, int C, typename TY>
-void block_int8(const uint8_t* w, const float* s, const Int4Rows& x, int64_t group, int64_t row0, TY* y, int64_t ldy,
+void block_int8(QuadAt w, const float* s, const Int4Rows& x, int64_t group, int64_t row0, TY* y, int64_t ldy,
                 const TY* res) {
-  const int64_t K = x.K, units_per_group = group / 4, block_bytes = K / 4 * kUnit;
+  const int64_t K = x.K, units_per_group = group / 4;
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -604,10 +617,10 @@ void block_int8(const uint8_t* w, const float* s, const Int4Rows& x, int64_t gro
       for (int c = 0; c < C; ++c)
         for (int v = 0; v < kVecs; ++v) dots[r][c][v] = izero();
     for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
-      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * block_bytes + (u + 16) * kUnit), _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w.first + c * kUnit + (u + 8) * w.unit_stride), _MM_HINT_T0);
       IVec raw[C][kVecs];
       for (int c = 0; c < C; ++c)
-        for (int v = 0; v < kVecs; ++v) raw[c][v] = iload(w + c * block_bytes + u * kUnit + v * (kUnit / kVecs));
+        for (int v = 0; v < kVecs; ++v) raw[c][v] = iload(w.first + c * kUnit + u * w.unit_stride + v * (kUnit / kVecs));
       for (int r = 0; r < R; ++r) {
         int32_t four;  // xi[k0..k0+3], broadcast
         std::memcpy(&four, x.xi + (row0 + r) * K + u * 4, 4);
@@ -645,7 +658,7 @@ void int8_path(const TX* X, const uint8_t* W, const float* S, TX* Y, const TX* r
       for (int64_t m = 0; m < M; m += kMaxRows) {
         dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
           const int64_t at = m * N + b * kBlock;
-          block_int8<decltype(r)::value, decltype(c)::value>(W + b * block_bytes, S + b * kBlock, rows, group, m,
+          block_int8<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * kBlock, rows, group, m,
                                                              Y + at, N, res ? res + at : nullptr);
         });
       }
@@ -655,8 +668,18 @@ void int8_path(const TX* X, const uint8_t* W, const float* S, TX* Y, const TX* r
 
 }  // namespace
 
+// (blocks, units, 64) block by block -> the same bytes with each 4 consecutive blocks interleaved unit by unit.
+static torch::Tensor interleave_quads(const torch::Tensor& blocks) {
+  const int64_t nb = blocks.size(0), full = nb / 4 * 4, units = blocks.size(1);
+  std::vector<torch::Tensor> parts;
+  if (full) parts.push_back(blocks.slice(0, 0, full).view({full / 4, 4, units, kUnit}).transpose(1, 2).reshape(-1));
+  if (full < nb) parts.push_back(blocks.slice(0, full, nb).transpose(0, 1).reshape(-1));
+  return torch::cat(parts).view(blocks.sizes());
+}
+
 // AWQ's unpacked int4 values q (N, K) uint8 in 0..15, scales (K / group, N) holding fp16 values and zeros (same
-// shape, 0..15) -> [weights (N/16, K/8, 64) uint8, scales (N/16, K/group, 16) fp16, zeros (same) uint8].
+// shape, 0..15) -> [weights (N/16, K/8, 64) uint8 with quads interleaved, scales (N/16, K/group, 16) fp16, zeros
+// (same) uint8].
 // N % 16 == 0, K % group == 0, group % 8 == 0.
 std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                                      int64_t group) {
@@ -676,7 +699,7 @@ std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor
   // (N/16, 16, K/8, 2, 4) -> (N/16, K/8, 16, 4) with the second 4 k in the high nibble
   const auto blocks = q.contiguous().view({N / kBlock, kBlock, K / 8, 2, 4}).permute({0, 2, 1, 3, 4});
   const auto lo = blocks.select(3, 0), hi = blocks.select(3, 1);
-  const auto packed = lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous().view({N / kBlock, K / 8, kUnit});
+  const auto packed = interleave_quads(lo.bitwise_or(hi.bitwise_left_shift(4)).contiguous().view({N / kBlock, K / 8, kUnit}));
   auto lay = [&](const torch::Tensor& t) { return t.view({K / group, N / kBlock, kBlock}).transpose(0, 1).contiguous(); };
   return {packed, lay(half_scales), lay(z.to(torch::kUInt8))};
 }
@@ -719,7 +742,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
-// W (N, K) fp32 or bf16, N % 16 == 0, K % 4 == 0 -> [int8 weights (N/16, K/4, 64) uint8, scales (N/16, 16) fp32].
+// W (N, K) fp32 or bf16, N % 16 == 0, K % 4 == 0 -> [int8 weights (N/16, K/4, 64) uint8 with quads interleaved,
+// scales (N/16, 16) fp32].
 std::vector<torch::Tensor> int8_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % kBlock == 0 && weight.size(1) % 4 == 0,
               "int8_pack: weight must be (N, K) with N % 16 == 0 and K % 4 == 0");
@@ -728,7 +752,7 @@ std::vector<torch::Tensor> int8_pack(const torch::Tensor& weight) {
   const auto scales = w.abs().amax(1) / 127.0;  // (N,)
   const auto q = torch::where(scales.unsqueeze(1) > 0, (w / scales.unsqueeze(1)).round(), torch::zeros_like(w))
                      .clamp(-127, 127).to(torch::kInt16).add(128).to(torch::kUInt8);
-  const auto packed = q.view({N / kBlock, kBlock, K / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({N / kBlock, K / 4, kUnit});
+  const auto packed = interleave_quads(q.view({N / kBlock, kBlock, K / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({N / kBlock, K / 4, kUnit}));
   return {packed, scales.view({N / kBlock, kBlock}).contiguous()};
 }
 
@@ -1000,6 +1024,55 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+// A decode step through every layer of an int4 model in one call: per layer the norm, the q/k/v matmul, the fused
+// attention step, o with the residual, the norm, gate/up, SwiGLU, down with the residual, as LlamaDecoder's
+// Python loop calls the same kernels, without a Python round trip per operation (at batch 1 those cost about as
+// much as the layers' weight reads). Holds its weights by reference: the decoder's own tensors.
+class Int4DecodeStack {
+ public:
+  using Projection = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>;  // packed, scales, zeros, group, int_rows
+
+  Int4DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+      : H_(num_heads), H_kv_(num_kv_heads), D_(head_dim), eps_(eps) {}
+
+  void add_layer(const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm, const Projection& qkv,
+                 const Projection& o, const Projection& gate_up, const Projection& down) {
+    layers_.push_back({attn_norm, mlp_norm, qkv, o, gate_up, down});
+  }
+
+  // h (B, C) -> h after every layer; keys / values: each layer's cache slots (rows, H_kv, columns, D).
+  torch::Tensor step(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, const torch::Tensor& lengths) const {
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "Int4DecodeStack: one cache per layer");
+    const int64_t B = h.size(0);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      const auto qkv = apply(layer.qkv, rms_norm(h, layer.attn_norm, eps_), c10::nullopt).view({B, H_ + 2 * H_kv_, D_});
+      const auto attended = decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, H_, scale);
+      h = apply(layer.o, attended, h);
+      h = apply(layer.down, silu_mul(apply(layer.gate_up, rms_norm(h, layer.mlp_norm, eps_), c10::nullopt)), h);
+    }
+    return h;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    torch::Tensor attn_norm, mlp_norm;
+    Projection qkv, o, gate_up, down;
+  };
+
+  static torch::Tensor apply(const Projection& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual) {
+    return int4_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), residual);
+  }
+
+  int64_t H_, H_kv_, D_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
 bool native_bf16() {
 #ifdef __AVX512BF16__
   return true;
@@ -1029,4 +1102,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step_attention", &decode_step_attention,
         "a decode step's rotary positions, cache write and attention for one layer, fused");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
+  py::class_<Int4DecodeStack>(m, "Int4DecodeStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &Int4DecodeStack::add_layer)
+      .def("step", &Int4DecodeStack::step)
+      .def("num_layers", &Int4DecodeStack::num_layers);
 }
