@@ -48,7 +48,7 @@ def _print_status(report, state_dir) -> None:
         typer.echo(f"  {p.name:<24} pid {p.pid:<8} {state:<12}{extra}  log {p.log}")
     typer.secho("servers", bold=True)
     for s in report.servers:
-        where = f"embedded, pid {s.pid}" if s.is_embedded else "set by URL"
+        where = f"embedded, pid {s.pid}" if s.is_embedded else ("set by URL" if s.url else "none")
         state = "answers" if s.answers else f"DOWN: {s.error}"
         typer.echo(f"  {s.kind:<9} {s.url or '-'}  ({where})  {state}")
     typer.secho("workers", bold=True)
