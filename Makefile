@@ -1,22 +1,39 @@
 # servelab: `make demo` runs the main job, `make test` runs the tests. Both create .venv on first use.
+# `make lock` writes requirements.lock again; `make stop` stops the local stack; `make clean` removes it all.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 SL := $(VENV)/bin/servelab
 STAMP := $(VENV)/.installed
+LOCK := requirements.lock
+EXTRAS := engine,dashboard,test,local
+PIP_VERSION := 26.3
 
-.PHONY: install demo test bench stop clean
+.PHONY: install lock demo test bench stop clean
 
-$(STAMP): pyproject.toml requirements-nodeps.txt
+# Every package at the version requirements.lock names (applied as pip constraints: the whole tree pinned).
+$(STAMP): pyproject.toml requirements-nodeps.txt $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
 	# torch==2.13.0 is pinned: on these machines pip takes the CPU wheel already on disk.
-	$(PY) -m pip install --quiet -e ".[engine,dashboard,test]"
+	$(PY) -m pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
 	# Packages whose declared dependencies are wrong for this stack (see README, "Dependencies").
-	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install --quiet --no-deps -c $(LOCK) -r requirements-nodeps.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Write requirements.lock again from a fresh resolve (after a pin in pyproject.toml changed), in a throwaway venv.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet pip==$(PIP_VERSION)
+	.lock-venv/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	.lock-venv/bin/python -m pip install --quiet --no-deps -r requirements-nodeps.txt
+	sed -n '/^#/p' $(LOCK) > .lock-venv/lock.txt
+	.lock-venv/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' >> .lock-venv/lock.txt
+	mv .lock-venv/lock.txt $(LOCK)
+	rm -rf .lock-venv
 
 # The main job: the local stack, a batch file through the API, AWQ int4 against fp32, the verdict.
 demo: $(STAMP)
@@ -29,7 +46,7 @@ demo: $(STAMP)
 	@echo
 	@echo "The stack is still up: API http://127.0.0.1:8000/v1 (key in .state/demo.key), model 'smollm2'."
 	@echo "Dashboard: $(SL) dashboard   then open http://127.0.0.1:8501"
-	@echo "Stop everything: make stop"
+	@echo "What runs: $(SL) status    Stop everything: make stop"
 
 test: $(STAMP)
 	$(PY) -m pytest

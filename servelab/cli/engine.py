@@ -89,20 +89,35 @@ def _print_result(prompts: list[str], result) -> None:
 
 
 def quantize(config: ConfigOption) -> None:
-    """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it."""
+    """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it.
+
+    gptqmodel's own output (hundreds of lines) goes to <state>/logs/quantize-<config>.log; the terminal shows one
+    line that follows the layers. stdout is the result line only.
+    """
     serving = load_config(config)
 
-    from servelab.engine.awq import quantize as quantize_model
-    from servelab.engine.loader import ModelLoadError
+    from servelab.cli.progress import LayerTicker, output_to_log
 
     if serving.weights != "awq-int4":
         fail(f"{config}: weights is {serving.weights!r}; quantize needs weights: awq-int4")
-    try:
-        record = quantize_model(serving, settings(), progress=progress)
-    except (ModelLoadError, ValueError) as exc:
-        fail(str(exc))
+    log_path = Path(settings().state_dir) / "logs" / f"quantize-{serving.name}.log"
+    record, error = None, None
+    with output_to_log(log_path) as terminal, \
+            LayerTicker(terminal, label=f"quantising {serving.name}", log_path=log_path) as ticker:
+        # NOTE: imported inside: importing the engine and gptqmodel prints warnings of its own
+        from servelab.engine.awq import quantize as quantize_model
+        from servelab.engine.loader import ModelLoadError
+
+        try:
+            record = quantize_model(serving, settings(), progress=ticker.say)
+        except (ModelLoadError, ValueError) as exc:
+            error = str(exc)
+    if record is None:
+        fail(f"{error} (gptqmodel's output: {log_path})")
     verb = "reused" if record.is_reused else f"made in {record.quantize_s:.0f} s"
     calibration = (f"{record.num_calibration_samples} x {record.calibration_seq_len} tokens of "
                    f"{record.calibration_set}" if record.calibration_set else "no calibration (round to nearest)")
+    if not record.is_reused:
+        progress(f"gptqmodel's output: {log_path}")
     typer.echo(f"{record.method} int{record.bits} g{record.group_size} checkpoint {verb}: {record.checkpoint} "
                f"({calibration})")

@@ -22,6 +22,7 @@ from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, con
 def run(
     config: ConfigOption,
     workload: Annotated[Path, typer.Option("--workload", "-w", help="workload YAML, e.g. workloads/smoke.yaml")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the run's id and summary as JSON")] = False,
 ) -> None:
     """Serve a workload with one config through a real worker and the queue; store and print the run."""
     from servelab.lab.runner import RunError, run_workload, start_worker, warm_up
@@ -34,6 +35,11 @@ def run(
                 outcome = run_workload(workload=loaded, config=serving, worker=started, progress=progress)
         except RunError as exc:
             fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps({"run_id": str(outcome.run_id), "config": serving.name, "workload": loaded.name,
+                               "workload_fingerprint": loaded.fingerprint, "kernel": outcome.kernel,
+                               "summary": outcome.summary.as_dict()}, indent=2, default=str))
+        return
     typer.echo(f"run {outcome.run_id}: {serving.name} on {loaded.name} ({loaded.fingerprint}), "
                f"kernel {outcome.kernel}")
     typer.echo(_format_summary(outcome.summary))
@@ -138,6 +144,8 @@ def quality(
     configs: Annotated[str, typer.Option(help="comma-separated serving configs; the first is the baseline")],
     samples: Annotated[int, typer.Option(help="LAMBADA passages, the same for every config")] = 100,
     seed: int = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print each config's figures (and the paired drop and "
+                                                         "ratio against the first) as JSON")] = False,
 ) -> None:
     """LAMBADA last-word accuracy and perplexity of each config through the serving engine, paired."""
     serving = [load_config(path) for path in config_paths(configs)]
@@ -155,6 +163,13 @@ def quality(
             fail(str(exc))
         results.append(evaluate_lambada(engine, passages, batch_size=config.batching.max_batch_size))
         del engine
+    if as_json:
+        records = [{**r.as_dict(), **({} if r is results[0] else {
+            "accuracy_drop": accuracy_drop(results[0], r).as_dict(),
+            "perplexity_ratio": perplexity_ratio(results[0], r).as_dict()})} for r in results]
+        typer.echo(json.dumps({"samples": samples, "seed": seed, "baseline": serving[0].name, "configs": records},
+                              indent=2))
+        return
     typer.echo(f"LAMBADA, {samples} passages (seed {seed}); intervals are 95 %; drop and ratio are paired "
                f"against {serving[0].name}")
     for config, result in zip(serving, results):

@@ -91,10 +91,14 @@ def load_engines(configs: list[ServingConfig], threads: int | None) -> list:
 @contextmanager
 def connected(with_settings: Settings | None = None) -> Iterator[Runtime]:
     """Connect (creating and migrating the database) with these Settings, default this process's; the
-    connections are closed however the block ends."""
+    connections are closed however the block ends. An embedded server that cannot start is one line, exit 2."""
+    from servelab.embedded import EmbeddedServerError
     from servelab.runtime import connect
 
-    runtime = connect(with_settings or settings())
+    try:
+        runtime = connect(with_settings or settings())
+    except EmbeddedServerError as exc:
+        fail(str(exc))
     try:
         yield runtime
     finally:

@@ -44,8 +44,12 @@ def up(
     = "configs/smollm2.yaml",
     port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
 ) -> None:
-    """Start the local stack in the background: Redis and PostgreSQL (embedded unless URLs are set), the
-    schema, the api, the jobs-worker, beat and a gpu-worker per config. `servelab down` stops it."""
+    """Start the local stack in the background, or start again what of it died.
+
+    Redis and PostgreSQL (embedded unless SERVELAB_REDIS_URL / SERVELAB_DATABASE_URL are set), the schema, the
+    api, the jobs-worker, beat and a gpu-worker per config. What runs is kept; a process that died is started
+    again. `servelab status` shows it, `servelab down` stops it.
+    """
     from servelab.stack import StackError, start_stack
 
     paths = config_paths(configs)
@@ -57,12 +61,16 @@ def up(
            "SERVELAB_KEY_PREFIX": where.key_prefix, "SERVELAB_CACHE_DIR": str(Path(where.cache_dir).resolve()),
            "SERVELAB_STATE_DIR": str(Path(where.state_dir).resolve())}
     try:
-        processes = start_stack(where, env=env, config_paths=paths, api_port=port)
+        changes = start_stack(where, env=env, config_paths=paths, api_port=port)
     except StackError as exc:
         fail(str(exc))
-    for p in processes:
-        typer.echo(f"{p.name:<24} pid {p.pid:<8} log {p.log}")
-    typer.echo(f"API: http://127.0.0.1:{port}/v1 (OpenAI-compatible; model = a config name)")
+    for change in changes:
+        p = change.process
+        was = f" (pid {change.was.pid} had died)" if change.action == "restarted" else ""
+        typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}")
+    api = next((c.process for c in changes if c.process.name == "api"), None)
+    if api is not None and api.health_url:
+        typer.echo(f"API: {api.health_url.removesuffix('/healthz')}/v1 (OpenAI-compatible; model = a config name)")
 
 
 def down() -> None:
@@ -80,7 +88,11 @@ def dashboard(
     port: Annotated[int, typer.Option(help="port to serve the dashboard on")] = 8501,
     address: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
 ) -> None:
-    """Serve the dashboard (Streamlit; reads Postgres and Redis only) until stopped."""
+    """Serve the dashboard (Streamlit; reads Postgres and Redis only) on 127.0.0.1 until stopped.
+
+    It has no login and shows every tenant's data: keep it on 127.0.0.1 (an SSH tunnel to reach it) unless a
+    proxy with a login stands in front.
+    """
     import os
     import sys
 
@@ -115,4 +127,5 @@ def jobs_worker(concurrency: int = 2) -> None:
 
 def beat() -> None:
     """Run Celery beat: it sweeps batch jobs every jobs_poll_s and reaps lost stream entries."""
-    _run_module("worker.jobs", "beat", "--loglevel=INFO")
+    # NOTE: remote control on, so that `servelab health beat` (celery inspect ping) reaches it
+    _run_module("worker.jobs", "beat", "--loglevel=INFO", "--enable-remote-control")

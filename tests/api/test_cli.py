@@ -1,8 +1,14 @@
-"""The `servelab keys create`, `submit` and `results` commands against a running API, jobs-worker and worker."""
+"""The `servelab keys`, `submit`, `results` and `health` commands against a running API, jobs-worker, beat and
+worker."""
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
 
 import httpx
 from sqlalchemy import select, update
@@ -10,9 +16,12 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.store import keys
+from servelab.store import requests as request_store
 from servelab.store.db import session_scope
-from servelab.store.models import ApiKeyRow, FileRow
-from tests.jobs.conftest import line
+from servelab.store.models import ApiKeyRow, FileRow, WorkerRow
+from tests.api.conftest import _free_port, api_process
+from tests.conftest import REPO
+from tests.jobs.conftest import line, service_env
 
 
 def test_keys_create_prints_a_key_that_is_stored_only_hashed(stack) -> None:
@@ -61,7 +70,8 @@ def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api,
     submitted = CliRunner().invoke(app, ["submit", str(source), "--config", jobs_worker.model, *options])
     assert submitted.exit_code == 0, submitted.output
     batch_id = submitted.output.splitlines()[0]
-    assert "completed: 12 completed, 1 failed of 13" in submitted.output
+    # NOTE: no progress bar off a terminal: stdout is the batch id and the outcome, nothing else
+    assert submitted.stdout.splitlines() == [batch_id, "completed: 12 completed, 1 failed of 13"]
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     fetched = CliRunner().invoke(app, ["results", batch_id, "-o", str(out), "--errors", str(errors), *options])
     assert fetched.exit_code == 0, fetched.output
@@ -91,3 +101,66 @@ def test_a_wrong_key_is_one_clear_line_and_exit_code_2(served_api, tmp_path) -> 
     result = CliRunner().invoke(app, ["submit", str(source), "--api-url", served_api.removesuffix("/v1"),
                                       "--api-key", "sl-wrong"])
     assert result.exit_code == 2 and "401" in result.output and "not valid" in result.output
+
+
+def _health(env: dict[str, str], *args: str):
+    return CliRunner().invoke(app, ["health", *args], env=env)
+
+
+def _servelab_env(stack) -> dict[str, str]:
+    return {k: v for k, v in service_env(stack.settings).items() if k.startswith("SERVELAB_")}
+
+
+def test_health_of_the_api_and_of_a_worker_follows_what_answers(make_stack, redis_client) -> None:
+    stack = make_stack(with_worker=False)
+    env = _servelab_env(stack)
+    with api_process(stack) as url:
+        up = _health(env, "api", "--url", url.removesuffix("/v1") + "/healthz")
+        assert up.exit_code == 0 and "answered 200" in up.stdout, up.output
+    gone = _health(env, "api", "--url", f"http://127.0.0.1:{_free_port()}/healthz")
+    assert gone.exit_code == 1 and "does not answer" in gone.stderr, gone.output
+
+    name = f"health-{stack.settings.key_prefix}"
+    env = {**env, "SERVELAB_WORKER_NAME": name}
+    assert "has registered" in _health(env, "worker").stderr
+    with session_scope(stack.runtime.sessions) as session:
+        request_store.register_worker(session, name=name, serving_config_name="tiny", config_hash="h", hardware={},
+                                      software={})
+    try:
+        fresh = _health(env, "worker")
+        assert fresh.exit_code == 0 and name in fresh.stdout, fresh.output
+        with session_scope(stack.runtime.sessions) as session:
+            session.execute(update(WorkerRow).where(WorkerRow.name == name)
+                            .values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1)))
+        stale = _health(env, "worker")
+        assert stale.exit_code == 1 and "beat 3600 s ago" in stale.stderr, stale.output
+    finally:
+        with session_scope(stack.runtime.sessions) as session:
+            request_store.unregister_worker(session, name=name)
+
+
+def test_health_of_the_jobs_worker_and_beat_is_their_answer_to_a_celery_ping(make_stack, redis_client) -> None:
+    stack = make_stack(with_worker=False)
+    env = _servelab_env(stack)
+    host = socket.gethostname()
+    prefix = stack.settings.key_prefix
+    nodes = {"jobs-worker": f"jw-{prefix}@{host}", "beat": f"beat-{prefix}@{host}"}  # NOTE: names of this test's own
+    assert _health(env, "beat", "--node", nodes["beat"]).exit_code == 1, "no beat runs yet"
+    stack.settings.state_dir.mkdir(parents=True, exist_ok=True)
+    argvs = (["worker", "--pool=threads", "--concurrency=1", "--loglevel=WARNING", "-n", nodes["jobs-worker"]],
+             ["beat", "--loglevel=WARNING", "--enable-remote-control", "-n", nodes["beat"]])
+    processes = [subprocess.Popen([sys.executable, "-m", "worker.jobs", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=service_env(stack.settings)) for argv in argvs]
+    try:
+        for service, node in nodes.items():
+            deadline = time.monotonic() + 180
+            while (result := _health(env, service, "--node", node)).exit_code != 0:
+                assert time.monotonic() < deadline, f"{service} never answered: {result.output}"
+            assert "answers" in result.stdout
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    stopped = _health(env, "jobs-worker", "--node", nodes["jobs-worker"])
+    assert stopped.exit_code == 1 and "does not answer" in stopped.stderr, stopped.output
