@@ -239,3 +239,22 @@ def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Eng
     assert result.memory.kv_cache_allocated_bytes == engine.loaded.shape.kv_cache_bytes(2 * room, 2)
     assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
     assert result.timings.num_rows_per_step[-1] == 1
+
+
+@pytest.mark.slow
+def test_weight_bytes_are_what_a_serving_process_holds_in_resident_memory(settings) -> None:
+    """The lab's weight figure is what loading the bundled fp32 model adds to a fresh process's resident memory (one
+    copy: transformers' emptied, the checkpoint's file pages let go), and serving 16 rows peaks within weights, KV
+    cache and working memory plus a quarter."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.engine.conftest import REPO
+
+    run = subprocess.run([sys.executable, "-m", "tests.engine.resident_memory", "configs/fp32.yaml",
+                          str(settings.cache_dir)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0.9 * seen["weights"] <= seen["growth"] <= 1.1 * seen["weights"] + (32 << 20), seen
+    assert seen["peak"] <= 1.25 * (seen["weights"] + seen["kv"] + seen["working"]), seen
