@@ -17,7 +17,7 @@ from api.errors import BodySizeLimit, install_error_handlers
 from servelab.runtime import Runtime, connect
 from servelab.settings import ServiceSettings
 
-MAX_THREADS = 256  # NOTE: each waiting completion call holds one thread while it blocks on Redis
+MAX_THREADS = 256  # NOTE: each waiting completion call holds one thread while it blocks on Redis (1 s at a time)
 
 
 def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bool = False) -> FastAPI:

@@ -1,24 +1,29 @@
-"""The OpenAI Files and Batch API: upload a JSONL file, create / read / list / cancel a batch, download files.
+"""The OpenAI Files and Batch API: upload, list, read, download and delete files; create / read / list / cancel
+a batch, with its token usage.
 
 Thin: jobs and files are rows (servelab/store); the jobs-worker ingests, advances and finalises them
-(servelab/jobs), so creating a batch only writes its row. Another tenant's batch or file is 404.
+(servelab/jobs), so creating a batch only writes its row (once per Idempotency-Key). Another tenant's batch
+or file is 404; a file an unfinished batch reads cannot be deleted (409).
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, Path, Query, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import State, Tenant
+from api.deps import IdempotencyKey, State, Tenant
 from api.errors import ApiError
+from servelab.idempotency import HEADER, Fingerprint, KeyReused, check_reuse
 from servelab.protocol import ENDPOINTS
 from servelab.jobs.lifecycle import NotCancellable, cancel_job, parse_window
 from servelab.store import batch_jobs as jobs
 from servelab.store import files
+from servelab.store import idempotency as idempotency_keys
+from servelab.store import keys
 from servelab.store.db import session_scope
 
 # NOTE: ids are letters, digits, "-" and "_" (file-<hex>, batch_<hex>): anything else (a NUL byte, which
@@ -28,6 +33,10 @@ FileId = Annotated[str, Path(max_length=100, pattern=ID_PATTERN)]
 
 router = APIRouter()
 INPUT_PURPOSE = "batch"
+BATCHES = "/v1/batches"
+# OpenAI's bounds for a file's expiry (expires_after on upload, output_expires_after on a batch)
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3_600, 2_592_000
+UPLOAD_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
 
 
 class FileOut(BaseModel):
@@ -35,6 +44,7 @@ class FileOut(BaseModel):
     object: Literal["file"] = "file"
     bytes: int
     created_at: int
+    expires_at: int | None
     filename: str
     purpose: str
     status: Literal["processed"] = "processed"
@@ -42,7 +52,21 @@ class FileOut(BaseModel):
     @classmethod
     def of(cls, f: files.StoredFile) -> FileOut:
         return cls(id=f.id, bytes=f.num_bytes, created_at=int(f.created_at.timestamp()), filename=f.filename,
-                   purpose=f.purpose)
+                   purpose=f.purpose, expires_at=int(f.expires_at.timestamp()) if f.expires_at else None)
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's file expiry: this many seconds after the file is created."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)
 
 
 class FileList(BaseModel):
@@ -59,6 +83,8 @@ class BatchIn(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = Field(
+        default=None, description="the output and error files expire this long after they are written")
 
 
 class BatchOut(BaseModel):
@@ -81,6 +107,8 @@ class BatchOut(BaseModel):
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: dict[str, int]
+    usage: dict[str, Any] = Field(description="OpenAI's shape: input_tokens, output_tokens, total_tokens (and their "
+                                              "details) of the succeeded requests")
     metadata: dict[str, Any] | None
 
 
@@ -96,10 +124,20 @@ def _batch_out(session, job: jobs.StoredJob) -> BatchOut:
     counts = job.request_counts or jobs.count_requests(session, job=job).as_dict()
     stamps = {name: int(t.timestamp()) if t else None for name, t in job.timestamps.items()}
     errors = {"object": "list", "data": job.errors} if job.errors else None
+    # NOTE: a finished job's usage was written with its files (so it agrees with the output file); a live job's
+    # is summed now, and grows
+    usage = job.usage or jobs.sum_usage(session, job_id=job.id).as_dict()
     return BatchOut(id=job.public_id, endpoint=job.endpoint, errors=errors, input_file_id=job.input_file_id,
                     completion_window=job.completion_window, status=job.status.value,
                     output_file_id=job.output_file_id, error_file_id=job.error_file_id, request_counts=counts,
-                    metadata=job.metadata, **stamps)
+                    usage=_openai_usage(usage), metadata=job.metadata, **stamps)
+
+
+def _openai_usage(usage: dict[str, int]) -> dict[str, Any]:
+    """NOTE: no prompt cache and no reasoning tokens here: their details are 0, truly."""
+    return {"input_tokens": usage["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["input_tokens"] + usage["output_tokens"]}
 
 
 def _job_id(batch_id: str):
@@ -113,10 +151,31 @@ def _num_lines(content: bytes) -> int:
     return content.count(b"\n") + (0 if content.endswith(b"\n") else 1)
 
 
-@router.post("/v1/files", response_model=FileOut, tags=["files"])
+async def _known_form_fields(http: Request) -> None:
+    """NOTE: a form field FastAPI does not declare would be dropped in silence: refuse it, naming it."""
+    unknown = sorted(set((await http.form()).keys()) - UPLOAD_FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown form field {unknown[0]!r}; an upload takes {', '.join(sorted(UPLOAD_FIELDS))}",
+                       code="unknown_parameter", param=unknown[0])
+
+
+def _expires_after(anchor: str | None, seconds: int | None) -> timedelta | None:
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at" or seconds is None or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
+        raise ApiError(400, f"expires_after takes anchor 'created_at' and seconds from {MIN_EXPIRY_S} to "
+                       f"{MAX_EXPIRY_S}; got anchor {anchor!r}, seconds {seconds!r}", code="invalid_expires_after",
+                       param="expires_after")
+    return timedelta(seconds=seconds)
+
+
+@router.post("/v1/files", response_model=FileOut, tags=["files"], dependencies=[Depends(_known_form_fields)])
 def upload_file(state: State, tenant: Tenant, file: UploadFile = File(description="a JSONL batch file"),
-                purpose: str = Form(description="'batch'")) -> FileOut:
-    """Upload a JSONL batch input file (purpose 'batch')."""
+                purpose: str = Form(description="'batch'"),
+                expires_after_anchor: str | None = Form(default=None, alias="expires_after[anchor]", max_length=32),
+                expires_after_seconds: int | None = Form(default=None, alias="expires_after[seconds]")) -> FileOut:
+    """Upload a JSONL batch input file (purpose 'batch'), kept until deleted or, with expires_after, until then."""
+    expires_after = _expires_after(expires_after_anchor, expires_after_seconds)
     if purpose != INPUT_PURPOSE:
         raise ApiError(400, f"purpose must be 'batch', got {purpose!r}", code="invalid_purpose", param="purpose")
     content = file.file.read()
@@ -128,7 +187,7 @@ def upload_file(state: State, tenant: Tenant, file: UploadFile = File(descriptio
                        code="too_many_lines", param="file")
     with session_scope(state.runtime.sessions) as session:
         stored = files.create_file(session, tenant=tenant, purpose=purpose, filename=file.filename or "upload.jsonl",
-                                   content=content)
+                                   content=content, expires_after=expires_after)
     return FileOut.of(stored)
 
 
@@ -156,6 +215,23 @@ def read_file(file_id: FileId, state: State, tenant: Tenant) -> FileOut:
     return FileOut.of(found)
 
 
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, tags=["files"])
+def delete_file(file_id: FileId, state: State, tenant: Tenant) -> FileDeleted:
+    """Delete a file: its content is erased at once and it is gone for every read. NOTE: refused (409) while an
+    unfinished batch reads it as its input; a finished batch keeps naming its files after they are deleted."""
+    with session_scope(state.runtime.sessions) as session:
+        found = files.get_file(session, file_id=file_id, tenant=tenant, for_update=True)
+        if found is None:
+            raise ApiError(404, f"no file {file_id!r}", code="file_not_found", param="file_id")
+        readers = jobs.active_jobs_reading(session, file_id=file_id)
+        if readers:
+            names = ", ".join(jobs.public_id(i) for i in readers)
+            raise ApiError(409, f"file {file_id} is the input of unfinished batch {names}; cancel it or let it end "
+                           "first", code="file_in_use", param="file_id", headers={"x-should-retry": "false"})
+        files.delete_file(session, file_id=file_id, now=datetime.now(UTC))
+    return FileDeleted(id=file_id, deleted=True)
+
+
 @router.get("/v1/files/{file_id}/content", tags=["files"],
             responses={200: {"content": {"application/octet-stream": {}}}})
 def read_file_content(file_id: FileId, state: State, tenant: Tenant) -> Response:
@@ -167,24 +243,49 @@ def read_file_content(file_id: FileId, state: State, tenant: Tenant) -> Response
 
 
 @router.post("/v1/batches", response_model=BatchOut, tags=["batches"])
-def create_batch(body: BatchIn, state: State, tenant: Tenant) -> BatchOut:
-    """Create a batch from an uploaded file; the jobs-worker validates and runs every line."""
+def create_batch(body: BatchIn, state: State, tenant: Tenant, response: Response,
+                 key: IdempotencyKey = None) -> BatchOut:
+    """Create a batch from an uploaded file; the jobs-worker validates and runs every line. With an
+    Idempotency-Key, a retry answers with the batch the first call made."""
     assert body.endpoint in ENDPOINTS
     try:
         window = parse_window(body.completion_window)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_completion_window", param="completion_window") from None
+    now = datetime.now(UTC)
     with session_scope(state.runtime.sessions) as session:
-        found = files.get_file(session, file_id=body.input_file_id, tenant=tenant)
+        if key is not None and (earlier := _earlier_batch(session, tenant, key, body, now)) is not None:
+            response.headers["Idempotent-Replayed"] = "true"
+            return _batch_out(session, earlier)
+        found = files.get_file(session, file_id=body.input_file_id, tenant=tenant, for_update=True)
         if found is None:
             raise ApiError(404, f"no file {body.input_file_id!r}", code="file_not_found", param="input_file_id")
         if found.purpose != INPUT_PURPOSE:
             raise ApiError(400, f"file {found.id} has purpose {found.purpose!r}, not 'batch'",
                            code="invalid_input_file", param="input_file_id")
+        expires_after_s = body.output_expires_after.seconds if body.output_expires_after else None
         job = jobs.create_job(session, tenant=tenant, endpoint=body.endpoint, input_file_id=found.id,
                               completion_window=body.completion_window, metadata=body.metadata,
-                              expires_at=datetime.now(UTC) + window)
+                              expires_at=now + window, output_expires_after_s=expires_after_s)
+        if key is not None:
+            idempotency_keys.save_key(session, tenant=tenant, key=key, resource_id=job.public_id, now=now,
+                                      fingerprint=Fingerprint.of(BATCHES, body.model_dump(mode="json")),
+                                      ttl=state.key_ttl)
         return _batch_out(session, job)
+
+
+def _earlier_batch(session, tenant: str, key: str, body: BatchIn, now: datetime) -> jobs.StoredJob | None:
+    """The batch an earlier create with this key made (the tenant's keys locked until the commit)."""
+    keys.lock_tenant(session, tenant)
+    first = idempotency_keys.find_key(session, tenant=tenant, key=key, now=now)
+    if first is None:
+        return None
+    try:
+        check_reuse(first, Fingerprint.of(BATCHES, body.model_dump(mode="json")))
+    except KeyReused as exc:
+        raise ApiError(422, str(exc), code="idempotency_key_reused", param=HEADER) from None
+    job_id = jobs.parse_public_id(first.resource_id)
+    return jobs.get_job(session, job_id=job_id, tenant=tenant) if job_id else None
 
 
 @router.get("/v1/batches", response_model=BatchList, tags=["batches"])

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import ApiError
+from servelab.idempotency import HEADER, KEY_PATTERN, MAX_KEY_CHARS
 from servelab.jobs.catalog import Catalog, load_catalog
 from servelab.queue.streams import RequestStreams
 from servelab.runtime import Runtime
@@ -29,6 +30,10 @@ class ApiState:
 
     def streams(self, config_name: str) -> RequestStreams:
         return RequestStreams(self.runtime.redis, prefix=self.settings.key_prefix, config_name=config_name)
+
+    @property
+    def key_ttl(self) -> timedelta:
+        return timedelta(seconds=self.settings.idempotency_ttl_s)
 
     def catalog(self) -> Catalog:
         live_since = datetime.now(UTC) - timedelta(seconds=self.settings.worker_live_s)
@@ -55,3 +60,8 @@ def get_tenant(state: State, credentials: Annotated[HTTPAuthorizationCredentials
 
 
 Tenant = Annotated[str, Depends(get_tenant)]
+
+IdempotencyKey = Annotated[str | None, Header(
+    alias=HEADER, max_length=MAX_KEY_CHARS, pattern=KEY_PATTERN,
+    description="a retry with the same key gets the first submission's request (or batch), never a second one; "
+                "kept per tenant for SERVELAB_IDEMPOTENCY_TTL_S (default 24 h)")]

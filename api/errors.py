@@ -15,14 +15,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from servelab.config import describe_validation_error
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error", 503: "service_unavailable",
-         504: "timeout"}
+         409: "conflict_error", 413: "request_too_large", 422: "idempotency_error", 429: "rate_limit_error",
+         503: "service_unavailable", 504: "timeout"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
 
 
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None,
@@ -34,8 +36,8 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer", **exc.headers} if exc.status == 401 else exc.headers
+        return error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,25 +3,31 @@ server-sent events with Accept: text/event-stream), and the OpenAI-compatible PO
 POST /v1/chat/completions, which enqueue and wait, or stream (stream: true).
 
 Thin: bodies are checked against servelab.request's bounds by servelab.protocol, rows written by the store,
-ids added to the serving config's stream after the commit. Blocking waits and database calls run in the
-thread pool, streams in the event loop (api/streaming.py); neither blocks the loop.
+ids added to the serving config's stream after the commit. An Idempotency-Key maps a retried submission to
+the request the first one made (servelab.idempotency). A waiting call answers before the client's own read
+timeout, and its client leaving cancels a request no worker has started. Blocking waits and database calls
+run in the thread pool (waits in 1 s slices), streams in the event loop (api/streaming.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any, Literal
 
 from anyio.to_thread import run_sync
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from api.deps import ApiState, State, Tenant
+from api.deps import ApiState, IdempotencyKey, State, Tenant
 from api.errors import ApiError
 from api.streaming import openai_stream, request_event_stream
+from servelab.idempotency import HEADER, Fingerprint, KeyReused, check_reuse
 from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
                               FinishReason, SamplingParams)
 from servelab.protocol import (
@@ -33,20 +39,25 @@ from servelab.protocol import (
     CompletionBody,
     Rejection,
     Submission,
-    chat_completion_object,
     checked_submission,
-    completion_object,
     find_config,
     max_new_tokens,
+    response_object,
     to_submission,
 )
 from servelab.queue.streams import wait_done
+from servelab.queue.submit import cancel_for_client
+from servelab.store import idempotency as idempotency_keys
+from servelab.store import keys
 from servelab.store.requests import QueueFull, RequestView, admit_request, get_request_view
 from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
 
 router = APIRouter()
 STATUS_OF_REJECTION = {"invalid": 400, "unknown_model": 404, "too_large": 413}
+READ_TIMEOUT_HEADER = "x-stainless-read-timeout"  # what the openai client sends: its read timeout in seconds
+CLIENT_TIMEOUT_MARGIN_S = 5.0  # the answer leaves this long before the client's read timeout (network, commits)
+WAIT_SLICE_S = 1.0  # a waiting completion checks that its client is still there this often
 
 
 class Message(BaseModel):
@@ -135,18 +146,50 @@ def check(state: ApiState, body: CompletionBody | ChatCompletionBody | RequestIn
         raise ApiError(STATUS_OF_REJECTION[exc.kind], str(exc), code=exc.code, param=exc.param) from None
 
 
+@dataclass(frozen=True)
+class Submitted:
+    request_id: str
+    is_keyed: bool  # sent with an Idempotency-Key: its client may come back for it
+    replayed: bool = False  # the key named an earlier submission: this call joins that one's request
+
+    @property
+    def cancel_on_leave(self) -> bool:
+        """NOTE: a keyed request outlives its client's connection, kept for the retry the key announces."""
+        return not self.is_keyed
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """x-request-id: the openai client reads it as `response._request_id` and `error.request_id`."""
+        return {"x-request-id": self.request_id, **({"Idempotent-Replayed": "true"} if self.replayed else {})}
+
+
 def submit(state: ApiState, tenant: str, submission: Submission, *, kind: StreamKind = StreamKind.INTERACTIVE,
-           priority: int = 0) -> str:
+           priority: int = 0, key: str | None = None, fingerprint: Fingerprint | None = None) -> Submitted:
+    """Admit a request, or (key given) find the one an earlier submission with this key made."""
+    assert (key is None) == (fingerprint is None), "a key comes with the submission's fingerprint"
+    now = datetime.now(UTC)
     try:
         with session_scope(state.runtime.sessions) as session:
+            if key is not None:
+                keys.lock_tenant(session, tenant)  # NOTE: one use of a tenant's keys at a time
+                first = idempotency_keys.find_key(session, tenant=tenant, key=key, now=now)
+                if first is not None:
+                    check_reuse(first, fingerprint)
+                    if get_request_view(session, request_id=first.resource_id, tenant=tenant) is not None:
+                        return Submitted(first.resource_id, is_keyed=True, replayed=True)
             request_id = admit_request(
                 session, tenant=tenant, max_queued=state.settings.max_queued_requests,
                 serving_config_name=submission.serving_config_name, kind=kind, prompt=submission.prompt,
                 messages=submission.messages, sampling=submission.sampling, priority=priority)
+            if key is not None:
+                idempotency_keys.save_key(session, tenant=tenant, key=key, fingerprint=fingerprint,
+                                          resource_id=request_id, now=now, ttl=state.key_ttl)
     except QueueFull as exc:
         raise ApiError(429, str(exc), code="too_many_queued_requests") from None
+    except KeyReused as exc:
+        raise ApiError(422, str(exc), code="idempotency_key_reused", param=HEADER) from None
     state.streams(submission.serving_config_name).enqueue(request_id, kind)  # NOTE: after the commit
-    return request_id
+    return Submitted(request_id, is_keyed=key is not None)
 
 
 def view(state: ApiState, tenant: str, request_id: str) -> RequestView:
@@ -166,11 +209,15 @@ def wait_for(state: ApiState, tenant: str, request_id: str, timeout_s: float) ->
 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
-def create_request(body: RequestIn, state: State, tenant: Tenant) -> RequestAccepted:
+def create_request(body: RequestIn, state: State, tenant: Tenant, response: Response,
+                   key: IdempotencyKey = None) -> RequestAccepted:
     """Queue a request and answer at once with its id; read it with GET /v1/requests/{id}."""
     submission = check(state, body)
-    request_id = submit(state, tenant, submission, kind=StreamKind(body.stream), priority=body.priority)
-    return RequestAccepted(id=request_id, status=RequestStatus.QUEUED, model=submission.serving_config_name)
+    submitted = submit(state, tenant, submission, kind=StreamKind(body.stream), priority=body.priority,
+                       **_keyed(key, "/v1/requests", body))
+    response.headers.update(submitted.headers)
+    status = view(state, tenant, submitted.request_id).status if submitted.replayed else RequestStatus.QUEUED
+    return RequestAccepted(id=submitted.request_id, status=status, model=submission.serving_config_name)
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestOut, tags=["requests"])
@@ -186,43 +233,91 @@ async def read_request(request_id: str, http: Request, state: State, tenant: Ten
     return RequestOut.of(await run_sync(wait_for, state, tenant, request_id, min(wait, state.settings.max_wait_s)))
 
 
-def _answer(state: ApiState, tenant: str, submission: Submission) -> Answer:
-    request_id = submit(state, tenant, submission)
-    done = wait_for(state, tenant, request_id, state.settings.max_wait_s)
+def _keyed(key: str | None, endpoint: str, body: BaseModel) -> dict[str, Any]:
+    """submit's key arguments: none, or the key with the body's fingerprint."""
+    if key is None:
+        return {}
+    return {"key": key, "fingerprint": Fingerprint.of(endpoint, body.model_dump(mode="json"))}
+
+
+def wait_limit_s(max_wait_s: float, client_read_timeout: str | None) -> float:
+    """How long a completion call waits: the server's limit, or less, so that the answer (the result, or the 504
+    that says where to read it) reaches a client before its own read timeout. NOTE: a client that times out
+    retries (the openai client twice, sending its read timeout as x-stainless-read-timeout); a retry without an
+    Idempotency-Key would be a second request."""
+    try:
+        timeout_s = float(client_read_timeout or "")
+    except ValueError:
+        return max_wait_s
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        return max_wait_s
+    return min(max_wait_s, max(timeout_s - CLIENT_TIMEOUT_MARGIN_S, timeout_s / 2))
+
+
+async def _wait_or_leave(http: Request, state: ApiState, submitted: Submitted, read_view: Callable[[], RequestView],
+                         wait_s: float) -> RequestView | None:
+    """The request once it ends, or as it is at the wait limit; None when the client left first. A request no
+    worker has started is cancelled then (it never starts), unless it was sent with an Idempotency-Key; a
+    running one goes on, and its result is kept (GET /v1/requests/{id}, or the same key again)."""
+    deadline = time.monotonic() + wait_s
+    found = await run_sync(read_view)
+    while not found.status.is_terminal and (remaining_s := deadline - time.monotonic()) > 0:
+        if await run_sync(partial(wait_done, state.runtime.redis, prefix=state.settings.key_prefix,
+                                  request_id=submitted.request_id, timeout_s=min(WAIT_SLICE_S, remaining_s))):
+            return await run_sync(read_view)
+        if await http.is_disconnected():
+            if submitted.cancel_on_leave:
+                await run_sync(partial(cancel_for_client, sessions=state.runtime.sessions,
+                                       redis_client=state.runtime.redis, prefix=state.settings.key_prefix,
+                                       request_id=submitted.request_id, now=datetime.now(UTC), if_queued=True))
+            return None
+    return found
+
+
+def _answer(done: RequestView, submitted: Submitted, wait_s: float) -> Answer:
     if done.status is RequestStatus.SUCCEEDED and done.text is not None:
         return Answer(done.id, done.serving_config_name, int(done.finished_at.timestamp()), done.text,
                       done.finish_reason or FinishReason.STOP, done.num_prompt_tokens, done.num_generated_tokens)
     if done.status.is_terminal:
-        raise ApiError(400, done.error or f"the request ended {done.status.value}", code="request_failed")
-    raise ApiError(504, f"request {request_id} is still {done.status.value} after {state.settings.max_wait_s} s; "
-                   f"read it later with GET /v1/requests/{request_id}", code="timeout")
+        raise ApiError(400, done.error or f"the request ended {done.status.value}", code="request_failed",
+                       headers=submitted.headers)
+    # NOTE: 504 with x-should-retry: false, which OpenAI's clients obey: a retry would be a second request
+    raise ApiError(504, f"request {done.id} is still {done.status.value} after {wait_s:g} s and goes on; read it "
+                   f"with GET /v1/requests/{done.id}, or send the same body with the same {HEADER} to wait again",
+                   code="timeout", headers={**submitted.headers, "x-should-retry": "false"})
 
 
-async def _stream(http: Request, state: ApiState, tenant: str, body: CompletionBody | ChatCompletionBody,
-                  endpoint: str) -> StreamingResponse:
+async def _complete(http: Request, state: ApiState, tenant: str, body: CompletionBody | ChatCompletionBody,
+                    endpoint: str, key: str | None) -> Response:
+    """Queue the body's request (or join the one its Idempotency-Key made), then answer when it is done, or
+    stream it."""
     arrived_s = time.time()
     submission = await run_sync(check, state, body)
-    request_id = await run_sync(submit, state, tenant, submission)
-    writer = ChunkWriter(endpoint, request_id, submission.serving_config_name, int(arrived_s), body.include_usage)
-    return openai_stream(http, state, writer=writer, arrived_s=arrived_s,
-                         read_view=partial(view, state, tenant, request_id))
+    submitted = await run_sync(partial(submit, state, tenant, submission, **_keyed(key, endpoint, body)))
+    read_view = partial(view, state, tenant, submitted.request_id)
+    if body.stream:
+        writer = ChunkWriter(endpoint, submitted.request_id, submission.serving_config_name, int(arrived_s),
+                             body.include_usage)
+        return openai_stream(http, state, writer=writer, arrived_s=arrived_s, read_view=read_view,
+                             cancel_on_leave=submitted.cancel_on_leave, headers=submitted.headers)
+    wait_s = wait_limit_s(state.settings.max_wait_s, http.headers.get(READ_TIMEOUT_HEADER))
+    done = await _wait_or_leave(http, state, submitted, read_view, wait_s)
+    if done is None:
+        return Response(status_code=499)  # NOTE: nginx's "client closed request": nobody reads it
+    return JSONResponse(response_object(endpoint, _answer(done, submitted, wait_s)), headers=submitted.headers)
 
 
 @router.post("/v1/completions", response_model=None, tags=["openai"])
-async def create_completion(body: CompletionBody, http: Request, state: State, tenant: Tenant
-                            ) -> dict[str, Any] | StreamingResponse:
+async def create_completion(body: CompletionBody, http: Request, state: State, tenant: Tenant,
+                            key: IdempotencyKey = None) -> Response:
     """OpenAI completions: queued like any request, answered when done, or streamed as server-sent events
     with stream: true (model = serving config name)."""
-    if body.stream:
-        return await _stream(http, state, tenant, body, COMPLETIONS)
-    return completion_object(await run_sync(_answer, state, tenant, await run_sync(check, state, body)))
+    return await _complete(http, state, tenant, body, COMPLETIONS, key)
 
 
 @router.post("/v1/chat/completions", response_model=None, tags=["openai"])
-async def create_chat_completion(body: ChatCompletionBody, http: Request, state: State, tenant: Tenant
-                                 ) -> dict[str, Any] | StreamingResponse:
+async def create_chat_completion(body: ChatCompletionBody, http: Request, state: State, tenant: Tenant,
+                                 key: IdempotencyKey = None) -> Response:
     """OpenAI chat completions: queued like any request, answered when done, or streamed as server-sent events
     with stream: true (model = serving config name)."""
-    if body.stream:
-        return await _stream(http, state, tenant, body, CHAT_COMPLETIONS)
-    return chat_completion_object(await run_sync(_answer, state, tenant, await run_sync(check, state, body)))
+    return await _complete(http, state, tenant, body, CHAT_COMPLETIONS, key)

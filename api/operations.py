@@ -1,4 +1,4 @@
-"""Routes for operators and clients' discovery: GET /v1/models, /healthz, /readyz and /metrics (Prometheus).
+"""Routes for operators and clients' discovery: GET /v1/models[/{id}], /healthz, /readyz and /metrics (Prometheus).
 
 Knows which configs count as served (a live worker) and what is exported: request counts by status,
 queue depth per stream, TTFT / TPOT / E2E histograms and tokens generated, read at scrape time.
@@ -6,9 +6,9 @@ queue depth per stream, TTFT / TPOT / E2E histograms and tokens generated, read 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import ApiState, State, Tenant
+from api.errors import ApiError
 from servelab.store.requests import serving_stats
 from servelab.store.db import session_scope
 
@@ -39,6 +40,18 @@ class ModelList(BaseModel):
 def list_models(state: State, _tenant: Tenant) -> ModelList:
     """The serving configs that have a live worker."""
     return ModelList(data=[ModelOut(id=name) for name in sorted(state.catalog().live_names)])
+
+
+@router.get("/v1/models/{model_id}", response_model=ModelOut, tags=["openai"])
+def read_model(model_id: Annotated[str, Path(max_length=256)], state: State, _tenant: Tenant) -> ModelOut:
+    """A serving config with a live worker, as the list shows it; any other name is 404 (model_not_found)."""
+    catalog = state.catalog()
+    if model_id in catalog.live_names:
+        return ModelOut(id=model_id)
+    live = ", ".join(sorted(catalog.live_names)) or "(none)"
+    why = "is a serving config, but no worker serves it now" if model_id in catalog.configs else "does not exist"
+    raise ApiError(404, f"the model {model_id!r} {why}; models served now: {live}", code="model_not_found",
+                   param="model")
 
 
 @router.get("/healthz", tags=["operations"])

@@ -3,7 +3,8 @@
 Reads a request's token stream (servelab.queue.tokens) with an asyncio Redis client of its own, so the event
 loop never blocks on Redis and a slow client holds a coroutine, never a thread; database calls go to the
 thread pool. A completion stream whose client leaves before its end cancels the request (queued: it never
-starts; running: its worker drops the row at its next step, keeping the text made so far), and records what
+starts; running: its worker drops the row at its next step, keeping the text made so far; a request sent with an
+Idempotency-Key is kept for the client's retry instead), and records what
 the client saw (time to the first chunk from the request's arrival, the gaps between chunks).
 A retried generation (its worker died) is relayed without repeating text: the stream shows a comment line
 (`: restarted ...`) on the OpenAI endpoints and a `restart` event on GET /v1/requests/{id}, and carries on
@@ -28,9 +29,9 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import ApiState
 from servelab.protocol import ChunkWriter
-from servelab.queue.streams import notify_done, end_event
+from servelab.queue.submit import cancel_for_client
 from servelab.queue.tokens import (Diverged, Ended, Relay, RelayItem, Restarted, Shown, StreamClock, decode_event,
-                                   request_cancel, tokens_key)
+                                   tokens_key)
 from servelab.request import FinishReason
 from servelab.store import requests as store
 from servelab.store.db import session_scope
@@ -105,14 +106,16 @@ def _ending(stored: store.RequestView, shown: str) -> list[RelayItem]:
 
 
 def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrived_s: float,
-                  read_view: Callable[[], store.RequestView]) -> StreamingResponse:
-    """The chunks of a queued completion, as they are made; `data: [DONE]` at the end."""
-    return StreamingResponse(_openai_chunks(http, state, writer, arrived_s, read_view), media_type="text/event-stream",
-                             headers=HEADERS)
+                  read_view: Callable[[], store.RequestView], cancel_on_leave: bool = True,
+                  headers: dict[str, str] | None = None) -> StreamingResponse:
+    """The chunks of a queued completion, as they are made; `data: [DONE]` at the end. A client that leaves
+    first cancels the request, unless cancel_on_leave is False (a request sent with an Idempotency-Key)."""
+    return StreamingResponse(_openai_chunks(http, state, writer, arrived_s, read_view, cancel_on_leave),
+                             media_type="text/event-stream", headers={**HEADERS, **(headers or {})})
 
 
 async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, arrived_s: float,
-                         read_view: Callable[[], store.RequestView]) -> AsyncIterator[bytes]:
+                         read_view: Callable[[], store.RequestView], cancel_on_leave: bool) -> AsyncIterator[bytes]:
     request_id, clock = writer.request_id, StreamClock(arrived_s)
     ended, gone, restarts = False, False, 0
     try:
@@ -146,7 +149,7 @@ async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, ar
         yield b"data: [DONE]\n\n"
     finally:
         with anyio.CancelScope(shield=True):
-            await run_sync(_close_stream, state, request_id, clock, restarts, gone)
+            await run_sync(_close_stream, state, request_id, clock, restarts, gone, cancel_on_leave)
 
 
 def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> list[bytes]:
@@ -166,16 +169,15 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
     return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage)]
 
 
-def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool) -> None:
+def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool,
+                  cancel_on_leave: bool) -> None:
     """After a completion stream: cancel the request if its client left first; record what the client saw."""
+    if disconnected and cancel_on_leave:
+        cancel_for_client(sessions=state.runtime.sessions, redis_client=state.runtime.redis,
+                          prefix=state.settings.key_prefix, request_id=request_id, now=datetime.now(UTC))
     with session_scope(state.runtime.sessions) as session:
-        cancelled = disconnected and store.cancel_request(session, request_id=request_id, now=datetime.now(UTC))
         store.record_stream(session, request_id=request_id, ttft_ms=clock.ttft_ms, itl_ms=clock.itl_ms,
                             num_chunks=len(clock.shown_at_s), num_restarts=restarts, disconnected=disconnected)
-    if cancelled:  # NOTE: after the commit: a worker that reads the flag finds the row cancelled
-        request_cancel(state.runtime.redis, prefix=state.settings.key_prefix, request_id=request_id)
-        notify_done(state.runtime.redis, prefix=state.settings.key_prefix,
-                    ends={request_id: end_event("cancelled", finish_reason="cancelled", error=store.CANCELLED_BY_CLIENT)})
 
 
 def request_event_stream(http: Request, state: ApiState, *, request_id: str,

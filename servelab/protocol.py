@@ -1,13 +1,15 @@
 """OpenAI request bodies (completions, chat completions) and the response objects built from a result.
 
-Knows the OpenAI field names and defaults, and turns a body into what the queue stores (prompt or
-messages, sampling) after checking it against the named config's limits: one Rejection per bad body,
-naming the field and the fix. Shared by the API and batch-file ingest, so both accept the same bodies.
+Knows the OpenAI field names and defaults, the fields it does not honour (NOT_HONOURED: refused by name,
+never dropped), and turns a body into what the queue stores (prompt or messages, sampling) after checking it
+against the named config's limits: one Rejection per bad body, naming the field and the fix. Shared by the
+API and batch-file ingest, so both accept the same bodies.
 Does not know HTTP status codes or tokenizers (the worker counts tokens exactly).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,15 +34,73 @@ class Rejection(ValueError):
         self.kind, self.code, self.param = kind, code, param
 
 
+@dataclass(frozen=True)
+class NotHonoured:
+    """An OpenAI body field servelab does not act on: accepted only at a value that asks for nothing."""
+
+    neutral: tuple[Any, ...]
+    why: str
+
+    def is_neutral(self, value: Any) -> bool:
+        """Equal to a neutral value and of its JSON type (false is not 0, 1 is 1.0)."""
+        return any(value == n and _json_type(value) == _json_type(n) for n in self.neutral)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
+# NOTE: the one list of OpenAI body fields that would change the answer and that servelab does not honour: a
+# body setting one to anything but a neutral value is refused (400, naming the field) on every edge (the API and
+# batch lines), never dropped. Honouring a field = declaring it on the body model and deleting its line here
+# (tests/api/test_openai_surface.py checks that no line names a declared field).
+NOT_HONOURED: dict[str, NotHonoured] = {
+    "logprobs": NotHonoured((None, False), "token log-probabilities are not returned yet"),
+    "top_logprobs": NotHonoured((None, 0), "token log-probabilities are not returned yet"),
+    "presence_penalty": NotHonoured((None, 0), "sampling has no presence penalty yet"),
+    "frequency_penalty": NotHonoured((None, 0), "sampling has no frequency penalty yet"),
+    "logit_bias": NotHonoured((None, {}), "sampling takes no logit bias"),
+    "best_of": NotHonoured((None, 1), "one completion is generated per request"),
+    "echo": NotHonoured((None, False), "the prompt is not echoed back"),
+    "suffix": NotHonoured((None, ""), "insertion (a suffix after the completion) is not supported"),
+    "tools": NotHonoured((None, []), "tool calling is not built: the served models answer with text only"),
+    "tool_choice": NotHonoured((None, "none"), "tool calling is not built: the served models answer with text only"),
+    "parallel_tool_calls": NotHonoured((None, True, False), "tool calling is not built"),
+    "functions": NotHonoured((None, []), "function calling is not built: the served models answer with text only"),
+    "function_call": NotHonoured((None, "none"), "function calling is not built"),
+    "response_format": NotHonoured((None, {"type": "text"}),
+                                   "structured output (json_object, json_schema) is not built: answers are free text"),
+    "modalities": NotHonoured((None, ["text"]), "the served models produce text only"),
+    "audio": NotHonoured((None,), "the served models produce text only"),
+    "prediction": NotHonoured((None,), "predicted outputs are not supported"),
+    "reasoning_effort": NotHonoured((None, "none"), "the served models do not reason"),
+    "verbosity": NotHonoured((None,), "the served models take no verbosity setting"),
+    "web_search_options": NotHonoured((None,), "web search is not built"),
+    "moderation": NotHonoured((None,), "moderation is not built"),
+    "service_tier": NotHonoured((None, "auto", "default"), "servelab has one service tier"),
+    "store": NotHonoured((None, False), "OpenAI's stored-completions API is not built (every request is kept: "
+                                        "read it with GET /v1/requests/{id})"),
+    "metadata": NotHonoured((None, {}), "metadata goes with store, which is not built"),
+}
+# Fields that label a request or hint at caching: accepted, and they change nothing servelab generates.
+NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                       "prompt_cache_options"})
+# A chat message's fields beyond role and content (name, tool_calls, refusal, ...): only empty values pass.
+EMPTY = NotHonoured((None, "", [], {}), "a message is read as its role and content only")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(default=None, description="accepted; chunks are never padded")
 
 
 class _Body(BaseModel):
-    # NOTE: extra fields are ignored, not refused: OpenAI clients send options (user, logit_bias, ...) that
-    # change nothing here; the ones that would (n > 1) are refused explicitly below.
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: extra fields are kept (extra="allow") and checked by refuse_unhonoured: each is honoured, refused
+    # with a message naming it (NOT_HONOURED, or unknown), or in NO_EFFECT; none is dropped in silence.
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256, description="a serving config name")
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
@@ -96,7 +156,7 @@ class TextPart(BaseModel):
 
 
 class MessageBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # NOTE: checked by refuse_unhonoured, as the body's are
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -120,8 +180,28 @@ class Submission:
     sampling: SamplingParams
 
 
+def refuse_unhonoured(body: CompletionBody | ChatCompletionBody) -> None:
+    """A Rejection naming the first field the body sets that servelab would not honour."""
+    for name, value in (body.model_extra or {}).items():
+        rule = NOT_HONOURED.get(name)
+        if name in NO_EFFECT or (rule is not None and rule.is_neutral(value)):
+            continue
+        if rule is not None:
+            raise Rejection(f"{name} is not supported: {rule.why}; leave it out (or send "
+                            f"{json.dumps(rule.neutral[-1])})", code="unsupported_parameter", param=name)
+        raise Rejection(f"unknown field {name!r}: servelab does not know it, so it would be ignored; leave it out",
+                        code="unknown_parameter", param=name)
+    for i, message in enumerate(getattr(body, "messages", None) or []):
+        for name, value in (message.model_extra or {}).items():
+            if not EMPTY.is_neutral(value):
+                raise Rejection(f"messages[{i}].{name} is not supported: a message is read as its role and content "
+                                f"only (the chat template has no place for {name}); leave it out",
+                                code="unsupported_parameter", param=f"messages.{i}.{name}")
+
+
 def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog, max_prompt_chars: int
                   ) -> Submission:
+    refuse_unhonoured(body)
     config = find_config(catalog, body.model)
     if isinstance(body, ChatCompletionBody):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]

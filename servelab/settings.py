@@ -49,6 +49,7 @@ class ServiceSettings(Settings):
     max_queued_requests: int = Field(default=1_000, ge=1, description="queued interactive requests per tenant")
     max_job_in_flight: int = Field(default=2_000, ge=1, description="unfinished requests of one job in the queue")
     max_wait_s: float = Field(default=600.0, gt=0, description="longest a completion call or ?wait= waits")
+    idempotency_ttl_s: float = Field(default=86_400.0, gt=0, description="how long an Idempotency-Key is kept")
     worker_live_s: float = Field(default=30.0, gt=0, description="a worker heard from this recently is live")
     jobs_poll_s: float = Field(default=2.0, gt=0, description="how often running batch jobs are advanced")
     celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")

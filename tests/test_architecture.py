@@ -13,7 +13,7 @@ PROCESS_PACKAGES = ("api", "worker", "dashboard")
 PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/request.py",
                 "servelab/engine/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
                 "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
-                "servelab/lab/roofline.py")
+                "servelab/lab/roofline.py", "servelab/idempotency.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 
@@ -91,7 +91,7 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 
 # The floors, lowest first: a module imports only from its own floor or below (lazy imports included).
 FLOORS = (
-    ("servelab.config", "servelab.settings", "servelab.request"),  # what everything stands on: the contract
+    ("servelab.config", "servelab.settings", "servelab.request", "servelab.idempotency"),  # the contract
     ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded"),  # rows; the model; the host
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
     ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack

@@ -4,7 +4,8 @@ Thin: `configure` binds the Celery app to a Runtime (broker = the same Redis, ke
 tasks call the core. Every task is idempotent (its work is conditional updates) and carries an id;
 acks are late and a lost worker's task is re-delivered. Beat runs `sweep` every jobs_poll_s: it starts
 ingest for jobs with unread lines and advances the others, each under a short Redis lease so a job
-never has two copies of the same task in flight; and `reap` re-adds requests whose stream entry was lost.
+never has two copies of the same task in flight; `reap` re-adds requests whose stream entry was lost; and
+`purge` erases expired files' content and forgets expired idempotency keys (reads ignore both at once already).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from servelab.queue.streams import RequestStreams
 from servelab.runtime import Runtime
 from servelab.settings import ServiceSettings
 from servelab.store import batch_jobs as store
+from servelab.store import files
+from servelab.store import idempotency as idempotency_keys
 from servelab.store.db import session_scope
 from servelab.store.models import BatchStatus
 
@@ -31,6 +34,7 @@ app = Celery("servelab")
 INGEST_SLICE_S = 20.0  # one ingest task runs this long at most, then gives its slot back
 LEASE_MS = 60_000  # NOTE: longer than INGEST_SLICE_S: a lease outlives the task that holds it
 VISIBILITY_TIMEOUT_S = 3_600  # NOTE: far above the longest task (an ingest slice, a 100k-line finalise)
+PURGE_EVERY_S = 60.0
 _bound: dict[str, object] = {}
 
 
@@ -50,6 +54,7 @@ def configure(runtime: Runtime, settings: ServiceSettings) -> Celery:
         beat_schedule={
             "sweep": {"task": "servelab.sweep", "schedule": settings.jobs_poll_s},
             "reap": {"task": "servelab.reap", "schedule": max(1.0, settings.claim_idle_ms / 2e3)},
+            "purge": {"task": "servelab.purge", "schedule": PURGE_EVERY_S},
         },
         beat_schedule_filename=str(settings.state_dir / "celerybeat-schedule"),
     )
@@ -128,6 +133,15 @@ def reap() -> int:
     runtime, settings = _runtime()
     return reap_lost(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
                      grace=timedelta(milliseconds=settings.claim_idle_ms), now=datetime.now(UTC))
+
+
+@app.task(name="servelab.purge")
+def purge() -> int:
+    """Erase the content of files past their expiry and delete expired idempotency keys; -> rows changed."""
+    runtime, _ = _runtime()
+    now = datetime.now(UTC)
+    with session_scope(runtime.sessions) as session:
+        return files.purge_expired_files(session, now=now) + idempotency_keys.purge_expired_keys(session, now=now)
 
 
 def main(argv: list[str]) -> None:

@@ -36,6 +36,7 @@ class NotCancellable(ValueError):
 class Counts:
     num_output_lines: int
     num_error_lines: int
+    usage: store.TokenUsage  # of the output lines' requests
 
 
 def parse_window(window: str) -> timedelta:
@@ -114,7 +115,8 @@ def finalise(*, sessions: sessionmaker[Session], job_id: uuid.UUID, now: datetim
         store.move_job(session, job_id=job.id, from_statuses=(BatchStatus.FINALIZING,), to=final, now=now,
                        output_file_id=output_id, error_file_id=error_id,
                        request_counts={"total": counts.num_output_lines + counts.num_error_lines,
-                                       "completed": counts.num_output_lines, "failed": counts.num_error_lines})
+                                       "completed": counts.num_output_lines, "failed": counts.num_error_lines},
+                       usage=counts.usage.as_dict())
 
 
 def _answer_unread_lines(session: Session, job: store.StoredJob, *, code: str) -> None:
@@ -142,9 +144,11 @@ def _custom_id(raw: bytes) -> str | None:
 
 def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, output: io.BytesIO,
                  errors: io.BytesIO) -> Counts:
-    num_output = num_errors = 0
+    num_output = num_errors = input_tokens = output_tokens = 0
     for r in store.iter_job_requests(session, job_id=job.id):
         if r.status is RequestStatus.SUCCEEDED and r.text is not None:
+            input_tokens += r.num_prompt_tokens
+            output_tokens += r.num_generated_tokens
             answer = Answer(r.id, r.serving_config_name, int(r.finished_at.timestamp()), r.text,
                             r.finish_reason or FinishReason.STOP, r.num_prompt_tokens, r.num_generated_tokens)
             body = response_object(job.endpoint, answer)
@@ -162,7 +166,7 @@ def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, out
     for e in store.iter_line_errors(session, job_id=job.id):
         _line(errors, f"line-{e.line_no}", e.custom_id, error={"code": e.code, "message": e.message}, line=e.line_no)
         num_errors += 1
-    return Counts(num_output, num_errors)
+    return Counts(num_output, num_errors, store.TokenUsage(input_tokens, output_tokens))
 
 
 def _line(out: io.BytesIO, request_id: str, custom_id: str | None, *, response: dict | None = None,
@@ -178,6 +182,7 @@ def _save(session: Session, job: store.StoredJob, kind: str, content: bytes) -> 
         return None
     # NOTE: the id follows from the job, so a re-run finalise finds the file it already wrote.
     file_id = f"file-{uuid.uuid5(job.id, kind).hex}"
+    expires_after = None if job.output_expires_after_s is None else timedelta(seconds=job.output_expires_after_s)
     files.create_file(session, tenant=job.tenant, purpose=OUTPUT_PURPOSE, file_id=file_id,
-                      filename=f"{job.public_id}_{kind}.jsonl", content=content)
+                      filename=f"{job.public_id}_{kind}.jsonl", content=content, expires_after=expires_after)
     return file_id

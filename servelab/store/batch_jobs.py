@@ -43,6 +43,17 @@ class RequestCounts:
 
 
 @dataclass(frozen=True)
+class TokenUsage:
+    """Tokens of a job's succeeded requests: the prompts read and the completions written."""
+
+    input_tokens: int
+    output_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+
+
+@dataclass(frozen=True)
 class StoredJob:
     id: uuid.UUID
     tenant: str
@@ -59,6 +70,8 @@ class StoredJob:
     error_file_id: str | None
     request_counts: dict[str, int] | None
     timestamps: dict[str, datetime | None]
+    output_expires_after_s: int | None = None
+    usage: dict[str, int] | None = None  # written when the job ends; live jobs: sum_usage
 
     @property
     def public_id(self) -> str:
@@ -121,14 +134,16 @@ def _stored(row: BatchJobRow) -> StoredJob:
     return StoredJob(
         row.id, row.tenant, row.endpoint, row.input_file_id, row.completion_window, row.job_metadata, row.status,
         row.errors, row.ingest_offset, row.num_lines, row.is_ingested, row.output_file_id, row.error_file_id,
-        row.request_counts, {name: getattr(row, name) for name in TIMESTAMPS},
+        row.request_counts, {name: getattr(row, name) for name in TIMESTAMPS}, row.output_expires_after_s, row.usage,
     )
 
 
 def create_job(session: Session, *, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-               metadata: dict[str, Any] | None, expires_at: datetime) -> StoredJob:
+               metadata: dict[str, Any] | None, expires_at: datetime, output_expires_after_s: int | None = None
+               ) -> StoredJob:
     row = BatchJobRow(id=uuid.uuid4(), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
-                      completion_window=completion_window, job_metadata=metadata, expires_at=expires_at)
+                      completion_window=completion_window, job_metadata=metadata, expires_at=expires_at,
+                      output_expires_after_s=output_expires_after_s)
     session.add(row)
     session.flush()
     session.refresh(row)
@@ -156,6 +171,24 @@ def list_jobs(session: Session, *, tenant: str, after: uuid.UUID | None = None, 
         query = query.where(tuple_(BatchJobRow.created_at, BatchJobRow.id) < tuple_(anchor, literal(after)))
     rows = session.scalars(query.order_by(BatchJobRow.created_at.desc(), BatchJobRow.id.desc()).limit(limit))
     return [_stored(r) for r in rows]
+
+
+def active_jobs_reading(session: Session, *, file_id: str) -> list[uuid.UUID]:
+    """Unfinished jobs whose input is this file (ingest and finalisation read it)."""
+    return list(session.scalars(select(BatchJobRow.id).where(BatchJobRow.input_file_id == file_id,
+                                                             BatchJobRow.status.in_(ACTIVE))
+                                .order_by(BatchJobRow.created_at)))
+
+
+def sum_usage(session: Session, *, job_id: uuid.UUID) -> TokenUsage:
+    """Tokens of the job's succeeded requests so far (the requests its output file answers)."""
+    row = session.execute(
+        select(func.coalesce(func.sum(ResultRow.num_prompt_tokens), 0),
+               func.coalesce(func.sum(ResultRow.num_generated_tokens), 0))
+        .join(RequestRow, RequestRow.id == ResultRow.request_id)
+        .where(RequestRow.batch_job_id == job_id, RequestRow.status == RequestStatus.SUCCEEDED)
+    ).one()
+    return TokenUsage(int(row[0]), int(row[1]))
 
 
 def active_job_ids(session: Session) -> list[uuid.UUID]:

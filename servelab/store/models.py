@@ -253,7 +253,8 @@ class FileRow(Base):
     """
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_created_at", "tenant", "created_at"),)
+    __table_args__ = (Index("ix_files_tenant_created_at", "tenant", "created_at"),
+                      Index("ix_files_expires_at", "expires_at"))
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)  # "file-<hex>", the OpenAI shape
     tenant: Mapped[str] = mapped_column(Text)
@@ -262,6 +263,10 @@ class FileRow(Base):
     num_bytes: Mapped[int] = mapped_column(BigInteger)
     content: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    # NOTE: a file past expires_at, or deleted, is gone for every read; a deleted file's content is erased and
+    # its row stays (batches name their files through foreign keys), as do expired rows until the purge erases them
+    expires_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    deleted_at: Mapped[datetime | None] = mapped_column(Timestamp)
 
 
 class BatchJobRow(Base):
@@ -293,6 +298,11 @@ class BatchJobRow(Base):
     request_counts: Mapped[dict[str, int] | None] = mapped_column(JSONB(none_as_null=True))
     output_file_id: Mapped[str | None] = mapped_column(Text, ForeignKey("files.id"))
     error_file_id: Mapped[str | None] = mapped_column(Text, ForeignKey("files.id"))
+    # NOTE: OpenAI's output_expires_after (anchor created_at): the output and error files expire this long
+    # after they are written; None keeps them until deleted
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
+    # input / output / total tokens of the succeeded requests, written with request_counts when the job ends
+    usage: Mapped[dict[str, int] | None] = mapped_column(JSONB(none_as_null=True))
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     expires_at: Mapped[datetime] = mapped_column(Timestamp)
     in_progress_at: Mapped[datetime | None] = mapped_column(Timestamp)
@@ -391,3 +401,22 @@ class SweepRow(Base):
     report: Mapped[dict[str, Any]] = mapped_column(JSONB)
     hardware: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+
+
+# --- the OpenAI surface (migration 0006) ---
+
+
+class IdempotencyKeyRow(Base):
+    """A tenant's Idempotency-Key: the first submission it came with (endpoint, a digest per body field) and
+    what that submission made (a request id or a batch id), so a retry with the key gets that, not a copy."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (Index("ix_idempotency_keys_expires_at", "expires_at"),)
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True)
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    endpoint: Mapped[str] = mapped_column(Text)
+    body_digest: Mapped[dict[str, str]] = mapped_column(JSONB)
+    resource_id: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    expires_at: Mapped[datetime] = mapped_column(Timestamp)

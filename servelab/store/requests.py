@@ -238,12 +238,15 @@ def count_preempted(session: Session, *, ids: list[str]) -> int:
     return int(total or 0)
 
 
-def cancel_request(session: Session, *, request_id: str, now: datetime, reason: str = CANCELLED_BY_CLIENT) -> bool:
-    """Cancel an unfinished request: queued, it will never start; running, its worker drops the row (told
-    through Redis) and stores the text made so far. -> whether it was cancelled now."""
+def cancel_request(session: Session, *, request_id: str, now: datetime, reason: str = CANCELLED_BY_CLIENT,
+                   if_queued: bool = False) -> bool:
+    """Cancel an unfinished request (if_queued: only one no worker has started): queued, it will never start;
+    running, its worker drops the row (told through Redis) and stores the text made so far.
+    -> whether it was cancelled now."""
     result = session.execute(
         update(RequestRow)
-        .where(RequestRow.id == uuid.UUID(request_id), RequestRow.status.in_(UNFINISHED))
+        .where(RequestRow.id == uuid.UUID(request_id),
+               RequestRow.status == RequestStatus.QUEUED if if_queued else RequestRow.status.in_(UNFINISHED))
         .values(status=RequestStatus.CANCELLED, finish_reason=FinishReason.CANCELLED, error=reason, finished_at=now)
         .returning(RequestRow.id)
     ).first()

@@ -1,0 +1,39 @@
+"""Idempotency keys as rows: find a tenant's live key, remember (or re-point) one, purge the expired.
+
+Knows the idempotency_keys table; a key is per tenant, and an expired key is as good as absent (a new use
+replaces it). Does not know what a resource id points at, or HTTP. Callers serialise a tenant's uses of
+keys (keys.lock_tenant) and own the transaction: nothing here commits.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from servelab.idempotency import Fingerprint, KeyUse
+from servelab.store.models import IdempotencyKeyRow
+
+
+def find_key(session: Session, *, tenant: str, key: str, now: datetime) -> KeyUse | None:
+    row = session.scalar(select(IdempotencyKeyRow).where(
+        IdempotencyKeyRow.tenant == tenant, IdempotencyKeyRow.key == key, IdempotencyKeyRow.expires_at > now))
+    if row is None:
+        return None
+    return KeyUse(row.key, Fingerprint(row.endpoint, row.body_digest), row.resource_id, row.created_at,
+                  row.expires_at)
+
+
+def save_key(session: Session, *, tenant: str, key: str, fingerprint: Fingerprint, resource_id: str,
+             now: datetime, ttl: timedelta) -> None:
+    """Remember the key's first use; an expired row of the same key, or one being re-pointed, is replaced."""
+    values = dict(endpoint=fingerprint.endpoint, body_digest=fingerprint.digest, resource_id=resource_id,
+                  created_at=now, expires_at=now + ttl)
+    session.execute(insert(IdempotencyKeyRow).values(tenant=tenant, key=key, **values)
+                    .on_conflict_do_update(index_elements=["tenant", "key"], set_=values))
+
+
+def purge_expired_keys(session: Session, *, now: datetime) -> int:
+    return session.execute(delete(IdempotencyKeyRow).where(IdempotencyKeyRow.expires_at <= now)).rowcount

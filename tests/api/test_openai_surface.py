@@ -1,0 +1,262 @@
+"""The OpenAI surface as its users' tools expect it, with the official openai package against the real api
+process: retries that cannot duplicate work (an Idempotency-Key; a long wait answered with a 504 the client
+does not retry; a client that leaves cancels a request that has not started), newer fields honoured or refused
+by name, GET /v1/models/{id}, DELETE /v1/files/{id}, a batch's usage and its files' expiry."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import select
+
+from servelab.queue.batcher import BatchPolicy
+from servelab.store import batch_jobs
+from servelab.store.db import session_scope
+from servelab.store.models import BatchJobRow, BatchStatus, RequestRow, RequestStatus, ResultRow
+from tests.api.conftest import api_process, client_for
+from tests.jobs.conftest import CHAT, line, register, wait_until
+
+PROMPT = "once upon a time"
+MESSAGES = [{"role": "user", "content": "Say hi"}]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture
+def idle(make_stack, make_served, tiny_engine):
+    """The real api process beside a registered worker that serves nothing until the test starts it."""
+    stack = make_stack(with_worker=False)
+    served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=5, max_batch_tokens=100_000))
+    register(served, tiny_engine)
+    served.streams.ensure_groups()
+    stack.served = served
+    with api_process(stack) as url:
+        yield stack, served, url
+
+
+def openai_client(stack, url: str, *, tenant: str = "acme", sent: list[str] | None = None, **kwargs) -> openai.OpenAI:
+    """The openai client; `sent` collects each attempt's x-stainless-retry-count (the client counts its retries)."""
+    hooks = {"request": [lambda request: sent.append(request.headers["x-stainless-retry-count"])]} if sent is not None else {}
+    options = {"max_retries": 0, "timeout": 60, **kwargs}
+    return openai.OpenAI(base_url=url, api_key=stack.key(tenant), http_client=openai.DefaultHttpxClient(event_hooks=hooks),
+                         **options)
+
+
+def rows(stack) -> list[RequestRow]:
+    with session_scope(stack.runtime.sessions) as session:
+        return list(session.scalars(select(RequestRow).where(RequestRow.serving_config_name == stack.model)
+                                    .order_by(RequestRow.enqueued_at)))
+
+
+def result_of(stack, request_id: str) -> ResultRow | None:
+    with session_scope(stack.runtime.sessions) as session:
+        return session.get(ResultRow, uuid.UUID(request_id))
+
+
+# --- retries that cannot duplicate work ---
+
+
+def test_a_retried_completion_with_the_same_idempotency_key_runs_once(idle) -> None:
+    """The openai client times out and retries twice (its default), each time with the same key: one row, which
+    the client's next call with the key answers once a worker has served it, the request having run once."""
+    stack, served, url = idle
+    key, sent = f"key-{uuid.uuid4()}", []
+    # NOTE: the read timeout unsaid (Omit), so the client times out before the server's wait ends, and retries
+    headers = {"Idempotency-Key": key, "x-stainless-read-timeout": openai.Omit()}
+    impatient = openai_client(stack, url, sent=sent, max_retries=2, timeout=2)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=stack.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_headers=headers)
+    assert sent == ["0", "1", "2"], "the client sent the request three times"
+    [row] = rows(stack)
+    assert row.status is RequestStatus.QUEUED, "a keyed request outlives its client's connection"
+
+    served.start()
+    patient = openai_client(stack, url)
+    raw = patient.completions.with_raw_response.create(model=stack.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                       extra_headers={"Idempotency-Key": key})
+    answer = raw.parse()
+    assert raw.headers["Idempotent-Replayed"] == "true" and answer._request_id == str(row.id)
+    assert answer.id == f"cmpl-{row.id}" and answer.choices[0].text == result_of(stack, str(row.id)).text
+    [row] = rows(stack)
+    assert row.status is RequestStatus.SUCCEEDED and row.num_attempts == 1
+
+    with pytest.raises(openai.UnprocessableEntityError) as info:  # the key again, with another body
+        patient.completions.create(model=stack.model, prompt=PROMPT, max_tokens=7, temperature=0,
+                                   extra_headers={"Idempotency-Key": key})
+    assert info.value.code == "idempotency_key_reused" and "fields differ: max_tokens" in info.value.message
+    assert len(rows(stack)) == 1
+
+
+def test_a_completion_past_the_wait_limit_is_a_504_the_openai_client_does_not_retry(idle) -> None:
+    """Answered before the client's read timeout (it says it: x-stainless-read-timeout), with x-should-retry:
+    false and the request's id; the request goes on and is read by id once served."""
+    stack, served, url = idle
+    sent: list[str] = []
+    client = openai_client(stack, url, sent=sent, max_retries=2, timeout=4)  # NOTE: the client's defaults, shorter
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=4, temperature=0)
+    error = info.value
+    assert error.status_code == 504 and error.code == "timeout" and sent == ["0"], "no retry"
+    assert error.response.headers["x-should-retry"] == "false"
+    [row] = rows(stack)
+    assert error.request_id == str(row.id) and f"GET /v1/requests/{row.id}" in error.message
+    assert row.status is RequestStatus.QUEUED, "answering 504 cancels nothing"
+    served.start()
+    done = httpx.get(f"{url}/requests/{row.id}", params={"wait": 30}, timeout=60,
+                     headers={"Authorization": f"Bearer {stack.key('acme')}"}).json()
+    assert done["status"] == "succeeded" and done["result"]["num_generated_tokens"] >= 1
+
+
+def test_a_client_that_leaves_before_its_request_starts_cancels_it(idle) -> None:
+    stack, served, url = idle
+    with pytest.raises(httpx.ReadTimeout):  # NOTE: a client that says no read timeout and gives up after 1.5 s
+        httpx.post(f"{url}/completions", json={"model": stack.model, "prompt": PROMPT, "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {stack.key('acme')}"}, timeout=1.5)
+    [left] = rows(stack)
+    wait_until(lambda: rows(stack)[0].status is RequestStatus.CANCELLED, timeout_s=30)
+    served.start()
+    other = openai_client(stack, url).completions.create(model=stack.model, prompt="the river", max_tokens=3)
+    assert other.choices[0].finish_reason in ("stop", "length")
+    cancelled = next(r for r in rows(stack) if r.id == left.id)
+    assert cancelled.error == "cancelled: the client disconnected"
+    assert cancelled.num_attempts == 0 and cancelled.started_at is None, "it never started"
+    wait_until(lambda: served.streams.depth() == {"interactive": 0, "bulk": 0}, timeout_s=30)
+
+
+def test_the_native_api_takes_the_key_too_and_a_bad_key_is_a_400_naming_it(stack) -> None:
+    api = client_for(stack, stack.key("acme"))
+    body = {"config": stack.model, "prompt": "hi", "sampling": {"max_new_tokens": 2}}
+    first = api.post("/v1/requests", json=body, headers={"Idempotency-Key": "native-1"})
+    again = api.post("/v1/requests", json=body, headers={"Idempotency-Key": "native-1"})
+    assert first.status_code == again.status_code == 202 and first.json()["id"] == again.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true" and "Idempotent-Replayed" not in first.headers
+    other_tenant = client_for(stack, stack.key("globex")).post("/v1/requests", json=body,
+                                                                headers={"Idempotency-Key": "native-1"})
+    assert other_tenant.json()["id"] != first.json()["id"], "keys are per tenant"
+    chat = api.post("/v1/chat/completions", json={"model": stack.model, "messages": MESSAGES},
+                    headers={"Idempotency-Key": "native-1"})
+    assert chat.status_code == 422 and "not POST /v1/chat/completions" in chat.json()["error"]["message"]
+    bad = api.post("/v1/requests", json=body, headers={"Idempotency-Key": "x" * 256})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
+    api.get(f"/v1/requests/{first.json()['id']}", params={"wait": 30})
+
+
+def test_an_upload_refuses_unknown_form_fields_and_bad_expiry_by_name(stack) -> None:
+    api = client_for(stack, stack.key("acme"))
+    upload = {"file": ("a.jsonl", line("x", stack.model).encode())}
+    unknown = api.post("/v1/files", data={"purpose": "batch", "colour": "red"}, files=upload)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "colour"
+    for expiry in ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
+                   {"expires_after[anchor]": "last_used_at", "expires_after[seconds]": "3600"},
+                   {"expires_after[seconds]": "3600"}):
+        refused = api.post("/v1/files", data={"purpose": "batch", **expiry}, files=upload)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "expires_after", expiry
+    batch = api.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/completions",
+                                          "output_expires_after": {"anchor": "created_at", "seconds": 10}})
+    assert batch.status_code == 400 and "output_expires_after.seconds" in batch.json()["error"]["param"]
+
+
+# --- fields: honoured, or refused by name ---
+
+
+def test_newer_parameters_are_refused_by_name_and_their_neutral_values_accepted(idle) -> None:
+    stack, served, url = idle
+    client = openai_client(stack, url)
+    asked = [({"tools": TOOLS}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"logprobs": True, "top_logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"extra_body": {"min_p": 0.1}}, "min_p"),
+             ({"tools": TOOLS, "stream": True}, "tools")]
+    for kwargs, param in asked:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert info.value.param == param and param in info.value.message, kwargs
+    assert "tool calling is not built" in _refusal(client, stack, tools=TOOLS)
+    assert rows(stack) == [], "nothing refused was queued"
+    served.start()
+    answer = client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                            tool_choice="none", response_format={"type": "text"}, presence_penalty=0,
+                                            logprobs=False, user="u-1", service_tier="auto")
+    assert isinstance(answer.choices[0].message.content, str)
+
+
+def _refusal(client: openai.OpenAI, stack, **kwargs) -> str:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, **kwargs)
+    return info.value.message
+
+
+def test_models_retrieve_answers_a_served_model_and_404_in_openais_shape_otherwise(idle) -> None:
+    stack, _, url = idle
+    client = openai_client(stack, url)
+    model = client.models.retrieve(stack.model)
+    assert model.id == stack.model and model.object == "model"
+    for name, why in (("gpt-4o", "does not exist"), ("fp32", "no worker serves it")):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(name)
+        error = info.value.response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "model_not_found"
+        assert why in error["message"] and stack.model in error["message"]
+
+
+# --- files and batches ---
+
+
+def test_delete_file_is_tenant_scoped_and_refused_while_a_batch_reads_it(idle) -> None:
+    """No jobs-worker here: the batch stays unfinished until the test ends it."""
+    stack, _, url = idle
+    acme, globex = openai_client(stack, url), openai_client(stack, url, tenant="globex")
+    uploaded = acme.files.create(file=("in.jsonl", io.BytesIO(line("a", stack.model).encode())), purpose="batch")
+    batch = acme.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.ConflictError) as info:
+        acme.files.delete(uploaded.id)
+    assert info.value.code == "file_in_use" and batch.id in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        globex.files.delete(uploaded.id)
+    with session_scope(stack.runtime.sessions) as session:
+        batch_jobs.update_job(session, job_id=batch_jobs.parse_public_id(batch.id), status=BatchStatus.COMPLETED)
+    deleted = acme.files.delete(uploaded.id)
+    assert deleted.id == uploaded.id and deleted.deleted is True
+    for read in (acme.files.retrieve, acme.files.content, acme.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            read(uploaded.id)
+    assert uploaded.id not in [f.id for f in acme.files.list()]
+    assert acme.batches.retrieve(batch.id).input_file_id == uploaded.id, "the batch still names its input"
+
+
+def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served_api, jobs_worker) -> None:
+    stack, url = jobs_worker, served_api
+    client = openai_client(stack, url)
+    lines = [line(f"c{i}", stack.model, url=CHAT, prompt=f"story {i}") for i in range(6)]
+    lines.append(json.dumps({"custom_id": "t", "method": "POST", "url": CHAT,
+                             "body": {"model": stack.model, "messages": MESSAGES, "tools": TOOLS}}))
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch",
+                                   expires_after={"anchor": "created_at", "seconds": 3_600})
+    assert uploaded.expires_at == uploaded.created_at + 3_600
+    key = f"batch-{uuid.uuid4()}"
+    made = [client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7_200},
+                                  extra_headers={"Idempotency-Key": key}) for _ in range(2)]
+    assert made[0].id == made[1].id, "a retried create answers with the first batch"
+    with session_scope(stack.runtime.sessions) as session:
+        assert len(session.scalars(select(BatchJobRow).where(BatchJobRow.input_file_id == uploaded.id)).all()) == 1
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(made[0].id)).status != "completed":
+        assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing"), batch
+        time.sleep(0.3)
+    outputs = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert len(outputs) == 6 and batch.request_counts.failed == 1
+    assert batch.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs) > 0
+    assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert batch.usage.input_tokens_details.cached_tokens == 0
+    [refused] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert refused["error"]["code"] == "unsupported_parameter" and "tools" in refused["error"]["message"]
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        written = client.files.retrieve(file_id)
+        assert written.expires_at == written.created_at + 7_200
