@@ -394,8 +394,8 @@ class ServelabInt4Linear:
     """AWQ int4 weights through servelab's own kernel (blocked.cpp, 'int4x16'), several projections of one
     input as one matmul: their outputs side by side. The AWQ tensors are unpacked and laid out once; this
     layout is then the only copy of these weights the decoder needs. Up to `int_rows` rows the kernel takes
-    integer dot products on activations quantised per group to int8; above, fp32 tiles dequantised per
-    block (int4_int_rows says which is faster where)."""
+    integer dot products on activations quantised per group to int8; above, torch's GEMM on the weight
+    dequantised for the call (int4_int_rows says which is faster where)."""
 
     def __init__(self, blocked: BlockedKernel, modules: list[torch.nn.Module], int_rows: int) -> None:
         from servelab.engine.awq.unpack import unpack_awq
@@ -492,13 +492,13 @@ INT4_MEASURED_ROWS = (16, 64, 256)
 
 def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[int, int], ...],
                   group: int) -> int:
-    """Up to how many rows servelab's int4 kernel takes integer dot products rather than fp32 tiles: measured
-    once per CPU, threads and shapes (the tiles' fp32 arithmetic can win at many rows where the CPU has no
-    fast int8 dot product), cached like the dense kernels' choice. One row and few rows always take the
-    integer path: it streams the weights once and does 4x the work per instruction."""
+    """Up to how many rows servelab's int4 kernel takes integer dot products rather than torch's GEMM on the
+    dequantised weight: measured once per CPU, threads and shapes (the GEMM wins at many rows, where the product's
+    arithmetic outweighs dequantising the weight once), cached like the dense kernels' choice. One row and few
+    rows always take the integer path: it streams the weights once and does 4x the work per instruction."""
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "isa": blocked.isa.name if blocked.isa else None, "shapes": [list(s) for s in shapes], "group": group,
-            "rows": list(INT4_MEASURED_ROWS), "kernel": "int4"}
+            "rows": list(INT4_MEASURED_ROWS), "kernel": "int4", "tiles": "gemm"}
 
     def measure() -> dict:
         timings = _measure_int4(blocked, shapes, group)
