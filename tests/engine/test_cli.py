@@ -147,6 +147,16 @@ def test_quantize_keeps_gptqmodels_output_in_a_log_and_shows_one_moving_line(tmp
     assert "\r" not in err and "\x1b" not in err and len(err.splitlines()) <= 3, err
 
 
+def _drain(fd: int) -> str:
+    """Everything written to a pty so far: one read returns one write's worth, so read until it stays quiet."""
+    import select
+
+    chunks = []
+    while select.select([fd], [], [], 0.2)[0]:
+        chunks.append(os.read(fd, 65536))
+    return b"".join(chunks).decode()
+
+
 def test_a_progress_bar_is_drawn_on_a_terminal_s_stderr_only(monkeypatch) -> None:
     from servelab.cli.progress import progress_bar
 
@@ -156,7 +166,7 @@ def test_a_progress_bar_is_drawn_on_a_terminal_s_stderr_only(monkeypatch) -> Non
         with progress_bar(length=4, label="lines") as bar:
             bar.update(4)
         stream.flush()
-        drawn = os.read(terminal, 65536).decode()
+        drawn = _drain(terminal)
     os.close(terminal)
     assert "lines" in drawn and "100%" in drawn, drawn
 
