@@ -20,11 +20,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import redis
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import ServingConfig
@@ -42,6 +44,8 @@ from servelab.store.db import session_scope
 from servelab.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_OUTAGE_WAIT_S = 5.0  # the longest pause between two tries of a transaction while PostgreSQL is unreachable
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class _Held:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     entries: dict[str, Entry] = field(default_factory=dict)  # by Entry.key
+    arriving: dict[str, Entry] = field(default_factory=dict)  # read, their rows being looked up: renewed too
     waiting: list[Candidate] = field(default_factory=list)
     requests: dict[str, GenerationRequest] = field(default_factory=dict)  # by request id
     enqueued_at: dict[str, datetime] = field(default_factory=dict)
@@ -203,8 +208,7 @@ class ServingWorker:
     def _preempt(self, victims: list[Candidate]) -> None:
         """Bulk rows leave the batch unfinished and wait again, still claimed: they start over later."""
         requests = self.engine.preempt([c.request_id for c in victims])
-        with session_scope(self.sessions) as session:
-            store.count_preemptions(session, ids=[c.request_id for c in victims])
+        self._store(lambda session: store.count_preemptions(session, ids=[c.request_id for c in victims]))
         with self.held.lock:
             for request in requests:  # NOTE: the engine's copy carries the seed it drew: the same answer again
                 self.held.requests[request.request_id] = request
@@ -219,16 +223,27 @@ class ServingWorker:
             self.running[c.request_id] = c
         return self.engine.add([self.held.requests[c.request_id] for c in candidates])
 
-    def _admit(self, entries: list[Entry]) -> None:
-        """Turn entries into candidates; entries of finished, missing or poison requests end here."""
-        entries = [e for e in entries if e.key not in self.held.entries]
+    def _admit(self, entries: list[Entry], *, wait_out: bool = True) -> None:
+        """Turn entries into candidates; entries of finished, missing or poison requests end here.
+        wait_out: wait out a PostgreSQL outage (the main loop) or raise at once (the claim keeper)."""
+        with self.held.lock:
+            entries = [e for e in entries if e.key not in self.held.entries and e.key not in self.held.arriving]
+            self.held.arriving.update((e.key, e) for e in entries)
+        try:
+            self._admit_arriving(entries, wait_out=wait_out)
+        finally:
+            with self.held.lock:
+                for e in entries:
+                    self.held.arriving.pop(e.key, None)
+
+    def _admit_arriving(self, entries: list[Entry], *, wait_out: bool) -> None:
         if not entries:
             return
         done, valid = [], []
         for e in entries:
             (valid if _is_uuid(e.request_id) else done).append(e)
-        with session_scope(self.sessions) as session:
-            rows = store.load_requests(session, [e.request_id for e in valid])
+        rows = self._store(lambda session: store.load_requests(session, [e.request_id for e in valid]),
+                           wait_out=wait_out)
         poison: list[Entry] = []
         rejected: dict[str, list[Entry]] = {}
         for e in valid:
@@ -243,9 +258,9 @@ class ServingWorker:
                 except RequestError as exc:  # NOTE: fails alone, before it can take a batch slot
                     rejected.setdefault(str(exc), []).append(e)
         self.streams.ack(done)
-        self._dead_letter(poison, f"crashed its worker {self.faults.max_attempts} times; not retried")
+        self._dead_letter(poison, f"crashed its worker {self.faults.max_attempts} times; not retried", wait_out=wait_out)
         for reason, bad in rejected.items():
-            self._fail(bad, reason)
+            self._fail(bad, reason, wait_out=wait_out)
 
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
         request = to_generation_request(row)
@@ -263,8 +278,8 @@ class ServingWorker:
         fresh = [c for c in batch if not c.is_claimed]  # NOTE: a preempted row is still claimed by this worker
         if not fresh:
             return batch
-        with session_scope(self.sessions) as session:
-            claimed = store.claim_requests(session, ids=[c.request_id for c in fresh], now=datetime.now(UTC))
+        claimed = self._store(lambda session: store.claim_requests(session, ids=[c.request_id for c in fresh],
+                                                                   now=datetime.now(UTC)))
         skipped = [c for c in fresh if c.request_id not in claimed]
         self._release(skipped, ack=True)  # finished meanwhile (cancelled, or served by another worker)
         with self.held.lock:
@@ -283,33 +298,52 @@ class ServingWorker:
             self._unpublished = StepEvents()
         timings, memory = self.engine.take_stats()
         batch = [self.running.pop(c.request_id) for c in completions]
-        with session_scope(self.sessions) as session:
-            store.record_batch(
-                session, worker_name=self.name, serving_config_name=self.streams.config_name,
-                config_hash=self.engine.config.config_hash,
-                result=BatchResult(completions=tuple(completions), timings=timings, memory=memory),
-                enqueued_at={c.request_id: self.held.enqueued_at[c.request_id] for c in batch},
-            )
+        batch_id = uuid.uuid4()  # NOTE: the same id on every try, so a retried commit records the batch once
+        result = BatchResult(completions=tuple(completions), timings=timings, memory=memory)
+        enqueued_at = {c.request_id: self.held.enqueued_at[c.request_id] for c in batch}
+        self._store(lambda session: store.record_batch(
+            session, batch_id=batch_id, worker_name=self.name, serving_config_name=self.streams.config_name,
+            config_hash=self.engine.config.config_hash, result=result, enqueued_at=enqueued_at))
         notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
         self._release(batch, ack=True)
 
-    def _fail(self, entries: list[Entry], reason: str) -> None:
-        with session_scope(self.sessions) as session:
-            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+    def _fail(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
+        self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
+                                                        now=datetime.now(UTC)), wait_out=wait_out)
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         self.streams.ack(entries)
 
-    def _dead_letter(self, entries: list[Entry], reason: str) -> None:
+    def _dead_letter(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
         if not entries:
             return
-        with session_scope(self.sessions) as session:
-            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+        self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
+                                                        now=datetime.now(UTC)), wait_out=wait_out)
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         for e in entries:
             self.streams.dead_letter(e, reason)
         log.warning("dead-lettered %d request(s): %s", len(entries), reason)
+
+    def _store(self, work: Callable[[Session], T], *, wait_out: bool = True) -> T:
+        """One transaction. With wait_out, an unreachable PostgreSQL (a restart, a failover) is waited out here.
+
+        NOTE: the main loop pauses with its rows in hand while the keeper goes on renewing their claims, so a
+        database restart costs no model reload, no started execution and no take-over by another worker. Every
+        retried transaction is safe to repeat: claims and finishes are conditional updates and a batch record
+        keeps its id. A stopping worker does not wait: its unacknowledged entries are served again later.
+        """
+        delay_s = 0.1
+        while True:
+            try:
+                with session_scope(self.sessions) as session:
+                    return work(session)
+            except (OperationalError, InterfaceError) as exc:
+                if not wait_out or self.stop.is_set():
+                    raise
+                log.warning("PostgreSQL unreachable, retrying in %.1f s: %s", delay_s, _first_line(exc))
+                self.stop.wait(delay_s)
+                delay_s = min(2 * delay_s, MAX_OUTAGE_WAIT_S)
 
     def _release(self, batch: list[Candidate], *, ack: bool) -> None:
         with self.held.lock:
@@ -329,10 +363,10 @@ class ServingWorker:
         while not self.stop.wait(self.faults.renew_every_s):
             try:
                 with self.held.lock:
-                    held = list(self.held.entries.values())
+                    held = [*self.held.entries.values(), *self.held.arriving.values()]
                 self.streams.renew(self.name, held)
                 self._admit(self.streams.claim_idle(self.name, min_idle_ms=self.faults.claim_idle_ms,
-                                                    count=self.policy.max_batch_size))
+                                                    count=self.policy.max_batch_size), wait_out=False)
                 now = self.clock()
                 if now - last["reap"] >= self.faults.reap_every_s:
                     last["reap"] = now
@@ -342,9 +376,9 @@ class ServingWorker:
                     with session_scope(self.sessions) as session:
                         store.heartbeat(session, name=self.name)
             except (redis.RedisError, OSError) as exc:  # NOTE: Redis restarting: keep serving, retry next tick
-                log.warning("claim keeper: Redis: %s", exc)
+                log.warning("claim keeper: Redis: %s", _first_line(exc))
             except SQLAlchemyError as exc:  # PostgreSQL restarting: the same
-                log.warning("claim keeper: PostgreSQL: %s", exc)
+                log.warning("claim keeper: PostgreSQL: %s", _first_line(exc))
             except Exception:  # NOTE: anything else is said with its traceback, and the keeper goes on
                 log.exception("claim keeper: unexpected error; retrying next tick")
 
@@ -355,6 +389,11 @@ class ServingWorker:
         if lost:
             log.warning("re-enqueued %d request(s) whose stream entry was lost", lost)
         return lost
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line: SQLAlchemy's messages go on with the whole statement and its parameters."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def _end_of(c: Completion) -> dict:

@@ -109,15 +109,15 @@ def fail_requests(session: Session, *, ids: list[str], reason: str, now: datetim
 
 
 def record_batch(
-    session: Session, *, worker_name: str, serving_config_name: str, config_hash: str, result: BatchResult,
-    enqueued_at: dict[str, datetime],
+    session: Session, *, batch_id: uuid.UUID, worker_name: str, serving_config_name: str, config_hash: str,
+    result: BatchResult, enqueued_at: dict[str, datetime],
 ) -> str:
     """Write the batch record (the engine steps since the last record), every finished request's result
-    and metrics, and finish the request rows."""
-    batch_id = uuid.uuid4()
+    and metrics, and finish the request rows. Repeating it with the same batch_id changes nothing (a retry
+    after a commit whose answer was lost)."""
     t, m = result.timings, result.memory
     started_at, finished_at = _utc(t.started_at_s), _utc(t.finished_at_s)
-    session.add(BatchRow(
+    session.execute(insert(BatchRow).values(
         id=batch_id, worker_name=worker_name, serving_config_name=serving_config_name, config_hash=config_hash,
         num_requests=len(result.completions), num_rows_per_step=list(t.num_rows_per_step),
         prefill_ms=t.prefill_ms, decode_ms=t.decode_ms, num_prefill_tokens=t.num_prefill_tokens,
@@ -126,8 +126,7 @@ def record_batch(
         peak_working_bytes=m.peak_working_bytes, peak_process_bytes=m.peak_process_bytes,
         kv_cache_tokens=m.kv_cache_tokens, num_preempted=t.num_preempted,
         started_at=started_at, finished_at=finished_at,
-    ))
-    session.flush()
+    ).on_conflict_do_nothing(index_elements=["id"]))
     for c in result.completions:
         _finish(session, c, batch_id=batch_id, started_at=_utc(c.started_at_s or t.finished_at_s),
                 enqueued_at=enqueued_at[c.request_id])
