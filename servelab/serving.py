@@ -40,6 +40,7 @@ from servelab.runtime import Runtime
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 from servelab.settings import Settings
+from servelab.telemetry import WorkerMeter, serve_worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class ServingWorker:
         self.num_publishes = 0
         self.held = _Held()
         self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
+        self.meter = WorkerMeter(streams.config_name)
         self.stop = threading.Event()
 
     # --- the loop ---
@@ -115,12 +117,21 @@ class ServingWorker:
 
     def _advance(self, started: list[Candidate]) -> int:
         outputs = [self._start(started)] if started else []
+        num_step_rows = len(self.running)
         if self.running:
             outputs.append(self.engine.step())
         finished = [c for out in outputs for c in out.finished]
         finished += self._publish(started, outputs, ended={c.request_id for c in finished})
         self._finish(finished)
+        self._observe_turn(started, outputs, num_step_rows)
         return len(finished)
+
+    def _observe_turn(self, started: list[Candidate], outputs: list[StepOutput], num_step_rows: int) -> None:
+        running = list(self.running.values())
+        self.meter.turn(num_prompt_tokens=sum(c.num_prompt_tokens for c in started),
+                        num_generated_tokens=sum(len(out.new_tokens) for out in outputs),
+                        num_step_rows=num_step_rows, num_running=len(running), num_waiting=len(self.held.waiting),
+                        kv_cache_usage=self.policy.batch_tokens(running) / self.policy.max_batch_tokens)
 
     def _publish(self, started: list[Candidate], outputs: list[StepOutput], *, ended: set[str]) -> list[Completion]:
         """The step's text for streamed rows and their cancel flags, one round trip; -> the rows cancelled now."""
@@ -211,6 +222,7 @@ class ServingWorker:
             for c in victims:
                 del self.running[c.request_id]
                 self.held.waiting.append(c.preempted())
+        self.meter.preempted(len(victims))
         log.info("preempted %d bulk row(s) for an interactive request", len(victims))
 
     def _start(self, candidates: list[Candidate]) -> StepOutput:
@@ -284,18 +296,22 @@ class ServingWorker:
         timings, memory = self.engine.take_stats()
         batch = [self.running.pop(c.request_id) for c in completions]
         with session_scope(self.sessions) as session:
-            store.record_batch(
+            recorded = store.record_batch(
                 session, worker_name=self.name, serving_config_name=self.streams.config_name,
                 config_hash=self.engine.config.config_hash,
                 result=BatchResult(completions=tuple(completions), timings=timings, memory=memory),
                 enqueued_at={c.request_id: self.held.enqueued_at[c.request_id] for c in batch},
             )
+        # NOTE: counted once committed (a failed commit is served again elsewhere), before the callers wake
+        self.meter.finished([c for c in completions if c.request_id in recorded], enqueued_at=self.held.enqueued_at)
         notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
         self._release(batch, ack=True)
 
     def _fail(self, entries: list[Entry], reason: str) -> None:
         with session_scope(self.sessions) as session:
-            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+            failed = store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
+                                         now=datetime.now(UTC))
+        self.meter.failed(len(failed))
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         self.streams.ack(entries)
@@ -304,7 +320,9 @@ class ServingWorker:
         if not entries:
             return
         with session_scope(self.sessions) as session:
-            store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason, now=datetime.now(UTC))
+            failed = store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
+                                         now=datetime.now(UTC))
+        self.meter.failed(len(failed))
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         for e in entries:
@@ -410,7 +428,9 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
                            faults=faults)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
-    log.warning("worker %s serving %s (%s) on %s", name, config.name, config.weights, engine.device)
+    metrics_port = serve_worker_metrics(runtime.settings.worker_metrics_port)
+    log.warning("worker %s serving %s (%s) on %s; /metrics on port %s", name, config.name, config.weights,
+                engine.device, metrics_port or "(none)")
     try:
         worker.run()
     finally:
