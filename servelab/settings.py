@@ -58,5 +58,9 @@ class ServiceSettings(Settings):
     celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")
     api_url: str = Field(default="http://127.0.0.1:8000", description="where `servelab submit` finds the API")
     api_key: str | None = Field(default=None, description="the key `servelab submit` and `results` send")
+    retention_days: float = Field(default=30.0, ge=0, description="finished requests (results, metrics) and batch "
+                                  "records older than this are deleted, except what runs and running jobs need; 0: kept")
+    file_retention_days: float = Field(default=30.0, ge=0, description="files older than this are deleted (or, "
+                                       "named by a finished batch job, their content erased); 0: kept")
     metrics_dir: Path | None = Field(default=None, description="a folder the api processes behind one port share "
                                      "for their Prometheus counts (emptied by `servelab api`); None: one process")
