@@ -225,6 +225,7 @@ def record_in_files(directory: Path) -> None:
     learns the folder from its Settings switches it here, before a labelled child (and so a value) exists.
     """
     assert not _observed(), "record_in_files comes before the first observation"
+    directory.mkdir(parents=True, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)  # NOTE: the library reads the folder from here
     if not getattr(values.ValueClass, "_multiprocess", False):
         values.ValueClass = values.MultiProcessValue()
