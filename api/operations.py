@@ -7,9 +7,10 @@ requests history: each count was made when its event happened.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -77,27 +78,39 @@ def readyz(state: State) -> JSONResponse:
                         status_code=503 if problems else 200)
 
 
+CONFIG_NAMES_TTL_S = 30.0  # NOTE: the catalog parses every config file; a new config's depth shows within this
+
+
 class QueueDepth:
     """The one figure read at scrape time: entries not yet acknowledged per config and stream (XLEN), a Redis
     call per stream, whatever the history. NOTE: every api process reads the same global figure: take max()."""
 
-    def __init__(self, state: ApiState) -> None:
-        self.state = state
+    def __init__(self, state: ApiState, names_cache: dict[str, tuple[float, list[str]]]) -> None:
+        self.state, self.names_cache = state, names_cache  # the cache: "names" -> (read at, monotonic s; names)
 
     def collect(self):
         depth = GaugeMetricFamily(QUEUE_DEPTH, "Stream entries not yet acknowledged (waiting or being served).",
                                   labels=["model_name", "stream"])
-        for name in sorted(self.state.catalog().configs):
+        for name in self.config_names():
             for kind, n in self.state.streams(name).depth().items():
                 depth.add_metric([name, kind], n)
         yield depth
 
+    def config_names(self) -> list[str]:
+        read_at, names = self.names_cache.get("names", (-CONFIG_NAMES_TTL_S, []))
+        if time.monotonic() - read_at >= CONFIG_NAMES_TTL_S:
+            names = sorted(self.state.catalog().configs)
+            self.names_cache["names"] = (time.monotonic(), names)
+        return names
+
 
 @router.get("/metrics", tags=["operations"], response_class=Response,
             responses={200: {"content": {"text/plain": {}}}})
-def metrics(state: State) -> Response:
+def metrics(state: State, http: Request) -> Response:
     """Counts made where the events happened (this api's processes; each worker serves its own /metrics), and
     the queue depth read now. Costs the same with 1,000 or 1,000,000 stored requests."""
+    if not hasattr(http.app.state, "metrics_config_names"):
+        http.app.state.metrics_config_names = {}
     read_now = CollectorRegistry(auto_describe=False)
-    read_now.register(QueueDepth(state))
+    read_now.register(QueueDepth(state, http.app.state.metrics_config_names))
     return Response(exposition() + generate_latest(read_now), media_type=CONTENT_TYPE_PLAIN_0_0_4)
