@@ -1,7 +1,9 @@
 """The api process: the FastAPI app, built from a Runtime and ServiceSettings; never imports torch.
 
 `create_app` wires the routers, errors, the body-size limit and the thread limit (waiting routes hold a
-thread each); `build` is the uvicorn factory, reading Settings once: `uvicorn --factory api.app:build`.
+thread each); `build` is the uvicorn factory, reading Settings once: `uvicorn --factory api.app:build`. With
+SERVELAB_METRICS_DIR set, the process counts into that folder beside the other api processes (its launcher,
+`servelab api`, empties it first).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from api.deps import ApiState
 from api.errors import BodySizeLimit, install_error_handlers
 from servelab.runtime import Runtime, connect
 from servelab.settings import ServiceSettings
+from servelab.telemetry import record_in_files, release_process
 
 MAX_THREADS = 256  # NOTE: each waiting completion call holds one thread while it blocks on Redis (1 s at a time)
 
@@ -25,6 +28,7 @@ def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bo
     async def lifespan(_: FastAPI):
         anyio.to_thread.current_default_thread_limiter().total_tokens = MAX_THREADS
         yield
+        release_process()
         if close_runtime:
             runtime.close()
 
@@ -42,4 +46,6 @@ def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bo
 
 def build() -> FastAPI:
     settings = ServiceSettings()
+    if settings.metrics_dir is not None:
+        record_in_files(settings.metrics_dir)
     return create_app(connect(settings), settings, close_runtime=True)

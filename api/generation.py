@@ -52,6 +52,7 @@ from servelab.store import keys
 from servelab.store.requests import QueueFull, RequestView, admit_request, get_request_view
 from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
+from servelab.telemetry import count_submission
 
 router = APIRouter()
 STATUS_OF_REJECTION = {"invalid": 400, "unknown_model": 404, "too_large": 413}
@@ -143,7 +144,14 @@ def check(state: ApiState, body: CompletionBody | ChatCompletionBody | RequestIn
             return body.submission(state)
         return to_submission(body, catalog=state.catalog(), max_prompt_chars=state.settings.max_prompt_chars)
     except Rejection as exc:
+        named = body.config if isinstance(body, RequestIn) else body.model
+        known = exc.kind != "unknown_model" and named in state.catalog().configs  # NOTE: labels only known names
+        count_submission(endpoint=_endpoint_of(body), model_name=named if known else "", outcome=exc.code)
         raise ApiError(STATUS_OF_REJECTION[exc.kind], str(exc), code=exc.code, param=exc.param) from None
+
+
+def _endpoint_of(body: CompletionBody | ChatCompletionBody | RequestIn) -> str:
+    return {RequestIn: "/v1/requests", CompletionBody: COMPLETIONS}.get(type(body), CHAT_COMPLETIONS)
 
 
 @dataclass(frozen=True)
@@ -163,11 +171,13 @@ class Submitted:
         return {"x-request-id": self.request_id, **({"Idempotent-Replayed": "true"} if self.replayed else {})}
 
 
-def submit(state: ApiState, tenant: str, submission: Submission, *, kind: StreamKind = StreamKind.INTERACTIVE,
-           priority: int = 0, key: str | None = None, fingerprint: Fingerprint | None = None) -> Submitted:
+def submit(state: ApiState, tenant: str, submission: Submission, *, endpoint: str,
+           kind: StreamKind = StreamKind.INTERACTIVE, priority: int = 0, key: str | None = None,
+           fingerprint: Fingerprint | None = None) -> Submitted:
     """Admit a request, or (key given) find the one an earlier submission with this key made."""
     assert (key is None) == (fingerprint is None), "a key comes with the submission's fingerprint"
     now = datetime.now(UTC)
+    counted = partial(count_submission, endpoint=endpoint, model_name=submission.serving_config_name)
     try:
         with session_scope(state.runtime.sessions) as session:
             if key is not None:
@@ -176,6 +186,7 @@ def submit(state: ApiState, tenant: str, submission: Submission, *, kind: Stream
                 if first is not None:
                     check_reuse(first, fingerprint)
                     if get_request_view(session, request_id=first.resource_id, tenant=tenant) is not None:
+                        counted(outcome="replayed")
                         return Submitted(first.resource_id, is_keyed=True, replayed=True)
             request_id = admit_request(
                 session, tenant=tenant, max_queued=state.settings.max_queued_requests,
@@ -185,10 +196,13 @@ def submit(state: ApiState, tenant: str, submission: Submission, *, kind: Stream
                 idempotency_keys.save_key(session, tenant=tenant, key=key, fingerprint=fingerprint,
                                           resource_id=request_id, now=now, ttl=state.key_ttl)
     except QueueFull as exc:
+        counted(outcome="too_many_queued_requests")
         raise ApiError(429, str(exc), code="too_many_queued_requests") from None
     except KeyReused as exc:
+        counted(outcome="idempotency_key_reused")
         raise ApiError(422, str(exc), code="idempotency_key_reused", param=HEADER) from None
     state.streams(submission.serving_config_name).enqueue(request_id, kind)  # NOTE: after the commit
+    counted(outcome="accepted")
     return Submitted(request_id, is_keyed=key is not None)
 
 
@@ -213,8 +227,8 @@ def create_request(body: RequestIn, state: State, tenant: Tenant, response: Resp
                    key: IdempotencyKey = None) -> RequestAccepted:
     """Queue a request and answer at once with its id; read it with GET /v1/requests/{id}."""
     submission = check(state, body)
-    submitted = submit(state, tenant, submission, kind=StreamKind(body.stream), priority=body.priority,
-                       **_keyed(key, "/v1/requests", body))
+    submitted = submit(state, tenant, submission, endpoint="/v1/requests", kind=StreamKind(body.stream),
+                       priority=body.priority, **_keyed(key, "/v1/requests", body))
     response.headers.update(submitted.headers)
     status = view(state, tenant, submitted.request_id).status if submitted.replayed else RequestStatus.QUEUED
     return RequestAccepted(id=submitted.request_id, status=status, model=submission.serving_config_name)
@@ -293,7 +307,8 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
     stream it."""
     arrived_s = time.time()
     submission = await run_sync(check, state, body)
-    submitted = await run_sync(partial(submit, state, tenant, submission, **_keyed(key, endpoint, body)))
+    submitted = await run_sync(partial(submit, state, tenant, submission, endpoint=endpoint,
+                                       **_keyed(key, endpoint, body)))
     read_view = partial(view, state, tenant, submitted.request_id)
     if body.stream:
         writer = ChunkWriter(endpoint, submitted.request_id, submission.serving_config_name, int(arrived_s),

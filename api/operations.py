@@ -1,27 +1,28 @@
 """Routes for operators and clients' discovery: GET /v1/models[/{id}], /healthz, /readyz and /metrics (Prometheus).
 
-Knows which configs count as served (a live worker) and what is exported: request counts by status,
-queue depth per stream, TTFT / TPOT / E2E histograms and tokens generated, read at scrape time.
+Knows which configs count as served (a live worker) and what /metrics adds to the counts servelab.telemetry
+keeps: the queue depth per config and stream, read from Redis at scrape time. Nothing here reads the
+requests history: each count was made when its event happened.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import ApiState, State, Tenant
 from api.errors import ApiError
-from servelab.store.requests import serving_stats
 from servelab.store.db import session_scope
+from servelab.telemetry import QUEUE_DEPTH, exposition
 
 router = APIRouter()
-BOUNDS_MS = (5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000)
 
 
 class ModelOut(BaseModel):
@@ -77,34 +78,39 @@ def readyz(state: State) -> JSONResponse:
                         status_code=503 if problems else 200)
 
 
-class ServingCollector:
-    def __init__(self, state: ApiState) -> None:
-        self.state = state
+CONFIG_NAMES_TTL_S = 30.0  # NOTE: the catalog parses every config file; a new config's depth shows within this
+
+
+class QueueDepth:
+    """The one figure read at scrape time: entries not yet acknowledged per config and stream (XLEN), a Redis
+    call per stream, whatever the history. NOTE: every api process reads the same global figure: take max()."""
+
+    def __init__(self, state: ApiState, names_cache: dict[str, tuple[float, list[str]]]) -> None:
+        self.state, self.names_cache = state, names_cache  # the cache: "names" -> (read at, monotonic s; names)
 
     def collect(self):
-        with session_scope(self.state.runtime.sessions) as session:
-            stats = serving_stats(session, bounds_ms=BOUNDS_MS)
-        requests = GaugeMetricFamily("servelab_requests", "stored requests by status", labels=["status"])
-        for status, n in stats.num_requests_by_status.items():
-            requests.add_metric([status], n)
-        yield requests
-        yield CounterMetricFamily("servelab_generated_tokens", "tokens generated, all requests",
-                                  value=stats.num_generated_tokens)
-        for h in stats.histograms:
-            seconds = [(str(b / 1e3), n) for b, n in h.bucket_counts] + [("+Inf", h.count)]
-            yield HistogramMetricFamily(f"servelab_{h.name.removesuffix('_ms')}_seconds", f"{h.name} per request",
-                                        buckets=seconds, sum_value=h.sum_ms / 1e3)
-        depth = GaugeMetricFamily("servelab_queue_depth", "stream entries not yet acknowledged",
-                                  labels=["config", "stream"])
-        for name in sorted(self.state.catalog().configs):
+        depth = GaugeMetricFamily(QUEUE_DEPTH, "Stream entries not yet acknowledged (waiting or being served).",
+                                  labels=["model_name", "stream"])
+        for name in self.config_names():
             for kind, n in self.state.streams(name).depth().items():
                 depth.add_metric([name, kind], n)
         yield depth
 
+    def config_names(self) -> list[str]:
+        read_at, names = self.names_cache.get("names", (-CONFIG_NAMES_TTL_S, []))
+        if time.monotonic() - read_at >= CONFIG_NAMES_TTL_S:
+            names = sorted(self.state.catalog().configs)
+            self.names_cache["names"] = (time.monotonic(), names)
+        return names
+
 
 @router.get("/metrics", tags=["operations"], response_class=Response,
             responses={200: {"content": {"text/plain": {}}}})
-def metrics(state: State) -> Response:
-    registry = CollectorRegistry()
-    registry.register(ServingCollector(state))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+def metrics(state: State, http: Request) -> Response:
+    """Counts made where the events happened (this api's processes; each worker serves its own /metrics), and
+    the queue depth read now. Costs the same with 1,000 or 1,000,000 stored requests."""
+    if not hasattr(http.app.state, "metrics_config_names"):
+        http.app.state.metrics_config_names = {}
+    read_now = CollectorRegistry(auto_describe=False)
+    read_now.register(QueueDepth(state, http.app.state.metrics_config_names))
+    return Response(exposition() + generate_latest(read_now), media_type=CONTENT_TYPE_PLAIN_0_0_4)

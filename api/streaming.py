@@ -35,6 +35,7 @@ from servelab.queue.tokens import (Diverged, Ended, Relay, RelayItem, Restarted,
 from servelab.request import FinishReason
 from servelab.store import requests as store
 from servelab.store.db import session_scope
+from servelab.telemetry import observe_streamed_ttft
 
 log = logging.getLogger(__name__)
 BLOCK_MS = 1_000  # one read waits this long at most; between reads the relay checks its client and deadline
@@ -150,6 +151,7 @@ async def _openai_chunks(http: Request, state: ApiState, writer: ChunkWriter, ar
     finally:
         with anyio.CancelScope(shield=True):
             await run_sync(_close_stream, state, request_id, clock, restarts, gone, cancel_on_leave)
+        observe_streamed_ttft(model_name=writer.model, ttft_ms=clock.ttft_ms)
 
 
 def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> list[bytes]:

@@ -42,6 +42,7 @@ from servelab.runtime import Runtime
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 from servelab.settings import Settings
+from servelab.telemetry import WorkerMeter, serve_worker_metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,6 +91,7 @@ class ServingWorker:
         self.num_publishes = 0
         self.held = _Held()
         self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
+        self.meter = WorkerMeter(streams.config_name)
         self.stop = threading.Event()
 
     # --- the loop ---
@@ -120,12 +122,21 @@ class ServingWorker:
 
     def _advance(self, started: list[Candidate]) -> int:
         outputs = [self._start(started)] if started else []
+        num_step_rows = len(self.running)
         if self.running:
             outputs.append(self.engine.step())
         finished = [c for out in outputs for c in out.finished]
         finished += self._publish(started, outputs, ended={c.request_id for c in finished})
         self._finish(finished)
+        self._observe_turn(started, outputs, num_step_rows)
         return len(finished)
+
+    def _observe_turn(self, started: list[Candidate], outputs: list[StepOutput], num_step_rows: int) -> None:
+        running = list(self.running.values())
+        self.meter.turn(num_prompt_tokens=sum(c.num_prompt_tokens for c in started),
+                        num_generated_tokens=sum(len(out.new_tokens) for out in outputs),
+                        num_step_rows=num_step_rows, num_running=len(running), num_waiting=len(self.held.waiting),
+                        kv_cache_usage=self.policy.batch_tokens(running) / self.policy.max_batch_tokens)
 
     def _publish(self, started: list[Candidate], outputs: list[StepOutput], *, ended: set[str]) -> list[Completion]:
         """The step's text for streamed rows and their cancel flags, one round trip; -> the rows cancelled now."""
@@ -215,6 +226,7 @@ class ServingWorker:
             for c in victims:
                 del self.running[c.request_id]
                 self.held.waiting.append(c.preempted())
+        self.meter.preempted(len(victims))
         log.info("preempted %d bulk row(s) for an interactive request", len(victims))
 
     def _start(self, candidates: list[Candidate]) -> StepOutput:
@@ -301,15 +313,18 @@ class ServingWorker:
         batch_id = uuid.uuid4()  # NOTE: the same id on every try, so a retried commit records the batch once
         result = BatchResult(completions=tuple(completions), timings=timings, memory=memory)
         enqueued_at = {c.request_id: self.held.enqueued_at[c.request_id] for c in batch}
-        self._store(lambda session: store.record_batch(
+        recorded = self._store(lambda session: store.record_batch(
             session, batch_id=batch_id, worker_name=self.name, serving_config_name=self.streams.config_name,
             config_hash=self.engine.config.config_hash, result=result, enqueued_at=enqueued_at))
+        # NOTE: counted once committed (a failed commit is served again elsewhere), before the callers wake
+        self.meter.finished([c for c in completions if c.request_id in recorded], enqueued_at=self.held.enqueued_at)
         notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
         self._release(batch, ack=True)
 
     def _fail(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
-        self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
-                                                        now=datetime.now(UTC)), wait_out=wait_out)
+        failed = self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries],
+                                                                 reason=reason, now=datetime.now(UTC)), wait_out=wait_out)
+        self.meter.failed(len(failed))
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         self.streams.ack(entries)
@@ -317,8 +332,9 @@ class ServingWorker:
     def _dead_letter(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
         if not entries:
             return
-        self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries], reason=reason,
-                                                        now=datetime.now(UTC)), wait_out=wait_out)
+        failed = self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries],
+                                                                 reason=reason, now=datetime.now(UTC)), wait_out=wait_out)
+        self.meter.failed(len(failed))
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
         for e in entries:
@@ -449,7 +465,9 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
                            faults=faults)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
-    log.warning("worker %s serving %s (%s) on %s", name, config.name, config.weights, engine.device)
+    metrics_port = serve_worker_metrics(runtime.settings.worker_metrics_port)
+    log.warning("worker %s serving %s (%s) on %s; /metrics on port %s", name, config.name, config.weights,
+                engine.device, metrics_port or "(none)")
     try:
         worker.run()
     finally:

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     claim_idle_ms: int = Field(default=30_000, ge=100, description="an entry idle this long has a dead owner")
     renew_every_s: float = Field(default=5.0, gt=0, description="claim renewal period, well under claim_idle_ms")
     max_attempts: int = Field(default=3, ge=1, description="started executions before a request is dead-lettered")
+    # NOTE: a worker serves its own /metrics (workers run on other hosts than the api); taken: the next free port
+    worker_metrics_port: int = Field(default=8001, ge=0, le=65_535,
+                                     description="a worker's Prometheus /metrics port (or the next free one); 0: none")
 
     @property
     def model_cache_dir(self) -> Path:
@@ -55,3 +58,9 @@ class ServiceSettings(Settings):
     celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")
     api_url: str = Field(default="http://127.0.0.1:8000", description="where `servelab submit` finds the API")
     api_key: str | None = Field(default=None, description="the key `servelab submit` and `results` send")
+    retention_days: float = Field(default=30.0, ge=0, description="finished requests (results, metrics) and batch "
+                                  "records older than this are deleted, except what runs and running jobs need; 0: kept")
+    file_retention_days: float = Field(default=30.0, ge=0, description="files older than this are deleted (or, "
+                                       "named by a finished batch job, their content erased); 0: kept")
+    metrics_dir: Path | None = Field(default=None, description="a folder the api processes behind one port share "
+                                     "for their Prometheus counts (emptied by `servelab api`); None: one process")

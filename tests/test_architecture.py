@@ -92,7 +92,8 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 # The floors, lowest first: a module imports only from its own floor or below (lazy imports included).
 FLOORS = (
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.idempotency"),  # the contract
-    ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded"),  # rows; the model; the host
+    ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded",
+     "servelab.telemetry"),  # rows; the model; the host; Prometheus counts
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
     ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack
     ("servelab.lab",),  # runs, comparisons, benches

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -194,3 +195,85 @@ def test_light_images_carry_no_torch_and_no_embedded_server() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --- monitoring: Prometheus, Grafana and the dashboard against what servelab exports ---
+
+MONITORING = ("prometheus", "grafana")
+DASHBOARD_PATH = REPO / "deploy" / "grafana" / "servelab.json"
+PROMETHEUS = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+
+
+def _published_address(ports: list[str]) -> str:
+    (published,) = ports
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", published).split(":")[0]
+
+
+@pytest.mark.parametrize("service", MONITORING)
+def test_monitoring_is_a_profile_of_its_own_published_on_localhost_only(service: str) -> None:
+    spec = SERVICES[service]
+    assert spec["profiles"] == ["monitoring"]
+    assert _published_address(spec["ports"]) == "127.0.0.1", spec["ports"]
+
+
+def test_every_file_compose_mounts_from_the_checkout_exists() -> None:
+    mounted = [v.split(":")[0] for spec in SERVICES.values() for v in spec.get("volumes", []) if v.startswith("./")]
+    assert mounted and all((REPO / m).exists() for m in mounted), mounted
+
+
+def test_prometheus_scrapes_the_api_and_every_worker_where_they_serve_metrics() -> None:
+    from servelab.settings import Settings
+
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in PROMETHEUS["scrape_configs"]}
+    api_port = int(SERVICES["api"]["ports"][0].split(":")[-1])
+    assert (jobs["servelab-api"]["names"], jobs["servelab-api"]["port"]) == (["api"], api_port)
+    workers = ["gpu-worker", "gpu-worker-cpu"]
+    assert jobs["servelab-worker"]["names"] == workers
+    for worker in workers:
+        port = int(SERVICES[worker]["environment"]["SERVELAB_WORKER_METRICS_PORT"])
+        assert port == jobs["servelab-worker"]["port"] == Settings.model_fields["worker_metrics_port"].default
+
+
+def test_the_api_counts_into_a_folder_that_starts_empty_with_its_container() -> None:
+    api = SERVICES["api"]
+    assert api["environment"]["SERVELAB_METRICS_DIR"] in api["tmpfs"]
+
+
+def _dashboard_targets() -> list[dict]:
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    return [t for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def test_the_grafana_dashboard_queries_only_names_and_labels_servelab_exports() -> None:
+    from servelab.telemetry import SPECS
+
+    labels_of = {name: set(spec.labels) | ({"le"} if name.endswith("_bucket") else set())
+                 for spec in SPECS.values() for name in spec.sample_names}
+    queried = set()
+    for target in _dashboard_targets():
+        expr = target["expr"]
+        names = re.findall(r"servelab:[A-Za-z0-9_:]+", expr)
+        assert names, expr
+        unknown = set(names) - set(labels_of)
+        assert not unknown, f"{expr}: {unknown} is not exported (servelab/telemetry.py SPECS)"
+        allowed = set.union(*(labels_of[n] for n in names))
+        for selector in re.findall(r"servelab:[A-Za-z0-9_:]+\{([^}]*)\}", expr):
+            assert {m.split("=")[0].rstrip("!~") for m in selector.split(",")} <= allowed, expr
+        for grouping in re.findall(r"by \(([^)]*)\)", expr):
+            assert {g.strip() for g in grouping.split(",")} <= allowed, expr
+        queried |= set(names)
+    needed = {"servelab:time_to_first_token_seconds_bucket", "servelab:inter_token_latency_seconds_bucket",
+              "servelab:e2e_request_latency_seconds_bucket", "servelab:request_queue_time_seconds_bucket",
+              "servelab:generation_tokens_total", "servelab:submissions_total", "servelab:num_rows_per_step_bucket",
+              "servelab:kv_cache_usage_perc", "servelab:queue_depth", "servelab:request_success_total"}
+    assert needed <= queried, needed - queried
+
+
+def test_the_grafana_dashboard_stands_alone_with_a_data_source_picked_on_import() -> None:
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == ("datasource", "prometheus")
+    refs = [p["datasource"] for p in dashboard["panels"] if "datasource" in p] + [
+        t["datasource"] for t in _dashboard_targets()] + [variables["model_name"]["datasource"]]
+    assert refs and all(r == {"type": "prometheus", "uid": "${datasource}"} for r in refs), refs
+    assert dashboard["uid"] and "__inputs" not in dashboard and "${DS_" not in DASHBOARD_PATH.read_text()

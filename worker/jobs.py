@@ -4,8 +4,9 @@ Thin: `configure` binds the Celery app to a Runtime (broker = the same Redis, ke
 tasks call the core. Every task is idempotent (its work is conditional updates) and carries an id;
 acks are late and a lost worker's task is re-delivered. Beat runs `sweep` every jobs_poll_s: it starts
 ingest for jobs with unread lines and advances the others, each under a short Redis lease so a job
-never has two copies of the same task in flight; `reap` re-adds requests whose stream entry was lost; and
-`purge` erases expired files' content and forgets expired idempotency keys (reads ignore both at once already).
+never has two copies of the same task in flight; `reap` re-adds requests whose stream entry was lost;
+`purge` erases expired files' content and forgets expired idempotency keys (reads ignore both at once already);
+and `prune` deletes finished requests, batch records and files past the retention ages, in small transactions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from celery import Celery
 from servelab.jobs.ingest import IngestLimits, ingest_step
 from servelab.jobs.lifecycle import advance_job
 from servelab.jobs.reaper import reap_lost
+from servelab.jobs.retention import RetentionPolicy, prune as prune_history
 from servelab.queue.streams import RequestStreams
 from servelab.runtime import Runtime
 from servelab.settings import ServiceSettings
@@ -35,6 +37,7 @@ INGEST_SLICE_S = 20.0  # one ingest task runs this long at most, then gives its 
 LEASE_MS = 60_000  # NOTE: longer than INGEST_SLICE_S: a lease outlives the task that holds it
 VISIBILITY_TIMEOUT_S = 3_600  # NOTE: far above the longest task (an ingest slice, a 100k-line finalise)
 PURGE_EVERY_S = 60.0
+PRUNE_EVERY_S = 600.0  # NOTE: one run spends at most RetentionPolicy.budget_s (30 s); a backlog drains run by run
 _bound: dict[str, object] = {}
 
 
@@ -55,6 +58,7 @@ def configure(runtime: Runtime, settings: ServiceSettings) -> Celery:
             "sweep": {"task": "servelab.sweep", "schedule": settings.jobs_poll_s},
             "reap": {"task": "servelab.reap", "schedule": max(1.0, settings.claim_idle_ms / 2e3)},
             "purge": {"task": "servelab.purge", "schedule": PURGE_EVERY_S},
+            "prune": {"task": "servelab.prune", "schedule": PRUNE_EVERY_S},
         },
         beat_schedule_filename=str(settings.state_dir / "celerybeat-schedule"),
     )
@@ -142,6 +146,21 @@ def purge() -> int:
     now = datetime.now(UTC)
     with session_scope(runtime.sessions) as session:
         return files.purge_expired_files(session, now=now) + idempotency_keys.purge_expired_keys(session, now=now)
+
+
+@app.task(name="servelab.prune")
+def prune() -> dict[str, int | bool]:
+    """Delete finished requests (results, metrics), batch records and files past the retention ages, except
+    what runs and running jobs need; -> what went, and whether it all went within the time budget."""
+    runtime, settings = _runtime()
+    pruned = prune_history(sessions=runtime.sessions, policy=RetentionPolicy.from_settings(settings),
+                           now=datetime.now(UTC))
+    if pruned.num_requests or pruned.num_batches or pruned.num_files:
+        log.info("retention: deleted %d requests and %d batch records; %d files deleted or erased%s",
+                    pruned.num_requests, pruned.num_batches, pruned.num_files,
+                    "" if pruned.is_done else " (more next run)")
+    return {"num_requests": pruned.num_requests, "num_batches": pruned.num_batches, "num_files": pruned.num_files,
+            "is_done": pruned.is_done}
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from servelab.cli.options import ConfigOption, config_paths, connected, fail, load_config, settings
+from servelab.cli.options import (ConfigOption, config_paths, connected, fail, load_config, service_settings,
+                                  settings)
 
 
 def worker(
@@ -109,8 +110,23 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Run the API (FastAPI under uvicorn); it never loads torch."""
     import uvicorn
 
+    _share_metrics(port, workers)
     # NOTE: named by string, not imported: the core never imports the process packages.
     uvicorn.run("api.app:build", factory=True, host=host, port=port, workers=workers)
+
+
+def _share_metrics(port: int, workers: int) -> None:
+    """Several api processes count into one folder (SERVELAB_METRICS_DIR, or one under the state folder per
+    port), emptied here, before any of them starts, so each scrape sums this run's processes only."""
+    import os
+
+    from servelab.telemetry import prepare_files_dir
+
+    chosen = service_settings().metrics_dir
+    if chosen is None and workers == 1:
+        return  # NOTE: one process counts in memory
+    folder = prepare_files_dir(chosen or Path(service_settings().state_dir) / f"metrics-api-{port}")
+    os.environ["SERVELAB_METRICS_DIR"] = str(folder)  # NOTE: how the processes uvicorn starts read their Settings
 
 
 def _run_module(*args: str) -> None:

@@ -135,7 +135,8 @@ class BatchRow(Base):
     (BatchTimings + MemoryBreakdown). Under the window policy, a closed batch is one or more of these."""
 
     __tablename__ = "batches"
-    __table_args__ = (Index("ix_batches_serving_config_name_started_at", "serving_config_name", "started_at"),)
+    __table_args__ = (Index("ix_batches_serving_config_name_started_at", "serving_config_name", "started_at"),
+                      Index("ix_batches_finished_at", "finished_at"))  # retention finds old batches by age
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=uuid.uuid4)
     worker_name: Mapped[str] = mapped_column(Text)

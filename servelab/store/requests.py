@@ -111,10 +111,11 @@ def fail_requests(session: Session, *, ids: list[str], reason: str, now: datetim
 def record_batch(
     session: Session, *, batch_id: uuid.UUID, worker_name: str, serving_config_name: str, config_hash: str,
     result: BatchResult, enqueued_at: dict[str, datetime],
-) -> str:
+) -> set[str]:
     """Write the batch record (the engine steps since the last record), every finished request's result
-    and metrics, and finish the request rows. Repeating it with the same batch_id changes nothing (a retry
-    after a commit whose answer was lost)."""
+    and metrics, and finish the request rows; -> the ids whose outcome this record wrote (not those that had
+    finished elsewhere: a duplicate run, a cancel). Repeating it with the same batch_id changes nothing (a
+    retry after a commit whose answer was lost)."""
     t, m = result.timings, result.memory
     started_at, finished_at = _utc(t.started_at_s), _utc(t.finished_at_s)
     session.execute(insert(BatchRow).values(
@@ -127,10 +128,9 @@ def record_batch(
         kv_cache_tokens=m.kv_cache_tokens, num_preempted=t.num_preempted,
         started_at=started_at, finished_at=finished_at,
     ).on_conflict_do_nothing(index_elements=["id"]))
-    for c in result.completions:
-        _finish(session, c, batch_id=batch_id, started_at=_utc(c.started_at_s or t.finished_at_s),
-                enqueued_at=enqueued_at[c.request_id])
-    return str(batch_id)
+    return {c.request_id for c in result.completions
+            if _finish(session, c, batch_id=batch_id, started_at=_utc(c.started_at_s or t.finished_at_s),
+                       enqueued_at=enqueued_at[c.request_id])}
 
 
 def _utc(unix_s: float) -> datetime:
@@ -144,7 +144,7 @@ def count_preemptions(session: Session, *, ids: list[str]) -> None:
 
 
 def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at: datetime,
-            enqueued_at: datetime) -> None:
+            enqueued_at: datetime) -> bool:
     finished_at = started_at + timedelta(milliseconds=c.e2e_ms or 0.0)
     is_error = c.finish_reason is FinishReason.ERROR
     first_token_at = None if c.ttft_ms is None else started_at + timedelta(milliseconds=c.ttft_ms)
@@ -169,7 +169,7 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
             .values(first_token_at=first_token_at).returning(RequestRow.id)
         ).first()
     if updated is None or is_error:
-        return  # NOTE: finished elsewhere (cancelled, or a duplicate run): the first outcome stands
+        return updated is not None  # NOTE: finished elsewhere (cancelled, or a duplicate run): the first outcome stands
     session.execute(insert(ResultRow).values(
         request_id=uuid.UUID(c.request_id), text=c.text, num_prompt_tokens=c.num_prompt_tokens,
         num_generated_tokens=c.num_generated_tokens, token_ids=list(c.token_ids),
@@ -179,6 +179,7 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
         queue_ms=max(0.0, (started_at - enqueued_at).total_seconds() * 1e3),
         ttft_ms=c.ttft_ms, tpot_ms=c.tpot_ms, e2e_ms=c.e2e_ms, itl_ms=list(c.itl_ms),
     ).on_conflict_do_nothing(index_elements=["request_id"]))
+    return True
 
 
 def find_lost_candidates(session: Session, *, serving_config_name: str, queued_before: datetime,
@@ -321,41 +322,3 @@ def get_request_view(session: Session, *, request_id: str, tenant: str) -> Reque
         r.first_token_at, r.finished_at, r.finish_reason, r.error, result.text if result else None,
         result.num_prompt_tokens if result else None, result.num_generated_tokens if result else None, timings,
     )
-
-
-@dataclass(frozen=True)
-class LatencyHistogram:
-    """Cumulative counts at each upper bound (ms), their number and sum, as Prometheus histograms want."""
-
-    name: str
-    bucket_counts: tuple[tuple[float, int], ...]
-    count: int
-    sum_ms: float
-
-
-@dataclass(frozen=True)
-class ServingStats:
-    num_requests_by_status: dict[str, int]
-    num_generated_tokens: int
-    histograms: tuple[LatencyHistogram, ...]
-
-
-def serving_stats(session: Session, *, bounds_ms: tuple[float, ...]) -> ServingStats:
-    """Totals over every request stored: counts by status, tokens generated, TTFT / TPOT / E2E histograms.
-
-    NOTE: computed at scrape time from Postgres, so every API replica reports the same totals.
-    """
-    from sqlalchemy import func
-
-    by_status = {s.value: 0 for s in RequestStatus}
-    for status, n in session.execute(select(RequestRow.status, func.count()).group_by(RequestRow.status)):
-        by_status[status.value] = n
-    tokens = session.scalar(select(func.coalesce(func.sum(ResultRow.num_generated_tokens), 0)))
-    histograms = []
-    for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
-        column = getattr(RequestMetricsRow, name)
-        row = session.execute(select(
-            *(func.count().filter(column <= b) for b in bounds_ms), func.count(column), func.coalesce(func.sum(column), 0.0)
-        )).one()
-        histograms.append(LatencyHistogram(name, tuple(zip(bounds_ms, row[:-2])), row[-2], float(row[-1])))
-    return ServingStats(by_status, int(tokens), tuple(histograms))

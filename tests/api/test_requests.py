@@ -159,19 +159,24 @@ def test_cancelling_a_finished_batch_is_409(stack) -> None:
     assert answer.status_code == 409 and "completed" in answer.json()["error"]["message"]
 
 
-def test_metrics_export_counts_queue_depth_latency_histograms_and_tokens(stack) -> None:
+def test_metrics_export_submissions_queue_depth_and_the_worker_counts_by_model_name(stack) -> None:
     api = client_for(stack, stack.key("acme"))
     request_id = api.post("/v1/requests", json={"config": stack.model, "prompt": "hi",
                                                 "sampling": {"max_new_tokens": 3}}).json()["id"]
     api.get(f"/v1/requests/{request_id}", params={"wait": 30})
+    assert api.post("/v1/requests", json={"config": "no-such-model", "prompt": "hi"}).status_code == 404
     text = client_for(stack).get("/metrics").text
-    assert 'servelab_requests{status="succeeded"}' in text
-    assert f'servelab_queue_depth{{config="{stack.model}",stream="interactive"}}' in text
-    for name in ("ttft", "tpot", "e2e"):
-        assert f"servelab_{name}_seconds_bucket" in text
-    e2e_count = next(x for x in text.splitlines() if x.startswith("servelab_e2e_seconds_count"))
-    assert float(e2e_count.split()[-1]) >= 1
-    assert "servelab_generated_tokens_total" in text
+    model = f'model_name="{stack.model}"'
+    assert f'servelab:submissions_total{{endpoint="/v1/requests",{model},outcome="accepted"}} 1.0' in text
+    # NOTE: a name that is no served config is never a label value (clients could grow the series without end)
+    assert 'servelab:submissions_total{endpoint="/v1/requests",model_name="",outcome="model_not_found"}' in text
+    assert "no-such-model" not in text
+    assert f'servelab:queue_depth{{{model},stream="interactive"}} 0.0' in text
+    # the worker runs in this process here, so its counts show too (deployed, each worker serves its own)
+    assert f'servelab:request_success_total{{finished_reason="length",{model}}} 1.0' in text
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_queue_time"):
+        assert f'servelab:{name}_seconds_bucket{{le="+Inf",{model}}} ' in text
+    assert f"servelab:generation_tokens_total{{{model}}} 3.0" in text
 
 
 def test_health_readiness_and_openapi_are_served_without_a_key(stack) -> None:
