@@ -1,4 +1,5 @@
-"""API keys and tenants: create, look up and revoke keys; count and serialise a tenant's queued requests.
+"""API keys and tenants: create, look up and revoke keys; serialise a tenant's uses of idempotency keys;
+count a tenant's queued requests the slow way (what the counter of store/admission.py must always equal).
 
 Knows that only a key's sha256 is stored, so a key is shown once, when created. Does not know HTTP:
 the API turns "no tenant" into 401. Store functions take a session and never commit.
@@ -64,12 +65,14 @@ def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKeyRow]
 
 
 def lock_tenant(session: Session, tenant: str) -> None:
-    """Serialise admissions of one tenant until the transaction ends, so its queue limit holds exactly."""
+    """Serialise one tenant's uses of idempotency keys until the transaction ends (a key is found, or saved,
+    by one submission at a time)."""
     session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": f"tenant:{tenant}"})
 
 
 def num_queued_requests(session: Session, tenant: str) -> int:
-    """Queued interactive requests of a tenant (bulk jobs have their own back-pressure)."""
+    """Queued interactive requests of a tenant (bulk jobs have their own back-pressure), counted row by row:
+    the reference for tenant_queues, never the hot path."""
     return session.scalar(
         select(func.count()).select_from(RequestRow).where(
             RequestRow.tenant == tenant, RequestRow.status == RequestStatus.QUEUED, RequestRow.batch_job_id.is_(None)
