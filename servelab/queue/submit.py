@@ -1,24 +1,36 @@
-"""Submitting a request: commit its row, then add its id to its config's stream; and cancelling one whose
-client left: commit the cancel, then tell its worker and its waiters.
+"""Submitting requests: commit their rows, then add their ids to their configs' streams, one request or a group
+at once (one transaction, one round trip to Redis); and cancelling one whose client left: commit the cancel,
+then tell its worker and its waiters.
 
 Knows the one rule that makes the queue safe to lose: the Postgres row exists (committed) before
-its id is in Redis, so a lost entry can always be found again and no entry points at nothing.
+its id is in Redis, so a lost entry can always be found again and no entry points at nothing. A group admits
+under each tenant's queue limit and honours idempotency keys; one submission's failure fails it alone.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.queue.streams import RequestStreams, end_event, notify_done
+from servelab.idempotency import Fingerprint, KeyReused, check_reuse
+from servelab.queue.streams import RequestStreams, end_event, enqueue_all, notify_done
 from servelab.queue.tokens import request_cancel
 from servelab.request import SamplingParams
+from servelab.store import admission, keys
+from servelab.store import idempotency as idempotency_keys
 from servelab.store import requests as store
+from servelab.store.admission import NewRequest, QueueFull
 from servelab.store.db import session_scope
 from servelab.store.models import StreamKind
+
+log = logging.getLogger(__name__)
 
 
 def submit_request(
@@ -48,3 +60,95 @@ def cancel_for_client(*, sessions: sessionmaker[Session], redis_client: redis.Re
         notify_done(redis_client, prefix=prefix, ends={request_id: end_event(
             "cancelled", finish_reason="cancelled", error=store.CANCELLED_BY_CLIENT)})
     return cancelled
+
+
+@dataclass(frozen=True)
+class Posted:
+    """One submission of a group: the request, and the Idempotency-Key it came with (and its fingerprint)."""
+
+    request: NewRequest
+    key: str | None = None
+    fingerprint: Fingerprint | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.key is None) == (self.fingerprint is None), "a key comes with the submission's fingerprint"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    replayed: bool = False  # the key named an earlier submission: this one joins that one's request
+
+
+Outcome = Admitted | QueueFull | KeyReused | Exception
+
+
+def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], redis_client: redis.Redis, prefix: str,
+                 max_queued: int, key_ttl: timedelta, now: datetime) -> list[Outcome]:
+    """Admit a group in one transaction, then enqueue what it made in one round trip; -> each one's outcome.
+
+    NOTE: when the transaction fails (a row PostgreSQL refuses), each submission is tried again alone, so the
+    one at fault fails and the others go through; a Redis failure after the commit fails the new requests of
+    the group (their rows are queued: the reaper puts their ids back).
+    """
+    try:
+        with session_scope(sessions) as session:
+            outcomes, made = _admit(session, posts, max_queued=max_queued, key_ttl=key_ttl, now=now)
+    except SQLAlchemyError as exc:
+        if len(posts) == 1:
+            return [exc]
+        log.warning("a group of %d submissions failed (%s); trying each alone", len(posts), exc)
+        return [outcome for post in posts for outcome in submit_group(
+            [post], sessions=sessions, redis_client=redis_client, prefix=prefix, max_queued=max_queued,
+            key_ttl=key_ttl, now=now)]
+    try:
+        enqueue_all(redis_client, prefix=prefix, entries=[(r.id, r.serving_config_name, r.stream) for r in made])
+    except redis.RedisError as exc:
+        made_ids = {r.id for r in made}
+        return [exc if isinstance(o, Admitted) and o.request_id in made_ids and not o.replayed else o
+                for o in outcomes]
+    return outcomes
+
+
+def _admit(session: Session, posts: Sequence[Posted], *, max_queued: int, key_ttl: timedelta,
+           now: datetime) -> tuple[list[Outcome], list[NewRequest]]:
+    """Inside one transaction: replay what a key names, admit what fits, insert the rest's rows at once."""
+    for tenant in sorted({p.request.tenant for p in posts if p.key is not None}):
+        keys.lock_tenant(session, tenant)  # NOTE: one use of a tenant's keys at a time; before the counters
+    room = admission.queue_room(session, tenants=[p.request.tenant for p in posts], max_queued=max_queued)
+    outcomes: list[Outcome] = []
+    made: list[NewRequest] = []
+    for post in posts:
+        r = post.request
+        if post.key is not None:
+            replayed = _replay(session, post, made_ids={m.id for m in made}, now=now)
+            if replayed is not None:
+                outcomes.append(replayed)
+                continue
+        if room[r.tenant] <= 0:
+            outcomes.append(QueueFull.of(r.tenant, max_queued=max_queued))
+            continue
+        room[r.tenant] -= 1
+        made.append(r)
+        if post.key is not None:
+            idempotency_keys.save_key(session, tenant=r.tenant, key=post.key, fingerprint=post.fingerprint,
+                                      resource_id=r.id, now=now, ttl=key_ttl)
+        outcomes.append(Admitted(r.id))
+    admission.insert_requests(session, made)
+    return outcomes, made
+
+
+def _replay(session: Session, post: Posted, *, made_ids: set[str], now: datetime) -> Outcome | None:
+    """The request an earlier use of the key made (KeyReused when the body differs); None: a new submission."""
+    tenant = post.request.tenant
+    first = idempotency_keys.find_key(session, tenant=tenant, key=post.key, now=now)
+    if first is None:
+        return None
+    try:
+        check_reuse(first, post.fingerprint)
+    except KeyReused as exc:
+        return exc
+    if first.resource_id in made_ids or store.get_request_view(session, request_id=first.resource_id,
+                                                               tenant=tenant) is not None:
+        return Admitted(first.resource_id, replayed=True)
+    return None  # NOTE: its request is gone (deleted): the key makes a new one
