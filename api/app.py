@@ -30,7 +30,7 @@ def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bo
 
     app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan,
                   description="LLM generation through a queue: requests, OpenAI-compatible completions, batches.")
-    app.state.servelab = ApiState(runtime, settings)
+    app.state.servelab = ApiState.of(runtime, settings)
     for module in (generation, batches, operations):
         app.include_router(module.router)
     install_error_handlers(app)

@@ -55,3 +55,11 @@ class ServiceSettings(Settings):
     celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")
     api_url: str = Field(default="http://127.0.0.1:8000", description="where `servelab submit` finds the API")
     api_key: str | None = Field(default=None, description="the key `servelab submit` and `results` send")
+    api_workers: int = Field(default=2, ge=1, le=64, description="api processes behind the one port (`servelab api`)")
+    key_cache_s: float = Field(default=5.0, ge=0, description="an api process trusts a key's tenant this long: "
+                               "a revoked key is refused within it (0: look every key up)")
+    catalog_cache_s: float = Field(default=5.0, ge=0, description="an api process reloads configs and live workers "
+                                   "this often (a name it lacks reloads them at once)")
+    submit_wait_ms: float = Field(default=2.0, ge=0, le=100, description="the first submission of a group waits "
+                                  "this long for others (one transaction, one Redis round trip for all)")
+    max_submit_group: int = Field(default=256, ge=1, description="most submissions written in one transaction")
