@@ -1,25 +1,25 @@
 """Admitting interactive requests under their tenant's queue limit, many in one transaction.
 
-Knows tenant_queues (each tenant's queued count, kept exact by triggers on requests, migration 0008): lock
-the tenants' rows in name order, take what fits, and insert the admitted rows in one multi-row INSERT (the
-triggers add them to the count). Does not know HTTP, Redis or idempotency keys. Takes a session, never commits.
+Knows tenant_queues (each tenant's queued count, kept exact by triggers on requests, migration 0008): in one
+statement, lock the tenants' rows in name order, take what fits, and insert the admitted rows (the trigger
+adds them to the count). Does not know HTTP, Redis or idempotency keys. Takes a session, never commits.
 NOTE: the counter row's lock is held from the admission to the commit, so a tenant's groups queue behind
 each other there; the lock is per group, not per request, and nothing is counted (no COUNT over requests).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from servelab.request import SamplingParams
-from servelab.store.models import RequestRow, StreamKind, TenantQueueRow
+from servelab.store.models import StreamKind, TenantQueueRow
 
 
 class QueueFull(Exception):
@@ -46,47 +46,44 @@ class NewRequest:
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
 
     def row(self) -> dict[str, Any]:
-        return dict(id=uuid.UUID(self.id), tenant=self.tenant, serving_config_name=self.serving_config_name,
-                    stream=self.stream, prompt=self.prompt, messages=self.messages,
+        """The row's values as JSON can carry them."""
+        return dict(id=self.id, tenant=self.tenant, serving_config_name=self.serving_config_name,
+                    stream=self.stream.value, prompt=self.prompt, messages=self.messages,
                     sampling=self.sampling.to_stored(), priority=self.priority)
 
 
-def lock_queues(session: Session, tenants: Iterable[str]) -> dict[str, int]:
-    """Lock each tenant's counter row until the transaction ends (made at 0 if missing), in name order so that
-    two groups never wait for each other crosswise; -> each tenant's queued requests now."""
-    names = sorted(set(tenants))
-    if not names:
-        return {}
-    # NOTE: an upsert that writes the same count: it locks an existing row and makes a missing one, in one
-    # round trip; a plain SELECT FOR UPDATE could not lock a row that is not there yet.
-    rows = session.execute(
-        insert(TenantQueueRow).values([{"tenant": t} for t in names])
-        .on_conflict_do_update(index_elements=["tenant"], set_={"num_queued": TenantQueueRow.num_queued})
-        .returning(TenantQueueRow.tenant, TenantQueueRow.num_queued)
-    ).all()
-    return {tenant: num_queued for tenant, num_queued in rows}
+# NOTE: one statement: lock the tenants' counters (an upsert that writes the same count, which also makes a
+# missing row; tenants in name order), rank each tenant's requests in the group, insert those within the room
+# left. The statement trigger then adds them to the counters. The counters stay locked until the commit.
+ADMIT = text("""
+WITH wanted AS (
+    SELECT r.*, row_number() OVER (PARTITION BY r.tenant ORDER BY r.place) AS rank
+    FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS r(
+        place int, id uuid, tenant text, serving_config_name text, stream stream_kind, prompt text,
+        messages jsonb, sampling jsonb, priority int)
+), locked AS (
+    INSERT INTO tenant_queues AS q (tenant)
+    SELECT DISTINCT tenant FROM wanted ORDER BY tenant
+    ON CONFLICT (tenant) DO UPDATE SET num_queued = q.num_queued
+    RETURNING q.tenant, q.num_queued
+)
+INSERT INTO requests (id, tenant, serving_config_name, stream, prompt, messages, sampling, priority)
+SELECT w.id, w.tenant, w.serving_config_name, w.stream, w.prompt, w.messages, w.sampling, w.priority
+FROM wanted AS w JOIN locked AS l ON l.tenant = w.tenant
+WHERE w.rank <= :max_queued - l.num_queued
+ORDER BY w.place
+RETURNING id
+""")
 
 
-def queue_room(session: Session, *, tenants: Iterable[str], max_queued: int) -> dict[str, int]:
-    """How many more requests each tenant may queue now; the rows stay locked until the commit."""
-    return {tenant: max(0, max_queued - n) for tenant, n in lock_queues(session, tenants).items()}
-
-
-def insert_requests(session: Session, requests: Sequence[NewRequest]) -> None:
-    """One multi-row INSERT; the triggers count the rows in (and the caller had room for them)."""
-    if requests:
-        session.execute(insert(RequestRow), [r.row() for r in requests])
-
-
-def admit_requests(session: Session, requests: Sequence[NewRequest], *, max_queued: int) -> list[bool]:
-    """Admit what fits under each tenant's limit, in order; -> whether each was admitted (and inserted)."""
-    room = queue_room(session, tenants=[r.tenant for r in requests], max_queued=max_queued)
-    admitted = []
-    for r in requests:
-        admitted.append(room[r.tenant] > 0)
-        room[r.tenant] -= 1
-    insert_requests(session, [r for r, ok in zip(requests, admitted) if ok])
-    return admitted
+def admit_requests(session: Session, requests: Sequence[NewRequest], *, max_queued: int) -> set[str]:
+    """Admit what fits under each tenant's limit, in order, in one round trip; -> the ids admitted (inserted).
+    The tenants' counter rows stay locked until the caller's commit."""
+    if not requests:
+        return set()
+    rows = [{"place": i, **r.row()} for i, r in enumerate(requests)]
+    result = session.execute(ADMIT, {"rows": json.dumps(rows), "max_queued": max_queued})
+    return {str(request_id) for (request_id,) in result}
 
 
 def num_queued(session: Session, tenant: str) -> int:

@@ -11,10 +11,10 @@ import hashlib
 import secrets
 from datetime import datetime
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
-from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus
+from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus, TenantQueueRow
 
 KEY_PREFIX = "sl-"
 
@@ -78,3 +78,13 @@ def num_queued_requests(session: Session, tenant: str) -> int:
             RequestRow.tenant == tenant, RequestRow.status == RequestStatus.QUEUED, RequestRow.batch_job_id.is_(None)
         )
     ) or 0
+
+
+def delete_tenant(session: Session, *, tenant: str) -> int:
+    """Remove a tenant's keys, interactive requests (with what hangs off them) and queue counter: a bench's
+    tenant of its own, after its run. -> the requests removed."""
+    num_requests = session.execute(delete(RequestRow).where(RequestRow.tenant == tenant,
+                                                            RequestRow.batch_job_id.is_(None))).rowcount
+    session.execute(delete(ApiKeyRow).where(ApiKeyRow.tenant == tenant))
+    session.execute(delete(TenantQueueRow).where(TenantQueueRow.tenant == tenant, TenantQueueRow.num_queued == 0))
+    return num_requests
