@@ -19,7 +19,7 @@ import redis
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.idempotency import Fingerprint, KeyReused, check_reuse
+from servelab.idempotency import Fingerprint, KeyReused, KeyUse, check_reuse
 from servelab.queue.streams import RequestStreams, end_event, enqueue_all, notify_done
 from servelab.queue.tokens import request_cancel
 from servelab.request import SamplingParams
@@ -27,7 +27,7 @@ from servelab.store import admission, keys
 from servelab.store import idempotency as idempotency_keys
 from servelab.store import requests as store
 from servelab.store.admission import NewRequest, QueueFull
-from servelab.store.db import session_scope
+from servelab.store.db import commit_without_waiting, flush_commits, session_scope
 from servelab.store.models import StreamKind
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,15 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
 
     NOTE: when the transaction fails (a row PostgreSQL refuses), each submission is tried again alone, so the
     one at fault fails and the others go through; a Redis failure after the commit fails the new requests of
-    the group (their rows are queued: the reaper puts their ids back).
+    the group (their rows are queued: the reaper puts their ids back). The group's commit does not wait for
+    the disk, so its tenants' counters are unlocked at once (the next group of a tenant need not wait for an
+    fsync); it is on disk (flush_commits) before any id is enqueued or answered.
     """
     try:
         with session_scope(sessions) as session:
+            commit_without_waiting(session)
             outcomes, made = _admit(session, posts, max_queued=max_queued, key_ttl=key_ttl, now=now)
+        flush_commits(sessions)
     except SQLAlchemyError as exc:
         if len(posts) == 1:
             return [exc]
@@ -112,43 +116,58 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
 
 def _admit(session: Session, posts: Sequence[Posted], *, max_queued: int, key_ttl: timedelta,
            now: datetime) -> tuple[list[Outcome], list[NewRequest]]:
-    """Inside one transaction: replay what a key names, admit what fits, insert the rest's rows at once."""
+    """Inside one transaction: find what the keys name (before the counters are locked), admit the new
+    requests in one statement, remember the new keys; -> each post's outcome, and the requests made."""
     for tenant in sorted({p.request.tenant for p in posts if p.key is not None}):
         keys.lock_tenant(session, tenant)  # NOTE: one use of a tenant's keys at a time; before the counters
-    room = admission.queue_room(session, tenants=[p.request.tenant for p in posts], max_queued=max_queued)
-    outcomes: list[Outcome] = []
-    made: list[NewRequest] = []
-    for post in posts:
-        r = post.request
-        if post.key is not None:
-            replayed = _replay(session, post, made_ids={m.id for m in made}, now=now)
-            if replayed is not None:
-                outcomes.append(replayed)
-                continue
-        if room[r.tenant] <= 0:
-            outcomes.append(QueueFull.of(r.tenant, max_queued=max_queued))
+    uses = idempotency_keys.find_keys(session, tenant_keys=[(p.request.tenant, p.key) for p in posts if p.key],
+                                      now=now)
+    outcomes: list[Outcome | None] = [None] * len(posts)
+    maker: dict[tuple[str, str], int] = {}  # (tenant, key) -> the post that makes its request in this group
+    follows: dict[int, int] = {}  # a post -> the earlier one of the group whose key it repeats
+    fresh: list[int] = []
+    for i, post in enumerate(posts):
+        pair = (post.request.tenant, post.key)
+        if post.key is not None and pair in maker:
+            earlier = posts[maker[pair]]
+            outcomes[i] = _reused(KeyUse(post.key, earlier.fingerprint, earlier.request.id, now, now + key_ttl), post)
+            if outcomes[i] is None:
+                follows[i] = maker[pair]
             continue
-        room[r.tenant] -= 1
-        made.append(r)
+        if post.key is not None and pair in uses:
+            outcomes[i] = _replay(session, post, uses[pair])
+            if outcomes[i] is not None:
+                continue
         if post.key is not None:
-            idempotency_keys.save_key(session, tenant=r.tenant, key=post.key, fingerprint=post.fingerprint,
-                                      resource_id=r.id, now=now, ttl=key_ttl)
-        outcomes.append(Admitted(r.id))
-    admission.insert_requests(session, made)
-    return outcomes, made
+            maker[pair] = i
+        fresh.append(i)
+    admitted = admission.admit_requests(session, [posts[i].request for i in fresh], max_queued=max_queued)
+    for i in fresh:
+        r = posts[i].request
+        outcomes[i] = Admitted(r.id) if r.id in admitted else QueueFull.of(r.tenant, max_queued=max_queued)
+    idempotency_keys.save_keys(session, uses=[(p.request.tenant, p.key, p.fingerprint, p.request.id)
+                                              for p in (posts[i] for i in maker.values()) if p.request.id in admitted],
+                               now=now, ttl=key_ttl)
+    for i, j in follows.items():
+        first = outcomes[j]
+        outcomes[i] = Admitted(first.request_id, replayed=True) if isinstance(first, Admitted) else first
+    return outcomes, [posts[i].request for i in fresh if posts[i].request.id in admitted]
 
 
-def _replay(session: Session, post: Posted, *, made_ids: set[str], now: datetime) -> Outcome | None:
-    """The request an earlier use of the key made (KeyReused when the body differs); None: a new submission."""
-    tenant = post.request.tenant
-    first = idempotency_keys.find_key(session, tenant=tenant, key=post.key, now=now)
-    if first is None:
-        return None
+def _reused(first: KeyUse, post: Posted) -> KeyReused | None:
+    """KeyReused when the post's body differs from the key's first use; None: the same submission again."""
     try:
         check_reuse(first, post.fingerprint)
     except KeyReused as exc:
         return exc
-    if first.resource_id in made_ids or store.get_request_view(session, request_id=first.resource_id,
-                                                               tenant=tenant) is not None:
+    return None
+
+
+def _replay(session: Session, post: Posted, first: KeyUse) -> Outcome | None:
+    """The request an earlier use of the key made (KeyReused when the body differs); None: a new submission."""
+    reused = _reused(first, post)
+    if reused is not None:
+        return reused
+    if store.get_request_view(session, request_id=first.resource_id, tenant=post.request.tenant) is not None:
         return Admitted(first.resource_id, replayed=True)
     return None  # NOTE: its request is gone (deleted): the key makes a new one
