@@ -3,8 +3,8 @@ and the catalog of serving configs.
 
 Knows the bounds on staleness, which the README states: a revoked key is refused within key_cache_s of its
 revocation (a key's tenant is looked up again once its entry is that old); a config changed on disk or by a
-newly registered worker is seen within catalog_cache_s, and a name the cached catalog lacks reloads it at
-once (at most once per MIN_RELOAD_S), so a new worker's config is accepted as soon as it registers. Unknown
+newly registered worker is seen within catalog_cache_s, and a name the cached catalog lacks reloads it (at
+most once per MIN_RELOAD_S), so a new worker's config is accepted within MIN_RELOAD_S of its registration. Unknown
 and revoked keys are never remembered: each such call asks PostgreSQL. Does not know HTTP or SQL: it is handed
 the look-ups. Thread-safe: sync routes read it from the thread pool.
 """
