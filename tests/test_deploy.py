@@ -194,3 +194,12 @@ def test_light_images_carry_no_torch_and_no_embedded_server() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_api_runs_the_configured_number_of_processes_in_the_image_compose_and_the_local_stack() -> None:
+    from servelab.stack import stack_commands
+
+    assert yaml.safe_load(TARGETS["api"])[:2] == ["servelab", "api"], "servelab api reads SERVELAB_API_WORKERS"
+    assert "SERVELAB_API_WORKERS" in SERVICES["api"]["environment"]
+    assert stack_commands([], 8000, 3)["api"][-2:] == ["--workers", "3"]
+    assert "--workers" not in stack_commands([], 8000)["api"], "no count given: the api's own setting decides"

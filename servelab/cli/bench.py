@@ -265,7 +265,7 @@ def bench_api(
     typer.echo(f"{'api':<44} {'processes':>9} {'submissions/s':>13} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
     first = rows[0].submissions_per_s
     for row in rows:
-        label = row.api.label if len(row.api.label) <= 44 else "..." + row.api.label[-41:]
+        label = row.api.label if len(row.api.label) <= 44 else row.api.label[:20] + "..." + row.api.label[-21:]
         ratio = f"  x{row.submissions_per_s / first:.1f}" if first > 0 and row is not rows[0] else ""
         typer.echo(f"{label:<44} {row.api.num_processes or '-':>9} {row.submissions_per_s:>13.0f} "
                    f"{row.p50_ms:>8.1f} {row.p99_ms:>8.1f} {row.num_errors:>7}{ratio}")

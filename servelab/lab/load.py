@@ -10,6 +10,7 @@ would set the figure; `servelab bench api --target healthz` measures this client
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import time
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class LoadResult:
         if not self.latencies_ms:
             return 0.0
         ordered = sorted(self.latencies_ms)
-        rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+        rank = max(1, min(len(ordered), math.ceil(q * len(ordered) / 100)))
         return ordered[rank - 1]
 
 
