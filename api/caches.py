@@ -90,9 +90,11 @@ class CatalogCache:
             return catalog
         with self._lock:
             entry = self._entry
-            if entry is not None and name not in entry.value.configs and self.clock() - entry.loaded_at_s >= MIN_RELOAD_S:
+            if entry is None:
                 return self._reload()
-            return entry.value if entry is not None else self._reload()
+            if name not in entry.value.configs and self.clock() - entry.loaded_at_s >= MIN_RELOAD_S:
+                return self._reload()
+            return entry.value
 
     def _reload(self) -> Catalog:
         catalog = self.load()

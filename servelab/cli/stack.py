@@ -50,8 +50,8 @@ def up(
     """Start the local stack in the background, or start again what of it died.
 
     Redis and PostgreSQL (embedded unless SERVELAB_REDIS_URL / SERVELAB_DATABASE_URL are set), the schema, the
-    api (--api-workers processes on one port), the jobs-worker, beat and a gpu-worker per config. What runs is kept; a process that died is started
-    again. `servelab status` shows it, `servelab down` stops it.
+    api (--api-workers processes on one port), the jobs-worker, beat and a gpu-worker per config. What runs is
+    kept; a process that died is started again. `servelab status` shows it, `servelab down` stops it.
     """
     from servelab.stack import StackError, start_stack
 

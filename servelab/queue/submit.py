@@ -97,7 +97,8 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
         with session_scope(sessions) as session:
             commit_without_waiting(session)
             outcomes, made = _admit(session, posts, max_queued=max_queued, key_ttl=key_ttl, now=now)
-        flush_commits(sessions)
+        if made:
+            flush_commits(sessions)
     except SQLAlchemyError as exc:
         if len(posts) == 1:
             return [exc]

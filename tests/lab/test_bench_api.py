@@ -29,8 +29,8 @@ def test_bench_api_prints_a_row_per_api_and_removes_what_it_made(tmp_path: Path,
         assert processes == "1" and float(per_s) > 0 and 0 < float(p50) <= float(p99) and errors == "0", row
     assert "GET /healthz" in result.stdout
     with session_scope(session_factory(engine)) as session:
-        assert session.scalar(select(func.count()).select_from(RequestRow).where(RequestRow.tenant.like("bench-%"))) == 0
-        assert session.scalar(select(func.count()).select_from(ApiKeyRow).where(ApiKeyRow.tenant.like("bench-%"))) == 0
+        for table in (RequestRow, ApiKeyRow):
+            assert session.scalar(select(func.count()).select_from(table).where(table.tenant.like("bench-%"))) == 0
     assert not list(redis_client.scan_iter(match=f"{service_settings.key_prefix}-bench-*"))
     admin = create_engine(ADMIN_URL)
     try:

@@ -96,7 +96,8 @@ def test_the_limit_holds_exactly_under_concurrent_groups_claims_and_cancels(engi
     def watch() -> None:
         while not stop.is_set():
             with session_scope(sessions) as session:
-                seen.extend(session.scalars(select(TenantQueueRow.num_queued).where(TenantQueueRow.tenant.in_(tenants))))
+                seen.extend(session.scalars(select(TenantQueueRow.num_queued)
+                                            .where(TenantQueueRow.tenant.in_(tenants))))
 
     # first, no claims: exactly the limit per tenant is admitted, whatever the interleaving
     threads = [threading.Thread(target=post, args=(i, 6, admitted_first)) for i in range(8)]
