@@ -55,7 +55,8 @@ class ServiceSettings(Settings):
     celery_prefix: str | None = Field(default=None, description="Celery's Redis keys; default '<key_prefix>:celery'")
     api_url: str = Field(default="http://127.0.0.1:8000", description="where `servelab submit` finds the API")
     api_key: str | None = Field(default=None, description="the key `servelab submit` and `results` send")
-    api_workers: int = Field(default=2, ge=1, le=64, description="api processes behind the one port (`servelab api`)")
+    api_workers: int = Field(default=1, ge=1, le=64, description="api processes behind the one port (`servelab api`); "
+                             "more where the api has cores to itself")
     api_access_log: bool = Field(default=False, description="a log line per HTTP request (uvicorn's access log); "
                                  "errors are logged either way")
     key_cache_s: float = Field(default=5.0, ge=0, description="an api process trusts a key's tenant this long: "

@@ -45,7 +45,7 @@ def up(
     = "configs/smollm2.yaml",
     port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
     api_workers: Annotated[int | None, typer.Option(min=1, max=64, help="api processes behind the port (default: "
-                                                    "SERVELAB_API_WORKERS, 2)")] = None,
+                                                    "SERVELAB_API_WORKERS, 1)")] = None,
 ) -> None:
     """Start the local stack in the background, or start again what of it died.
 
@@ -113,7 +113,7 @@ def api(
     host: str = "127.0.0.1",
     port: int = 8000,
     workers: Annotated[int | None, typer.Option(min=1, max=64, help="api processes behind the port (default: "
-                                                "SERVELAB_API_WORKERS, 2)")] = None,
+                                                "SERVELAB_API_WORKERS, 1)")] = None,
     access_log: Annotated[bool | None, typer.Option("--access-log/--no-access-log", help="a log line per request "
                                                     "(default: SERVELAB_API_ACCESS_LOG, off)")] = None,
 ) -> None:

@@ -145,13 +145,17 @@ def enqueue_all(client: redis.Redis, *, prefix: str, entries: Sequence[tuple[str
         pipe.xgroup_create(key, GROUP, id="0", mkstream=True)
     for request_id, config, kind in entries:
         pipe.xadd(stream_key(prefix, config, kind), {"request_id": request_id})
-        pipe.sadd(enqueued_key(prefix, config), request_id)  # NOTE: lets the reaper find rows whose entry was lost
+    by_config: dict[str, list[str]] = {}
+    for request_id, config, _ in entries:
+        by_config.setdefault(config, []).append(request_id)
+    for config, request_ids in by_config.items():
+        pipe.sadd(enqueued_key(prefix, config), *request_ids)  # NOTE: lets the reaper find rows whose entry was lost
     # NOTE: a group that exists answers BUSYGROUP inside the transaction; the other commands still run.
     replies = pipe.execute(raise_on_error=False)
     for reply in replies:
         if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
             raise reply
-    return [_text(entry_id) for entry_id in replies[len(keys)::2]]
+    return [_text(entry_id) for entry_id in replies[len(keys):len(keys) + len(entries)]]
 
 
 def stream_key(prefix: str, config_name: str, kind: StreamKind) -> str:
