@@ -91,13 +91,14 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
     one at fault fails and the others go through; a Redis failure after the commit fails the new requests of
     the group (their rows are queued: the reaper puts their ids back). The group's commit does not wait for
     the disk, so its tenants' counters are unlocked at once (the next group of a tenant need not wait for an
-    fsync); it is on disk (flush_commits) before any id is enqueued or answered.
+    fsync); it is on disk (flush_commits) before any id is enqueued or answered, and so is the commit of an
+    earlier group whose request a key replays.
     """
     try:
         with session_scope(sessions) as session:
             commit_without_waiting(session)
             outcomes, made = _admit(session, posts, max_queued=max_queued, key_ttl=key_ttl, now=now)
-        if made:
+        if any(isinstance(o, Admitted) for o in outcomes):  # NOTE: a replay may name another's unflushed commit
             flush_commits(sessions)
     except SQLAlchemyError as exc:
         if len(posts) == 1:
