@@ -88,18 +88,16 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
     """Admit a group in one transaction, then enqueue what it made in one round trip; -> each one's outcome.
 
     NOTE: when the transaction fails (a row PostgreSQL refuses), each submission is tried again alone, so the
-    one at fault fails and the others go through; a Redis failure after the commit fails the new requests of
-    the group (their rows are queued: the reaper puts their ids back). The group's commit does not wait for
-    the disk, so its tenants' counters are unlocked at once (the next group of a tenant need not wait for an
-    fsync); it is on disk (flush_commits) before any id is enqueued or answered, and so is the commit of an
-    earlier group whose request a key replays.
+    one at fault fails and the others go through. The group's commit does not wait for the disk, so its
+    tenants' counters are unlocked at once (the next group of a tenant need not wait for an fsync); it is on
+    disk (flush_commits) before any id is enqueued or answered, and so is the commit of an earlier group whose
+    request a key replays. A failure after the commit (the flush, Redis) fails the group's admitted
+    submissions, never retries them: their rows may be queued, and the reaper puts their ids back.
     """
     try:
         with session_scope(sessions) as session:
             commit_without_waiting(session)
             outcomes, made = _admit(session, posts, max_queued=max_queued, key_ttl=key_ttl, now=now)
-        if any(isinstance(o, Admitted) for o in outcomes):  # NOTE: a replay may name another's unflushed commit
-            flush_commits(sessions)
     except SQLAlchemyError as exc:
         if len(posts) == 1:
             return [exc]
@@ -108,11 +106,11 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
             [post], sessions=sessions, redis_client=redis_client, prefix=prefix, max_queued=max_queued,
             key_ttl=key_ttl, now=now)]
     try:
+        if any(isinstance(o, Admitted) for o in outcomes):  # NOTE: a replay may name another's unflushed commit
+            flush_commits(sessions)
         enqueue_all(redis_client, prefix=prefix, entries=[(r.id, r.serving_config_name, r.stream) for r in made])
-    except redis.RedisError as exc:
-        made_ids = {r.id for r in made}
-        return [exc if isinstance(o, Admitted) and o.request_id in made_ids and not o.replayed else o
-                for o in outcomes]
+    except (SQLAlchemyError, redis.RedisError) as exc:
+        return [exc if isinstance(o, Admitted) else o for o in outcomes]
     return outcomes
 
 
