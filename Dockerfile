@@ -34,7 +34,8 @@ CMD ["servelab", "migrate"]
 
 FROM light AS api
 EXPOSE 8000
-CMD ["uvicorn", "--factory", "api.app:build", "--host", "0.0.0.0", "--port", "8000"]
+# NOTE: `servelab api` starts SERVELAB_API_WORKERS processes (default 1) behind the one port.
+CMD ["servelab", "api", "--host", "0.0.0.0", "--port", "8000"]
 
 FROM light AS jobs-worker
 CMD ["python", "-m", "worker.jobs", "worker", "--concurrency=2", "--loglevel=INFO"]

@@ -32,9 +32,12 @@ def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bo
         if close_runtime:
             runtime.close()
 
+    # NOTE: FastAPI's own OpenTelemetry hooks off: servelab exports Prometheus metrics (/metrics), and the hooks
+    # look up the tracer, meter and logger providers on every request.
     app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan,
-                  description="LLM generation through a queue: requests, OpenAI-compatible completions, batches.")
-    app.state.servelab = ApiState(runtime, settings)
+                  description="LLM generation through a queue: requests, OpenAI-compatible completions, batches.",
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    app.state.servelab = ApiState.of(runtime, settings)
     for module in (generation, batches, operations):
         app.include_router(module.router)
     install_error_handlers(app)

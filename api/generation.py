@@ -2,11 +2,13 @@
 server-sent events with Accept: text/event-stream), and the OpenAI-compatible POST /v1/completions and
 POST /v1/chat/completions, which enqueue and wait, or stream (stream: true).
 
-Thin: bodies are checked against servelab.request's bounds by servelab.protocol, rows written by the store,
-ids added to the serving config's stream after the commit. An Idempotency-Key maps a retried submission to
-the request the first one made (servelab.idempotency). A waiting call answers before the client's own read
-timeout, and its client leaving cancels a request no worker has started. Blocking waits and database calls
-run in the thread pool (waits in 1 s slices), streams in the event loop (api/streaming.py).
+Thin: bodies are checked against servelab.request's bounds by servelab.protocol, against the cached catalog,
+on the event loop; submissions that arrive together are written as one group (api/collector.py: one
+transaction, then one Redis round trip, servelab.queue.submit), each answered once its row is committed and
+its id added. An Idempotency-Key maps a retried submission to the request the first one made
+(servelab.idempotency). A waiting call answers before the client's own read timeout, and its client leaving
+cancels a request no worker has started. Blocking waits and database calls run in the thread pool (waits in
+1 s slices), streams in the event loop (api/streaming.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.deps import ApiState, IdempotencyKey, State, Tenant
 from api.errors import ApiError
 from api.streaming import openai_stream, request_event_stream
-from servelab.idempotency import HEADER, Fingerprint, KeyReused, check_reuse
+from servelab.idempotency import HEADER, Fingerprint, KeyReused
+from servelab.jobs.catalog import Catalog
 from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
                               FinishReason, SamplingParams)
 from servelab.protocol import (
@@ -46,10 +49,9 @@ from servelab.protocol import (
     to_submission,
 )
 from servelab.queue.streams import wait_done
-from servelab.queue.submit import cancel_for_client
-from servelab.store import idempotency as idempotency_keys
-from servelab.store import keys
-from servelab.store.requests import QueueFull, RequestView, admit_request, get_request_view
+from servelab.queue.submit import Posted, cancel_for_client
+from servelab.store.admission import NewRequest, QueueFull
+from servelab.store.requests import RequestView, get_request_view
 from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
 from servelab.telemetry import count_submission
@@ -97,13 +99,13 @@ class RequestIn(BaseModel):
             raise ValueError("give exactly one of prompt or messages")
         return self
 
-    def submission(self, state: ApiState) -> Submission:
+    def submission(self, catalog: Catalog, *, max_prompt_chars: int) -> Submission:
         """Checked against the config it names, with the same bounds and size limits as every other edge."""
-        config = find_config(state.catalog(), self.config)
+        config = find_config(catalog, self.config)
         num_new_tokens = max_new_tokens(self.sampling.max_new_tokens, config, param="sampling.max_new_tokens")
         messages = [m.model_dump() for m in self.messages] if self.messages is not None else None
         return checked_submission(config, prompt=self.prompt, messages=messages, sampling=self.sampling.params(
-            num_new_tokens), max_prompt_chars=state.settings.max_prompt_chars)
+            num_new_tokens), max_prompt_chars=max_prompt_chars)
 
 
 class RequestAccepted(BaseModel):
@@ -138,15 +140,21 @@ class RequestOut(BaseModel):
                    timings=v.timings_ms)
 
 
-def check(state: ApiState, body: CompletionBody | ChatCompletionBody | RequestIn) -> Submission:
+async def check(state: ApiState, body: CompletionBody | ChatCompletionBody | RequestIn) -> Submission:
+    """The body against the catalog: the cached one on the event loop, or one loaded in the thread pool when it
+    is old or lacks the name asked for."""
+    name = body.config if isinstance(body, RequestIn) else body.model
+    catalog = state.catalogs.fresh()
+    if catalog is None or name not in catalog.configs:
+        catalog = await run_sync(state.catalogs.with_name, name)
+    max_prompt_chars = state.settings.max_prompt_chars
     try:
         if isinstance(body, RequestIn):
-            return body.submission(state)
-        return to_submission(body, catalog=state.catalog(), max_prompt_chars=state.settings.max_prompt_chars)
+            return body.submission(catalog, max_prompt_chars=max_prompt_chars)
+        return to_submission(body, catalog=catalog, max_prompt_chars=max_prompt_chars)
     except Rejection as exc:
-        named = body.config if isinstance(body, RequestIn) else body.model
-        known = exc.kind != "unknown_model" and named in state.catalog().configs  # NOTE: labels only known names
-        count_submission(endpoint=_endpoint_of(body), model_name=named if known else "", outcome=exc.code)
+        known = exc.kind != "unknown_model" and name in catalog.configs  # NOTE: labels only known names
+        count_submission(endpoint=_endpoint_of(body), model_name=name if known else "", outcome=exc.code)
         raise ApiError(STATUS_OF_REJECTION[exc.kind], str(exc), code=exc.code, param=exc.param) from None
 
 
@@ -171,39 +179,25 @@ class Submitted:
         return {"x-request-id": self.request_id, **({"Idempotent-Replayed": "true"} if self.replayed else {})}
 
 
-def submit(state: ApiState, tenant: str, submission: Submission, *, endpoint: str,
-           kind: StreamKind = StreamKind.INTERACTIVE, priority: int = 0, key: str | None = None,
-           fingerprint: Fingerprint | None = None) -> Submitted:
-    """Admit a request, or (key given) find the one an earlier submission with this key made."""
-    assert (key is None) == (fingerprint is None), "a key comes with the submission's fingerprint"
-    now = datetime.now(UTC)
+async def submit(state: ApiState, tenant: str, submission: Submission, *, endpoint: str,
+                 kind: StreamKind = StreamKind.INTERACTIVE, priority: int = 0, key: str | None = None,
+                 fingerprint: Fingerprint | None = None) -> Submitted:
+    """Admit a request, or (key given) find the one an earlier submission with this key made; answered once
+    its row is committed and its id is in the stream, with the group it was written in."""
+    request = NewRequest(tenant, submission.serving_config_name, kind, submission.prompt, submission.messages,
+                         submission.sampling, priority)
+    outcome = await state.submissions.submit(Posted(request, key, fingerprint))
     counted = partial(count_submission, endpoint=endpoint, model_name=submission.serving_config_name)
-    try:
-        with session_scope(state.runtime.sessions) as session:
-            if key is not None:
-                keys.lock_tenant(session, tenant)  # NOTE: one use of a tenant's keys at a time
-                first = idempotency_keys.find_key(session, tenant=tenant, key=key, now=now)
-                if first is not None:
-                    check_reuse(first, fingerprint)
-                    if get_request_view(session, request_id=first.resource_id, tenant=tenant) is not None:
-                        counted(outcome="replayed")
-                        return Submitted(first.resource_id, is_keyed=True, replayed=True)
-            request_id = admit_request(
-                session, tenant=tenant, max_queued=state.settings.max_queued_requests,
-                serving_config_name=submission.serving_config_name, kind=kind, prompt=submission.prompt,
-                messages=submission.messages, sampling=submission.sampling, priority=priority)
-            if key is not None:
-                idempotency_keys.save_key(session, tenant=tenant, key=key, fingerprint=fingerprint,
-                                          resource_id=request_id, now=now, ttl=state.key_ttl)
-    except QueueFull as exc:
+    if isinstance(outcome, QueueFull):
         counted(outcome="too_many_queued_requests")
-        raise ApiError(429, str(exc), code="too_many_queued_requests") from None
-    except KeyReused as exc:
+        raise ApiError(429, str(outcome), code="too_many_queued_requests")
+    if isinstance(outcome, KeyReused):
         counted(outcome="idempotency_key_reused")
-        raise ApiError(422, str(exc), code="idempotency_key_reused", param=HEADER) from None
-    state.streams(submission.serving_config_name).enqueue(request_id, kind)  # NOTE: after the commit
-    counted(outcome="accepted")
-    return Submitted(request_id, is_keyed=key is not None)
+        raise ApiError(422, str(outcome), code="idempotency_key_reused", param=HEADER)
+    if isinstance(outcome, Exception):
+        raise outcome
+    counted(outcome="replayed" if outcome.replayed else "accepted")
+    return Submitted(outcome.request_id, is_keyed=key is not None, replayed=outcome.replayed)
 
 
 def view(state: ApiState, tenant: str, request_id: str) -> RequestView:
@@ -223,14 +217,16 @@ def wait_for(state: ApiState, tenant: str, request_id: str, timeout_s: float) ->
 
 
 @router.post("/v1/requests", status_code=202, response_model=RequestAccepted, tags=["requests"])
-def create_request(body: RequestIn, state: State, tenant: Tenant, response: Response,
-                   key: IdempotencyKey = None) -> RequestAccepted:
+async def create_request(body: RequestIn, state: State, tenant: Tenant, response: Response,
+                         key: IdempotencyKey = None) -> RequestAccepted:
     """Queue a request and answer at once with its id; read it with GET /v1/requests/{id}."""
-    submission = check(state, body)
-    submitted = submit(state, tenant, submission, endpoint="/v1/requests", kind=StreamKind(body.stream),
-                       priority=body.priority, **_keyed(key, "/v1/requests", body))
+    submission = await check(state, body)
+    submitted = await submit(state, tenant, submission, endpoint="/v1/requests", kind=StreamKind(body.stream),
+                             priority=body.priority, **_keyed(key, "/v1/requests", body))
     response.headers.update(submitted.headers)
-    status = view(state, tenant, submitted.request_id).status if submitted.replayed else RequestStatus.QUEUED
+    status = RequestStatus.QUEUED
+    if submitted.replayed:
+        status = (await run_sync(view, state, tenant, submitted.request_id)).status
     return RequestAccepted(id=submitted.request_id, status=status, model=submission.serving_config_name)
 
 
@@ -306,9 +302,8 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
     """Queue the body's request (or join the one its Idempotency-Key made), then answer when it is done, or
     stream it."""
     arrived_s = time.time()
-    submission = await run_sync(check, state, body)
-    submitted = await run_sync(partial(submit, state, tenant, submission, endpoint=endpoint,
-                                       **_keyed(key, endpoint, body)))
+    submission = await check(state, body)
+    submitted = await submit(state, tenant, submission, endpoint=endpoint, **_keyed(key, endpoint, body))
     read_view = partial(view, state, tenant, submitted.request_id)
     if body.stream:
         writer = ChunkWriter(endpoint, submitted.request_id, submission.serving_config_name, int(arrived_s),

@@ -64,3 +64,14 @@ class ServiceSettings(Settings):
                                        "named by a finished batch job, their content erased); 0: kept")
     metrics_dir: Path | None = Field(default=None, description="a folder the api processes behind one port share "
                                      "for their Prometheus counts (emptied by `servelab api`); None: one process")
+    api_workers: int = Field(default=1, ge=1, le=64, description="api processes behind the one port (`servelab api`); "
+                             "more where the api has cores to itself")
+    api_access_log: bool = Field(default=False, description="a log line per HTTP request (uvicorn's access log); "
+                                 "errors are logged either way")
+    key_cache_s: float = Field(default=5.0, ge=0, description="an api process trusts a key's tenant this long: "
+                               "a revoked key is refused within it (0: look every key up)")
+    catalog_cache_s: float = Field(default=5.0, ge=0, description="an api process reloads configs and live workers "
+                                   "this often (a name it lacks reloads them at once)")
+    submit_wait_ms: float = Field(default=2.0, ge=0, le=100, description="the first submission of a group waits "
+                                  "this long for others (one transaction, one Redis round trip for all)")
+    max_submit_group: int = Field(default=256, ge=1, description="most submissions written in one transaction")

@@ -81,10 +81,12 @@ def _write_stack(settings: Settings, processes: list[StackProcess]) -> None:
     tmp.replace(_record_path(settings))
 
 
-def stack_commands(config_paths: list[Path], api_port: int) -> dict[str, list[str]]:
-    """Each process's name and arguments after the interpreter, in start order (the api first)."""
+def stack_commands(config_paths: list[Path], api_port: int, api_workers: int | None = None) -> dict[str, list[str]]:
+    """Each process's name and arguments after the interpreter, in start order (the api first; api_workers None:
+    as many processes as its SERVELAB_API_WORKERS says)."""
+    workers = ["--workers", str(api_workers)] if api_workers is not None else []
     return {
-        "api": ["-m", "servelab.cli", "api", "--port", str(api_port)],
+        "api": ["-m", "servelab.cli", "api", "--port", str(api_port), *workers],
         "jobs-worker": ["-m", "worker.jobs", "worker", "--concurrency=2", "--loglevel=INFO"],
         # NOTE: remote control on, so that `servelab health beat` (celery inspect ping) can reach it.
         "beat": ["-m", "worker.jobs", "beat", "--loglevel=INFO", "--enable-remote-control"],
@@ -93,11 +95,11 @@ def stack_commands(config_paths: list[Path], api_port: int) -> dict[str, list[st
 
 
 def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[Path],
-                api_port: int) -> list[StackChange]:
+                api_port: int, api_workers: int | None = None) -> list[StackChange]:
     """Make every process of the recorded stack and of this call run: those running are kept, those that died
     are started again (with this call's command where it names them, else the recorded one), new ones started."""
     recorded = {p.name: p for p in read_stack(settings)}
-    wanted = stack_commands(config_paths, api_port)
+    wanted = stack_commands(config_paths, api_port, api_workers)
     logs = Path(settings.state_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     changes = []

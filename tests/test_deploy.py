@@ -197,6 +197,15 @@ def test_light_images_carry_no_torch_and_no_embedded_server() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_the_api_runs_the_configured_number_of_processes_in_the_image_compose_and_the_local_stack() -> None:
+    from servelab.stack import stack_commands
+
+    assert yaml.safe_load(TARGETS["api"])[:2] == ["servelab", "api"], "servelab api reads SERVELAB_API_WORKERS"
+    assert "SERVELAB_API_WORKERS" in SERVICES["api"]["environment"]
+    assert stack_commands([], 8000, 3)["api"][-2:] == ["--workers", "3"]
+    assert "--workers" not in stack_commands([], 8000)["api"], "no count given: the api's own setting decides"
+
+
 # --- monitoring: Prometheus, Grafana and the dashboard against what servelab exports ---
 
 MONITORING = ("prometheus", "grafana")

@@ -1,5 +1,5 @@
-"""The `bench` group: engine against transformers, the speed steps, in-process against the queue, and
-interactive calls behind a bulk job per admission policy.
+"""The `bench` group: engine against transformers, the speed steps, in-process against the queue,
+interactive calls behind a bulk job per admission policy, and the API's submission rate.
 
 Knows these commands' options and what they print. Does not know how anything is timed or started:
 servelab/lab/bench.py does. torch and the engine are imported inside the commands.
@@ -8,6 +8,7 @@ servelab/lab/bench.py does. torch and the engine are imported inside the command
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated
@@ -212,3 +213,64 @@ def bench_stream(
     typer.echo(f"publishing a step (text of {rows} rows + their cancel flags, one round trip): "
                f"{result.publish_ms_per_step:.2f} ms per step of {result.step_ms:.1f} ms "
                f"({100 * result.publish_ms_per_step / result.step_ms:.2f} % of the loop)")
+
+
+@app.command("api")
+def bench_api(
+    processes: Annotated[str, typer.Option(help="comma-separated api process counts to run this checkout with")]
+    = "1,2",
+    baseline: Annotated[Path | None, typer.Option(help="another checkout (e.g. a worktree of main) run the same "
+                                                  "way first, in a scratch database of its own")] = None,
+    clients: Annotated[int, typer.Option(min=1, help="concurrent keep-alive connections")] = 32,
+    requests: Annotated[int, typer.Option(min=1, help="submissions per measured run")] = 1_000,
+    load_processes: Annotated[int, typer.Option(min=1, help="client processes the connections are spread over")]
+    = 2,
+    warmup: Annotated[int, typer.Option(min=0, help="submissions before each measured run, not counted")] = 200,
+    rounds: Annotated[int, typer.Option(min=1, help="runs per api, the apis interleaved; medians are printed")] = 1,
+    model: Annotated[str, typer.Option(help="the serving config the submissions name")] = "fp32",
+    url: Annotated[str | None, typer.Option(help="drive this running api instead (e.g. the local stack's "
+                                            "http://127.0.0.1:8000); starts and removes nothing")] = None,
+    key: Annotated[str | None, typer.Option(help="with --url: the API key (default SERVELAB_API_KEY)")] = None,
+) -> None:
+    """POST /v1/requests at a front end's rate: submissions/s, p50 and p99 per api (this checkout with each
+    --processes count, and --baseline), then the load generator's own rate against GET /healthz."""
+    from servelab.cli.options import service_settings
+    from servelab.lab.submit_bench import ApiUnderTest, Shape, drive, run_api_bench
+
+    if load_processes > clients:
+        fail(f"--load-processes {load_processes}: more than --clients {clients}; each drives a connection at least")
+    shape = Shape(model, clients, requests, load_processes, warmup)
+    if url is not None:
+        api_key = key or service_settings().api_key
+        if not api_key:
+            fail("--url needs an API key: --key, or SERVELAB_API_KEY (`servelab keys create --tenant bench`)")
+        row, ceiling = drive(url.rstrip("/"), api_key, shape, num_rounds=rounds)
+        rows = [row]
+    else:
+        if baseline is not None and not (baseline / "api" / "app.py").is_file():
+            fail(f"--baseline {baseline}: not a servelab checkout (no api/app.py)")
+        counts = parse_ints(processes, "--processes")
+        here = Path(__file__).resolve().parents[2]
+        apis = [*(ApiUnderTest(f"baseline {baseline}", baseline.resolve(), n, is_baseline=True)
+                  for n in counts if baseline is not None),
+                *(ApiUnderTest("this checkout", here, n) for n in counts)]
+        with connected() as runtime:
+            try:
+                rows, ceiling = run_api_bench(runtime, apis, shape, num_rounds=rounds, progress=progress)
+            except RuntimeError as exc:
+                fail(str(exc))
+    typer.echo(f"POST /v1/requests (model {model}, 1 token each): {clients} keep-alive connections in "
+               f"{load_processes} client process(es), {requests} submissions per run after {warmup} unmeasured, "
+               f"{rounds} round(s), median of rounds; {os.cpu_count()} cores")
+    typer.echo(f"{'api':<44} {'processes':>9} {'submissions/s':>13} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+    first = rows[0].submissions_per_s
+    for row in rows:
+        label = row.api.label if len(row.api.label) <= 44 else row.api.label[:20] + "..." + row.api.label[-21:]
+        ratio = f"  x{row.submissions_per_s / first:.1f}" if first > 0 and row is not rows[0] else ""
+        typer.echo(f"{label:<44} {row.api.num_processes or '-':>9} {row.submissions_per_s:>13.0f} "
+                   f"{row.p50_ms:>8.1f} {row.p99_ms:>8.1f} {row.num_errors:>7}{ratio}")
+    for row in rows:
+        if row.first_error:
+            typer.echo(f"first error of {row.api.label}: {row.first_error}")
+    typer.echo(f"the load generator against GET /healthz of the last api: {ceiling.requests_per_s:.0f} requests/s "
+               f"(p50 {ceiling.percentile_ms(50):.1f} ms, {ceiling.num_errors} errors): its ceiling is at least this")

@@ -44,12 +44,14 @@ def up(
     configs: Annotated[str, typer.Option(help="comma-separated serving configs, one gpu-worker each")]
     = "configs/smollm2.yaml",
     port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
+    api_workers: Annotated[int | None, typer.Option(min=1, max=64, help="api processes behind the port (default: "
+                                                    "SERVELAB_API_WORKERS, 1)")] = None,
 ) -> None:
     """Start the local stack in the background, or start again what of it died.
 
     Redis and PostgreSQL (embedded unless SERVELAB_REDIS_URL / SERVELAB_DATABASE_URL are set), the schema, the
-    api, the jobs-worker, beat and a gpu-worker per config. What runs is kept; a process that died is started
-    again. `servelab status` shows it, `servelab down` stops it.
+    api (--api-workers processes on one port), the jobs-worker, beat and a gpu-worker per config. What runs is
+    kept; a process that died is started again. `servelab status` shows it, `servelab down` stops it.
     """
     from servelab.stack import StackError, start_stack
 
@@ -62,7 +64,8 @@ def up(
            "SERVELAB_KEY_PREFIX": where.key_prefix, "SERVELAB_CACHE_DIR": str(Path(where.cache_dir).resolve()),
            "SERVELAB_STATE_DIR": str(Path(where.state_dir).resolve())}
     try:
-        changes = start_stack(where, env=env, config_paths=paths, api_port=port)
+        changes = start_stack(where, env=env, config_paths=paths, api_port=port,
+                              api_workers=api_workers or service_settings().api_workers)
     except StackError as exc:
         fail(str(exc))
     for change in changes:
@@ -106,13 +109,25 @@ def dashboard(
                               "--browser.gatherUsageStats", "false"])
 
 
-def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
-    """Run the API (FastAPI under uvicorn); it never loads torch."""
+def api(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: Annotated[int | None, typer.Option(min=1, max=64, help="api processes behind the port (default: "
+                                                "SERVELAB_API_WORKERS, 1)")] = None,
+    access_log: Annotated[bool | None, typer.Option("--access-log/--no-access-log", help="a log line per request "
+                                                    "(default: SERVELAB_API_ACCESS_LOG, off)")] = None,
+) -> None:
+    """Run the API (FastAPI under uvicorn; several processes share the port); it never loads torch."""
     import uvicorn
 
+    service = service_settings()
+    workers = workers or service.api_workers
     _share_metrics(port, workers)
-    # NOTE: named by string, not imported: the core never imports the process packages.
-    uvicorn.run("api.app:build", factory=True, host=host, port=port, workers=workers)
+    # NOTE: named by string, not imported: the core never imports the process packages. uvicorn's supervisor
+    # starts the processes (each accepts on the one socket) and starts again one that dies. The access log is
+    # off by default: at a front end's rate it costs about a third of a submission's CPU and 100 MB an hour.
+    uvicorn.run("api.app:build", factory=True, host=host, port=port, workers=workers,
+                access_log=service.api_access_log if access_log is None else access_log)
 
 
 def _share_metrics(port: int, workers: int) -> None:

@@ -8,6 +8,7 @@ in Postgres is the truth, and is committed before its id is added here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ class RequestStreams:
         # NOTE: interactive first: XREADGROUP answers from every stream it is given, in this order.
         self.keys = [stream_key(prefix, config_name, kind) for kind in (StreamKind.INTERACTIVE, StreamKind.BULK)]
         self.dead_letter_key = f"{prefix}:dead:{config_name}"
-        self.enqueued_key = f"{prefix}:enqueued:{config_name}"
+        self.enqueued_key = enqueued_key(prefix, config_name)
 
     def ensure_groups(self) -> None:
         for key in self.keys:
@@ -61,13 +62,8 @@ class RequestStreams:
 
     def enqueue_many(self, request_ids: list[str], kind: StreamKind) -> list[str]:
         """Committed request ids onto one stream, in one round trip; -> their entry ids."""
-        self.ensure_groups()
-        pipe = self.client.pipeline(transaction=True)
-        key = stream_key(self.prefix, self.config_name, kind)
-        for request_id in request_ids:
-            pipe.xadd(key, {"request_id": request_id})
-            pipe.sadd(self.enqueued_key, request_id)  # NOTE: lets the reaper find rows whose entry was lost
-        return [_text(entry_id) for entry_id in pipe.execute()[::2]]
+        return enqueue_all(self.client, prefix=self.prefix,
+                           entries=[(request_id, self.config_name, kind) for request_id in request_ids])
 
     def read_new(self, consumer: str, *, count: int, block_ms: int | None,
                  interactive_only: bool = False) -> list[Entry]:
@@ -138,8 +134,36 @@ class RequestStreams:
         return {key.rsplit(":", 1)[1]: int(self.client.xlen(key)) for key in self.keys}
 
 
+def enqueue_all(client: redis.Redis, *, prefix: str, entries: Sequence[tuple[str, str, StreamKind]]) -> list[str]:
+    """Committed requests (request id, config name, stream kind) onto their streams, with the groups made where
+    missing, in one round trip; -> their entry ids, in order."""
+    if not entries:
+        return []
+    pipe = client.pipeline(transaction=True)
+    keys = {stream_key(prefix, config, kind) for _, config, kind in entries}
+    for key in sorted(keys):
+        pipe.xgroup_create(key, GROUP, id="0", mkstream=True)
+    for request_id, config, kind in entries:
+        pipe.xadd(stream_key(prefix, config, kind), {"request_id": request_id})
+    by_config: dict[str, list[str]] = {}
+    for request_id, config, _ in entries:
+        by_config.setdefault(config, []).append(request_id)
+    for config, request_ids in by_config.items():
+        pipe.sadd(enqueued_key(prefix, config), *request_ids)  # NOTE: lets the reaper find rows whose entry was lost
+    # NOTE: a group that exists answers BUSYGROUP inside the transaction; the other commands still run.
+    replies = pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+            raise reply
+    return [_text(entry_id) for entry_id in replies[len(keys):len(keys) + len(entries)]]
+
+
 def stream_key(prefix: str, config_name: str, kind: StreamKind) -> str:
     return f"{prefix}:stream:{config_name}:{kind.value}"
+
+
+def enqueued_key(prefix: str, config_name: str) -> str:
+    return f"{prefix}:enqueued:{config_name}"
 
 
 def done_key(prefix: str, request_id: str) -> str:

@@ -71,3 +71,29 @@ def ensure_database(url: str | URL) -> bool:
             return True
     finally:
         admin.dispose()
+
+
+def drop_database(url: str | URL) -> None:
+    """Drop the URL's database if it exists, ending its connections (a bench's scratch database)."""
+    target = sqlalchemy_url(url)
+    assert target.database and target.database != "postgres", f"refusing to drop {target.database!r}"
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            quoted = conn.dialect.identifier_preparer.quote(target.database)
+            conn.execute(text(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
+    finally:
+        admin.dispose()
+
+
+def commit_without_waiting(session: Session) -> None:
+    """This transaction's commit returns before its WAL is on disk (its locks go at once); the caller waits
+    for the disk with flush_commits before it tells anyone about what it wrote."""
+    session.execute(text("SET LOCAL synchronous_commit = off"))
+
+
+def flush_commits(factory: sessionmaker[Session]) -> None:
+    """Return once every transaction committed so far is on disk: a transaction with an id commits
+    synchronously, and PostgreSQL flushes the WAL up to its commit record, so every earlier commit with it."""
+    with session_scope(factory) as session:
+        session.execute(text("SELECT txid_current()"))

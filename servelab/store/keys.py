@@ -1,4 +1,5 @@
-"""API keys and tenants: create, look up and revoke keys; count and serialise a tenant's queued requests.
+"""API keys and tenants: create, look up and revoke keys; serialise a tenant's uses of idempotency keys;
+count a tenant's queued requests the slow way (what the counter of store/admission.py must always equal).
 
 Knows that only a key's sha256 is stored, so a key is shown once, when created. Does not know HTTP:
 the API turns "no tenant" into 401. Store functions take a session and never commit.
@@ -10,10 +11,10 @@ import hashlib
 import secrets
 from datetime import datetime
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
-from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus
+from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus, TenantQueueRow
 
 KEY_PREFIX = "sl-"
 
@@ -64,14 +65,26 @@ def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKeyRow]
 
 
 def lock_tenant(session: Session, tenant: str) -> None:
-    """Serialise admissions of one tenant until the transaction ends, so its queue limit holds exactly."""
+    """Serialise one tenant's uses of idempotency keys until the transaction ends (a key is found, or saved,
+    by one submission at a time)."""
     session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": f"tenant:{tenant}"})
 
 
 def num_queued_requests(session: Session, tenant: str) -> int:
-    """Queued interactive requests of a tenant (bulk jobs have their own back-pressure)."""
+    """Queued interactive requests of a tenant (bulk jobs have their own back-pressure), counted row by row:
+    the reference for tenant_queues, never the hot path."""
     return session.scalar(
         select(func.count()).select_from(RequestRow).where(
             RequestRow.tenant == tenant, RequestRow.status == RequestStatus.QUEUED, RequestRow.batch_job_id.is_(None)
         )
     ) or 0
+
+
+def delete_tenant(session: Session, *, tenant: str) -> int:
+    """Remove a tenant's keys, interactive requests (with what hangs off them) and queue counter: a bench's
+    tenant of its own, after its run. -> the requests removed."""
+    num_requests = session.execute(delete(RequestRow).where(RequestRow.tenant == tenant,
+                                                            RequestRow.batch_job_id.is_(None))).rowcount
+    session.execute(delete(ApiKeyRow).where(ApiKeyRow.tenant == tenant))
+    session.execute(delete(TenantQueueRow).where(TenantQueueRow.tenant == tenant, TenantQueueRow.num_queued == 0))
+    return num_requests

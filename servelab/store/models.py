@@ -235,6 +235,22 @@ class BatchStatus(str, enum.Enum):
 BATCH_STATUS = Enum(BatchStatus, name="batch_status", values_callable=_values)
 
 
+class TenantQueueRow(Base):
+    """How many interactive requests of a tenant are queued now: what admission holds against the limit.
+
+    NOTE: written only by triggers on requests (migration 0008), in the transaction that inserts, re-statuses
+    or deletes the rows, so it is exactly COUNT(*) of the tenant's queued rows with no batch job, at every
+    commit, whatever process changed them and however it ended. Admission locks the row (SELECT FOR UPDATE
+    through an upsert) instead of counting.
+    """
+
+    __tablename__ = "tenant_queues"
+    __table_args__ = (CheckConstraint("num_queued >= 0", name="num_queued_not_negative"),)
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True)
+    num_queued: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+
+
 class ApiKeyRow(Base):
     """An API key of one tenant. Only the key's sha256 is stored: a leaked table leaks no key."""
 

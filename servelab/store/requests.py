@@ -3,8 +3,8 @@ finish it, read it back with its result and timings; record batches and workers.
 
 Every function takes a session and never commits: the caller owns the transaction (it commits, then
 enqueues). Claims and finishes are conditional updates and results insert with their unique key, so a
-request that is delivered twice is still finished exactly once. Admission is serialised per tenant (an
-advisory lock), so the limit holds under concurrent posts. Knows rows; hands frozen dataclasses on.
+request that is delivered twice is still finished exactly once. Admission under a tenant's queue limit is
+store/admission.py's. Knows rows; hands frozen dataclasses on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from sqlalchemy.orm import Session
 from servelab.config import ServingConfig
 from servelab.engine.outputs import BatchResult, Completion
 from servelab.request import FinishReason, SamplingParams
-from servelab.store import keys
 from servelab.store.models import (
     BatchRow,
     RequestMetricsRow,
@@ -262,10 +261,6 @@ def record_stream(session: Session, *, request_id: str, ttft_ms: float | None, i
     ).on_conflict_do_nothing(index_elements=["request_id"]))
 
 
-class QueueFull(Exception):
-    """The tenant has its limit of queued requests; the message says how many."""
-
-
 @dataclass(frozen=True)
 class RequestView:
     id: str
@@ -283,18 +278,6 @@ class RequestView:
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
     timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms; streamed_ttft_ms, streamed_itl_ms
-
-
-def admit_request(session: Session, *, tenant: str, max_queued: int, serving_config_name: str, kind: StreamKind,
-                  prompt: str | None, messages: list[dict[str, Any]] | None, sampling: SamplingParams,
-                  priority: int = 0) -> str:
-    keys.lock_tenant(session, tenant)
-    num_queued = keys.num_queued_requests(session, tenant)
-    if num_queued >= max_queued:
-        raise QueueFull(f"tenant {tenant!r} has {num_queued} queued requests, the limit is {max_queued}; "
-                        "wait for some to finish, or use the Batch API for bulk work")
-    return create_request(session, serving_config_name=serving_config_name, stream=kind, prompt=prompt,
-                          messages=messages, sampling=sampling, tenant=tenant, priority=priority)
 
 
 def get_request_view(session: Session, *, request_id: str, tenant: str) -> RequestView | None:

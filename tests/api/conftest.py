@@ -41,9 +41,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def api_process(stack: Stack) -> Iterator[str]:
+def api_process(stack: Stack, started: list[subprocess.Popen] | None = None) -> Iterator[str]:
     """The real api process (uvicorn --factory api.app:build) on a free port, configured only through SERVELAB_*
-    variables; -> its base URL.
+    variables; -> its base URL (the process is appended to `started`, for a test that kills it).
 
     NOTE: a subprocess, so the test goes through the real entry point and its Settings.
     """
@@ -51,6 +51,8 @@ def api_process(stack: Stack) -> Iterator[str]:
     env = service_env(stack.settings)
     process = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.app:build", "--host", "127.0.0.1",
                                 "--port", str(port), "--log-level", "warning"], cwd=REPO, env=env)
+    if started is not None:
+        started.append(process)
     try:
         deadline = time.monotonic() + 60
         while True:

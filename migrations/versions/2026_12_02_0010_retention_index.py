@@ -1,8 +1,8 @@
 """Retention: batch records found by age (the control plane deletes old ones in small batches).
 
 Revision ID: 0010
-Revises: 0006
-Create Date: 2026-12-03 10:00:00+00:00
+Revises: 0008
+Create Date: 2026-12-02 16:00:00+00:00
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0010"
-down_revision: str | Sequence[str] | None = "0006"
+down_revision: str | Sequence[str] | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
