@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 
 from tests.api.conftest import client_for
 from tests.conftest import REPO
@@ -36,8 +37,6 @@ def test_chat_messages_are_accepted_and_a_request_failing_in_the_worker_says_why
 
 def test_a_request_without_max_new_tokens_may_generate_up_to_the_configs_limit(stack) -> None:
     """As the schema documents: not OpenAI's completions default of 16."""
-    import uuid
-
     from servelab.store.db import session_scope
     from servelab.store.models import RequestRow
 
@@ -114,7 +113,8 @@ def test_oversized_bodies_and_prompts_are_413_with_a_message(stack) -> None:
 
 def test_too_many_queued_requests_is_429_with_a_message(make_stack) -> None:
     stack = make_stack(with_worker=False, max_queued_requests=3)  # fp32 has no worker: requests stay queued
-    api = client_for(stack, stack.key("acme"))
+    # NOTE: a tenant of this test's own: other tests of the session leave their tenants' requests queued
+    api = client_for(stack, stack.key(f"limited-{uuid.uuid4().hex[:8]}"))
     codes = [api.post("/v1/requests", json={"config": "fp32", "prompt": "hi"}).status_code for _ in range(4)]
     assert codes == [202, 202, 202, 429]
     answer = api.post("/v1/requests", json={"config": "fp32", "prompt": "hi"}).json()["error"]
