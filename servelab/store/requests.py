@@ -10,7 +10,7 @@ advisory lock), so the limit holds under concurrent posts. Knows rows; hands fro
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from servelab.config import ServingConfig
 from servelab.engine.outputs import BatchResult, Completion
-from servelab.request import FinishReason, SamplingParams
+from servelab.request import FinishReason, SamplingParams, choice_seed
 from servelab.store import keys
 from servelab.store.models import (
     BatchRow,
@@ -57,12 +57,13 @@ def create_request(
     session: Session, *, serving_config_name: str, stream: StreamKind, prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None, sampling: SamplingParams | None = None,
     tenant: str = "default", priority: int = 0, batch_job_id: uuid.UUID | None = None,
-    custom_id: str | None = None,
+    custom_id: str | None = None, request_id: uuid.UUID | None = None, first_choice_id: uuid.UUID | None = None,
+    choice_index: int = 0,
 ) -> str:
     row = RequestRow(
-        id=uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
+        id=request_id or uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
         messages=messages, sampling=(sampling or SamplingParams()).to_stored(), tenant=tenant, priority=priority,
-        batch_job_id=batch_job_id, custom_id=custom_id,
+        batch_job_id=batch_job_id, custom_id=custom_id, first_choice_id=first_choice_id, choice_index=choice_index,
     )
     session.add(row)
     session.flush()
@@ -174,6 +175,7 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
     session.execute(insert(ResultRow).values(
         request_id=uuid.UUID(c.request_id), text=c.text, num_prompt_tokens=c.num_prompt_tokens,
         num_generated_tokens=c.num_generated_tokens, token_ids=list(c.token_ids),
+        logprobs=None if c.logprobs is None else [t.to_stored() for t in c.logprobs],
     ).on_conflict_do_nothing(index_elements=["request_id"]))
     session.execute(insert(RequestMetricsRow).values(
         request_id=uuid.UUID(c.request_id), batch_id=batch_id,
@@ -283,18 +285,35 @@ class RequestView:
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
     timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms; streamed_ttft_ms, streamed_itl_ms
+    logprobs: list[dict[str, Any]] | None = None  # as stored: TokenLogprobs.to_stored per generated token
 
 
 def admit_request(session: Session, *, tenant: str, max_queued: int, serving_config_name: str, kind: StreamKind,
                   prompt: str | None, messages: list[dict[str, Any]] | None, sampling: SamplingParams,
-                  priority: int = 0) -> str:
+                  priority: int = 0, num_choices: int = 1) -> list[str]:
+    """Create a request's rows under its tenant's queue limit: one per choice (n), each choice seeded
+    choice_seed(seed, i) and naming the first; -> their ids, in choice order."""
     keys.lock_tenant(session, tenant)
     num_queued = keys.num_queued_requests(session, tenant)
-    if num_queued >= max_queued:
-        raise QueueFull(f"tenant {tenant!r} has {num_queued} queued requests, the limit is {max_queued}; "
+    if num_queued + num_choices > max_queued:
+        raise QueueFull(f"tenant {tenant!r} has {num_queued} queued requests, the limit is {max_queued}"
+                        f"{f' (this one would add {num_choices}: one per choice)' if num_choices > 1 else ''}; "
                         "wait for some to finish, or use the Batch API for bulk work")
-    return create_request(session, serving_config_name=serving_config_name, stream=kind, prompt=prompt,
-                          messages=messages, sampling=sampling, tenant=tenant, priority=priority)
+    ids = [uuid.uuid4() for _ in range(num_choices)]
+    first = ids[0] if num_choices > 1 else None
+    return [create_request(session, serving_config_name=serving_config_name, stream=kind, prompt=prompt,
+                           messages=messages, sampling=replace(sampling, seed=choice_seed(sampling.seed, i)),
+                           tenant=tenant, priority=priority, request_id=request_id, first_choice_id=first,
+                           choice_index=i)
+            for i, request_id in enumerate(ids)]
+
+
+def choice_ids(session: Session, *, request_id: str, tenant: str) -> list[str]:
+    """The ids of a request's choices in order: its own alone, unless it is the first of an n > 1 request."""
+    rows = session.scalars(select(RequestRow.id).where(RequestRow.first_choice_id == uuid.UUID(request_id),
+                                                       RequestRow.tenant == tenant)
+                           .order_by(RequestRow.choice_index)).all()
+    return [str(i) for i in rows] or [request_id]
 
 
 def get_request_view(session: Session, *, request_id: str, tenant: str) -> RequestView | None:
@@ -321,6 +340,7 @@ def get_request_view(session: Session, *, request_id: str, tenant: str) -> Reque
         str(r.id), r.tenant, r.serving_config_name, r.status, r.priority, r.enqueued_at, r.started_at,
         r.first_token_at, r.finished_at, r.finish_reason, r.error, result.text if result else None,
         result.num_prompt_tokens if result else None, result.num_generated_tokens if result else None, timings,
+        result.logprobs if result else None,
     )
 
 
