@@ -5,8 +5,9 @@ the group, apart from the running rows) and joins them to the batch's cache; `st
 step for every live row. Both return each row's new token and the rows that finished, whose cache space
 is free at once. `generate(requests)` is a closed batch: add, then step until every row has finished.
 Knows tokenising, left-padded prefill groups, stop conditions, per-row timings, the log-probabilities a
-row asked for, and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or how rows were chosen: a bad request
-fails alone, its batch-mates carry on.
+row asked for, and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
+how rows were chosen: a bad request fails alone, its batch-mates carry on. Past 400 lines as one piece: the
+running batch's rows and cache change together in add, step, preempt and cancel.
 """
 
 from __future__ import annotations
@@ -338,7 +339,8 @@ class Engine:
         asked = [j for j, r in enumerate(rows) if r.logprobs is not None]
         if not asked:
             return {}
-        return dict(zip(asked, read_logprobs(logits, next_ids, asked, [rows[j].request.params.logprobs for j in asked])))
+        num_top = [rows[j].request.params.logprobs for j in asked]
+        return dict(zip(asked, read_logprobs(logits, next_ids, asked, num_top)))
 
     def _token_logprobs(self, token_id: int, text_offset: int, logprob: float, top: list[tuple[int, float]]
                         ) -> TokenLogprobs:
