@@ -32,8 +32,9 @@ def test_penalised_rows_beside_plain_ones_decode_like_the_naive_reference(either
     requests = []
     for i in range(rng.choice([2, 3, 5])):
         penalties = rng.choice([{"presence_penalty": rng.uniform(-2, 2)}, {"frequency_penalty": rng.uniform(-2, 2)},
-                                {"presence_penalty": rng.uniform(-2, 2), "frequency_penalty": rng.uniform(-2, 2)},
-                                *([{}] if i else [])])  # NOTE: the first row is penalised, the others may be plain
+                                {"presence_penalty": rng.uniform(-2, 2), "frequency_penalty": rng.uniform(-2, 2)}, {}])
+        if i == 0:  # NOTE: pulled towards repeats, which always changes the tiny model's greedy text
+            penalties = {"presence_penalty": rng.uniform(-2, 0), "frequency_penalty": rng.uniform(-2, -1)}
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
         requests.append(_request(f"r{i}", prompt, rng.randint(8, 24), **penalties))
     for request, completion in zip(requests, either_engine.generate(requests).completions):
