@@ -31,24 +31,35 @@ def sample_next(
 ) -> torch.Tensor:
     """logits (B, V), each row's generated token ids so far -> next token ids (B,). `logits` is not changed."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
-    next_ids = logits.argmax(dim=-1)  # (B,)
-    for i, (p, generator) in enumerate(zip(params, generators)):
-        if generator is None and not p.has_penalties:
-            continue  # NOTE: most rows: greedy and unpenalised, the batch's argmax stands
-        row = penalised(logits[i], p, generated[i]) if p.has_penalties else logits[i]  # (V,)
-        next_ids[i] = row.argmax() if generator is None else _sample_row(row.float(), p, generator)
+    next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if rows:
+        penalised_logits = penalised(logits, rows, params, generated)  # (R, V)
+        next_ids[rows] = penalised_logits.argmax(dim=-1)  # the greedy ones' tokens; sampled ones are drawn below
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            row = penalised_logits[rows.index(i)] if params[i].has_penalties else logits[i]  # (V,)
+            next_ids[i] = _sample_row(row.float(), params[i], generator)
     return next_ids
 
 
-def penalised(logits: torch.Tensor, p: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
-    """One row's logits (V,) with OpenAI's penalties: logits[t] - presence * (count[t] > 0) - frequency * count[t]
-    over the tokens the row generated; a new tensor (the batch's logits stay raw, for log-probabilities)."""
-    if not generated:
-        return logits
-    ids, counts = torch.tensor(list(generated), device=logits.device).unique(return_counts=True)
-    row = logits.clone()
-    row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
-    return row
+def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """These rows' logits (R, V) with OpenAI's penalties over each row's own generated tokens:
+    logits[t] - presence * (count[t] > 0) - frequency * count[t]. A copy: the batch's logits stay raw (the
+    log-probabilities read them). One set of operations for all the rows: a copy, and an update at the
+    (row, token) pairs they generated."""
+    vocab = logits.shape[-1]
+    out = logits.index_select(0, torch.tensor(rows, device=logits.device))  # (R, V)
+    flat = [j * vocab + t for j, i in enumerate(rows) for t in generated[i]]
+    if not flat:
+        return out
+    keys, counts = torch.tensor(flat, device=logits.device).unique(return_counts=True)  # (U,) (row, token) pairs
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=out.dtype, device=out.device)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=out.dtype, device=out.device)
+    owner = keys // vocab  # (U,)
+    out.view(-1)[keys] -= presence[owner] + frequency[owner] * counts.to(out.dtype)
+    return out
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:

@@ -138,6 +138,19 @@ def main() -> None:
     for name, values in figures.items():
         print(f"  {name:<42} {statistics.median(values):8.1f}  x{statistics.median(values) / base:.3f}   best: "
               f"{max(values):8.1f}  x{max(values) / best:.3f}")
+    print(f"the same asks, the sampling step alone on (16, {vocab}) logits after {args.new_tokens} tokens, median "
+          "microseconds:")
+    logits, history = torch.randn(16, vocab), [list(range(args.new_tokens))] * 16
+    timed: dict[str, list[float]] = {name: [] for name in asks}
+    for _ in range(args.rounds * 50):
+        for name, per_row in asks.items():
+            params = [SamplingParams(**p) for p in per_row]
+            rows = [type("R", (), {"logprobs": None if p.logprobs is None else [], "request": type(
+                "Q", (), {"params": p})()})() for p in params]
+            timed[name].append(_median_us(lambda: Engine._read_logprobs(
+                logits, sampling.sample_next(logits, params, [None] * 16, history), rows), repeats=1))
+    for name, values in timed.items():
+        print(f"  {name:<42} {statistics.median(values):8.1f}")
 
 
 if __name__ == "__main__":
