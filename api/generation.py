@@ -31,17 +31,19 @@ from api.errors import ApiError
 from api.streaming import openai_stream, request_event_stream
 from servelab.idempotency import HEADER, Fingerprint, KeyReused
 from servelab.jobs.catalog import Catalog
-from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
-                              FinishReason, SamplingParams)
+from servelab.request import (MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE,
+                              MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason, SamplingParams)
 from servelab.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     Answer,
     ChatCompletionBody,
+    Choice,
     ChunkWriter,
     CompletionBody,
     Rejection,
     Submission,
+    chat_logprobs,
     checked_submission,
     find_config,
     max_new_tokens,
@@ -78,10 +80,16 @@ class Sampling(BaseModel):
     top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="alternatives per token: each token's log-probability and the k likeliest")
 
     def params(self, num_new_tokens: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=num_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop))
+                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop),
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logprobs=self.logprobs)
 
 
 class RequestIn(BaseModel):
@@ -127,13 +135,17 @@ class RequestOut(BaseModel):
     finished_at: datetime | None
     finish_reason: FinishReason | None
     error: str | None
-    result: dict[str, Any] | None = Field(description="text, num_prompt_tokens, num_generated_tokens")
+    result: dict[str, Any] | None = Field(description="text, num_prompt_tokens, num_generated_tokens; logprobs "
+                                                      "(chat's content list) when asked")
     timings: dict[str, float | None] | None = Field(description="queue_ms, ttft_ms, tpot_ms, e2e_ms")
 
     @classmethod
     def of(cls, v: RequestView) -> RequestOut:
         result = None if v.text is None else {"text": v.text, "num_prompt_tokens": v.num_prompt_tokens,
                                               "num_generated_tokens": v.num_generated_tokens}
+        if result is not None and v.logprobs is not None:
+            result["logprobs"] = chat_logprobs(Choice.of_stored(v.text, v.finish_reason, v.num_generated_tokens,
+                                                                v.logprobs).logprobs)["content"]
         return cls(id=v.id, status=v.status, model=v.serving_config_name, priority=v.priority,
                    created_at=v.enqueued_at, started_at=v.started_at, first_token_at=v.first_token_at,
                    finished_at=v.finished_at, finish_reason=v.finish_reason, error=v.error, result=result,
@@ -164,9 +176,14 @@ def _endpoint_of(body: CompletionBody | ChatCompletionBody | RequestIn) -> str:
 
 @dataclass(frozen=True)
 class Submitted:
-    request_id: str
+    request_ids: tuple[str, ...]  # one per choice (n), in order
     is_keyed: bool  # sent with an Idempotency-Key: its client may come back for it
     replayed: bool = False  # the key named an earlier submission: this call joins that one's request
+
+    @property
+    def request_id(self) -> str:
+        """The first choice's: the request's id in answers and headers."""
+        return self.request_ids[0]
 
     @property
     def cancel_on_leave(self) -> bool:
@@ -182,10 +199,11 @@ class Submitted:
 async def submit(state: ApiState, tenant: str, submission: Submission, *, endpoint: str,
                  kind: StreamKind = StreamKind.INTERACTIVE, priority: int = 0, key: str | None = None,
                  fingerprint: Fingerprint | None = None) -> Submitted:
-    """Admit a request, or (key given) find the one an earlier submission with this key made; answered once
-    its row is committed and its id is in the stream, with the group it was written in."""
+    """Admit a request (n choices: n rows, enqueued together, so a worker reads them into one batch), or (key
+    given) find the one an earlier submission with this key made; answered once its rows are committed and their
+    ids are in the stream, with the group they were written in."""
     request = NewRequest(tenant, submission.serving_config_name, kind, submission.prompt, submission.messages,
-                         submission.sampling, priority)
+                         submission.sampling, priority, num_choices=submission.num_choices)
     outcome = await state.submissions.submit(Posted(request, key, fingerprint))
     counted = partial(count_submission, endpoint=endpoint, model_name=submission.serving_config_name)
     if isinstance(outcome, QueueFull):
@@ -197,7 +215,7 @@ async def submit(state: ApiState, tenant: str, submission: Submission, *, endpoi
     if isinstance(outcome, Exception):
         raise outcome
     counted(outcome="replayed" if outcome.replayed else "accepted")
-    return Submitted(outcome.request_id, is_keyed=key is not None, replayed=outcome.replayed)
+    return Submitted(outcome.request_ids, is_keyed=key is not None, replayed=outcome.replayed)
 
 
 def view(state: ApiState, tenant: str, request_id: str) -> RequestView:
@@ -205,6 +223,16 @@ def view(state: ApiState, tenant: str, request_id: str) -> RequestView:
         found = get_request_view(session, request_id=request_id, tenant=tenant)
     if found is None:
         raise ApiError(404, f"no request {request_id!r}", code="request_not_found", param="id")
+    return found
+
+
+def choice_views(state: ApiState, tenant: str, request_ids: tuple[str, ...]) -> list[RequestView]:
+    """A request's choices as they are now, in order (one database session)."""
+    with session_scope(state.runtime.sessions) as session:
+        found = [get_request_view(session, request_id=i, tenant=tenant) for i in request_ids]
+    missing = [i for i, v in zip(request_ids, found) if v is None]
+    if missing:
+        raise ApiError(404, f"no request {missing[0]!r}", code="request_not_found", param="id")
     return found
 
 
@@ -264,43 +292,53 @@ def wait_limit_s(max_wait_s: float, client_read_timeout: str | None) -> float:
     return min(max_wait_s, max(timeout_s - CLIENT_TIMEOUT_MARGIN_S, timeout_s / 2))
 
 
-async def _wait_or_leave(http: Request, state: ApiState, submitted: Submitted, read_view: Callable[[], RequestView],
-                         wait_s: float) -> RequestView | None:
-    """The request once it ends, or as it is at the wait limit; None when the client left first. A request no
-    worker has started is cancelled then (it never starts), unless it was sent with an Idempotency-Key; a
-    running one goes on, and its result is kept (GET /v1/requests/{id}, or the same key again)."""
+async def _wait_or_leave(http: Request, state: ApiState, submitted: Submitted,
+                         read_views: Callable[[], list[RequestView]], wait_s: float) -> list[RequestView] | None:
+    """The request's choices once all have ended, or as they are at the wait limit; None when the client left
+    first. Requests no worker has started are cancelled then (they never start), unless sent with an
+    Idempotency-Key; running ones go on, and their results are kept (GET /v1/requests/{id}, or the same key)."""
     deadline = time.monotonic() + wait_s
-    found = await run_sync(read_view)
-    while not found.status.is_terminal and (remaining_s := deadline - time.monotonic()) > 0:
+    found = await run_sync(read_views)
+    while (waiting := [v for v in found if not v.status.is_terminal]) and (
+            remaining_s := deadline - time.monotonic()) > 0:
         if await run_sync(partial(wait_done, state.runtime.redis, prefix=state.settings.key_prefix,
-                                  request_id=submitted.request_id, timeout_s=min(WAIT_SLICE_S, remaining_s))):
-            return await run_sync(read_view)
+                                  request_id=waiting[0].id, timeout_s=min(WAIT_SLICE_S, remaining_s))):
+            found = await run_sync(read_views)
+            continue
         if await http.is_disconnected():
             if submitted.cancel_on_leave:
-                await run_sync(partial(cancel_for_client, sessions=state.runtime.sessions,
-                                       redis_client=state.runtime.redis, prefix=state.settings.key_prefix,
-                                       request_id=submitted.request_id, now=datetime.now(UTC), if_queued=True))
+                for request_id in submitted.request_ids:  # NOTE: every choice; started ones go on
+                    await run_sync(partial(cancel_for_client, sessions=state.runtime.sessions,
+                                           redis_client=state.runtime.redis, prefix=state.settings.key_prefix,
+                                           request_id=request_id, now=datetime.now(UTC), if_queued=True))
             return None
     return found
 
 
-def _answer(done: RequestView, submitted: Submitted, wait_s: float) -> Answer:
-    if done.status is RequestStatus.SUCCEEDED and done.text is not None:
-        return Answer(done.id, done.serving_config_name, int(done.finished_at.timestamp()), done.text,
-                      done.finish_reason or FinishReason.STOP, done.num_prompt_tokens, done.num_generated_tokens)
-    if done.status.is_terminal:
-        raise ApiError(400, done.error or f"the request ended {done.status.value}", code="request_failed",
+def _answer(views: list[RequestView], submitted: Submitted, wait_s: float) -> Answer:
+    """The choices' answer; a choice that failed fails the call (400), one still unfinished makes it a 504."""
+    first = views[0]
+    ended = [v for v in views if v.status.is_terminal and (v.status is not RequestStatus.SUCCEEDED or v.text is None)]
+    if ended:
+        raise ApiError(400, ended[0].error or f"the request ended {ended[0].status.value}", code="request_failed",
                        headers=submitted.headers)
+    if all(v.status.is_terminal for v in views):
+        return Answer(first.id, first.serving_config_name, int(max(v.finished_at for v in views).timestamp()),
+                      first.num_prompt_tokens, tuple(Choice.of_stored(v.text, v.finish_reason, v.num_generated_tokens,
+                                                                      v.logprobs) for v in views))
+    late = next(v for v in views if not v.status.is_terminal)
+    where = (f"GET /v1/requests/{first.id}" if len(views) == 1 else
+             "GET /v1/requests/{id} for each of its choices: " + ", ".join(v.id for v in views))
     # NOTE: 504 with x-should-retry: false, which OpenAI's clients obey: a retry would be a second request
-    raise ApiError(504, f"request {done.id} is still {done.status.value} after {wait_s:g} s and goes on; read it "
-                   f"with GET /v1/requests/{done.id}, or send the same body with the same {HEADER} to wait again",
+    raise ApiError(504, f"request {first.id} is still {late.status.value} after {wait_s:g} s and goes on; read it "
+                   f"with {where}, or send the same body with the same {HEADER} to wait again",
                    code="timeout", headers={**submitted.headers, "x-should-retry": "false"})
 
 
 async def _complete(http: Request, state: ApiState, tenant: str, body: CompletionBody | ChatCompletionBody,
                     endpoint: str, key: str | None) -> Response:
-    """Queue the body's request (or join the one its Idempotency-Key made), then answer when it is done, or
-    stream it."""
+    """Queue the body's request (n choices: n rows, enqueued together), or join the one its Idempotency-Key made,
+    then answer when every choice is done, or stream it."""
     arrived_s = time.time()
     submission = await check(state, body)
     submitted = await submit(state, tenant, submission, endpoint=endpoint, **_keyed(key, endpoint, body))
@@ -311,7 +349,8 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
         return openai_stream(http, state, writer=writer, arrived_s=arrived_s, read_view=read_view,
                              cancel_on_leave=submitted.cancel_on_leave, headers=submitted.headers)
     wait_s = wait_limit_s(state.settings.max_wait_s, http.headers.get(READ_TIMEOUT_HEADER))
-    done = await _wait_or_leave(http, state, submitted, read_view, wait_s)
+    read_views = partial(choice_views, state, tenant, submitted.request_ids)
+    done = await _wait_or_leave(http, state, submitted, read_views, wait_s)
     if done is None:
         return Response(status_code=499)  # NOTE: nginx's "client closed request": nobody reads it
     return JSONResponse(response_object(endpoint, _answer(done, submitted, wait_s)), headers=submitted.headers)

@@ -1,23 +1,28 @@
 """OpenAI request bodies (completions, chat completions) and the response objects built from a result.
 
 Knows the OpenAI field names and defaults, the fields it does not honour (NOT_HONOURED: refused by name,
-never dropped), and turns a body into what the queue stores (prompt or messages, sampling) after checking it
-against the named config's limits: one Rejection per bad body, naming the field and the fix. Shared by the
-API and batch-file ingest, so both accept the same bodies.
+never dropped), and turns a body into what the queue stores (prompt or messages, sampling, how many choices)
+after checking it against the named config's limits: one Rejection per bad body, naming the field and the fix.
+Renders answers in OpenAI's shapes, log-probabilities included (chat's `content` list, completions' legacy
+arrays). Shared by the API and batch-file ingest, so both accept the same bodies. One module past 400 lines
+on purpose: a body's fields and the answer's shape are one contract (what logprobs asks, the answer returns).
 Does not know HTTP status codes or tokenizers (the worker counts tokens exactly).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 
 from servelab.config import ServingConfig
-from servelab.request import (MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K,
-                              FinishReason, SamplingParams)
+from servelab.engine.outputs import Alternative, TokenLogprobs
+from servelab.request import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED,
+                              MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason,
+                              RequestError, SamplingParams, check_num_choices)
 from servelab.jobs.catalog import Catalog, UnknownModel
 
 COMPLETIONS = "/v1/completions"
@@ -57,12 +62,8 @@ def _json_type(value: Any) -> str:
 # batch lines), never dropped. Honouring a field = declaring it on the body model and deleting its line here
 # (tests/api/test_openai_surface.py checks that no line names a declared field).
 NOT_HONOURED: dict[str, NotHonoured] = {
-    "logprobs": NotHonoured((None, False), "token log-probabilities are not returned yet"),
-    "top_logprobs": NotHonoured((None, 0), "token log-probabilities are not returned yet"),
-    "presence_penalty": NotHonoured((None, 0), "sampling has no presence penalty yet"),
-    "frequency_penalty": NotHonoured((None, 0), "sampling has no frequency penalty yet"),
     "logit_bias": NotHonoured((None, {}), "sampling takes no logit bias"),
-    "best_of": NotHonoured((None, 1), "one completion is generated per request"),
+    "best_of": NotHonoured((None, 1), "completions are not ranked: ask for n choices instead"),
     "echo": NotHonoured((None, False), "the prompt is not echoed back"),
     "suffix": NotHonoured((None, ""), "insertion (a suffix after the completion) is not supported"),
     "tools": NotHonoured((None, []), "tool calling is not built: the served models answer with text only"),
@@ -107,9 +108,12 @@ class _Body(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="not OpenAI; 0 is off")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="choice i samples with seed + i")
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES,
+                          description="choices, decoded in one batch: at most the config's max_batch_size")
     stream: bool | None = Field(default=False, description="answer as server-sent events, chunk by chunk")
     stream_options: StreamOptions | None = None
 
@@ -131,13 +135,38 @@ class _Body(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Alternatives per token (0: the chosen token's log-probability alone); None: no log-probabilities."""
+        return None
+
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()))
+                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_top_logprobs)
 
 
 class CompletionBody(_Body):
     prompt: str | list[str] = Field(description="one prompt (a list of exactly one string is accepted)")
+    logprobs: StrictInt | StrictBool | None = Field(default=None, description=(
+        f"the legacy form: alternatives per token, 0..{MAX_COMPLETION_LOGPROBS} (0: the chosen token's alone)"))
+
+    @field_validator("logprobs")
+    @classmethod
+    def _alternatives(cls, value: int | bool | None) -> int | None:
+        if value is True or (value is not None and value is not False and not 0 <= value <= MAX_COMPLETION_LOGPROBS):
+            raise ValueError(f"on /v1/completions logprobs is the number of alternatives per token, 0 to "
+                             f"{MAX_COMPLETION_LOGPROBS} (0: the chosen token's log-probability alone); got {value}")
+        return None if value is False else value
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -168,6 +197,20 @@ class MessageBody(BaseModel):
 class ChatCompletionBody(_Body):
     messages: list[MessageBody] = Field(min_length=1, max_length=1_000)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
+    logprobs: StrictBool | None = Field(default=None, description="each token's log-probability in the answer")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description="alternatives per token; needs logprobs: true")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # NOTE: logprobs is declared first, so it is read already
+            raise ValueError(f"top_logprobs is {value}, which needs logprobs: true")
+        return value
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 @dataclass(frozen=True)
@@ -178,6 +221,7 @@ class Submission:
     prompt: str | None
     messages: list[dict[str, str]] | None
     sampling: SamplingParams
+    num_choices: int = 1  # n: this many rows, decoded together and answered as one
 
 
 def refuse_unhonoured(body: CompletionBody | ChatCompletionBody) -> None:
@@ -202,7 +246,12 @@ def refuse_unhonoured(body: CompletionBody | ChatCompletionBody) -> None:
 def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog, max_prompt_chars: int
                   ) -> Submission:
     refuse_unhonoured(body)
+    refuse_unstreamable(body)
     config = find_config(catalog, body.model)
+    try:
+        check_num_choices(body.num_choices, max_batch_size=config.batching.max_batch_size)
+    except RequestError as exc:
+        raise Rejection(str(exc), param="n") from None
     if isinstance(body, ChatCompletionBody):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
         requested = body.max_completion_tokens or body.max_tokens
@@ -210,8 +259,23 @@ def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog
     else:
         messages, prompt = None, body.prompt
         requested = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, config.decoding.max_new_tokens)
-    return checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
-                              sampling=body.sampling(max_new_tokens(requested, config)))
+    submission = checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
+                                    sampling=body.sampling(max_new_tokens(requested, config)))
+    return replace(submission, num_choices=body.num_choices)
+
+
+def refuse_unstreamable(body: CompletionBody | ChatCompletionBody) -> None:
+    """NOTE: a stream relays one request's text; n > 1 and log-probabilities are answered whole, not streamed."""
+    if not body.stream:
+        return
+    if body.num_choices > 1:
+        raise Rejection(f"n is {body.num_choices} with stream: true; servelab streams one choice: leave out "
+                        "stream (the answer carries every choice) or send n: 1", code="unsupported_parameter",
+                        param="n")
+    if body.num_top_logprobs is not None:
+        raise Rejection("logprobs cannot be streamed: servelab's streams carry text only; leave out stream (the "
+                        "answer carries the log-probabilities) or logprobs", code="unsupported_parameter",
+                        param="logprobs")
 
 
 def find_config(catalog: Catalog, name: str) -> ServingConfig:
@@ -243,32 +307,85 @@ def max_new_tokens(requested: int | None, config: ServingConfig, *, param: str =
 
 
 @dataclass(frozen=True)
-class Answer:
-    """A finished request as the OpenAI response objects need it."""
+class Choice:
+    """One choice of a finished request: its text, why it ended, and its tokens' log-probabilities if asked."""
 
-    request_id: str
-    model: str
-    created: int  # unix seconds
     text: str
     finish_reason: FinishReason
-    num_prompt_tokens: int
     num_generated_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @classmethod
+    def of_stored(cls, text: str, finish_reason: FinishReason | None, num_generated_tokens: int,
+                  logprobs: list[dict[str, Any]] | None) -> Choice:
+        """From a result row's fields (logprobs as stored: TokenLogprobs.to_stored per token)."""
+        return cls(text, finish_reason or FinishReason.STOP, num_generated_tokens,
+                   None if logprobs is None else tuple(TokenLogprobs.from_stored(t) for t in logprobs))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished request as the OpenAI response objects need it: its choices in order (n of them)."""
+
+    request_id: str  # the first choice's: the response's id
+    model: str
+    created: int  # unix seconds
+    num_prompt_tokens: int
+    choices: tuple[Choice, ...]
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens}
+        """As OpenAI counts n choices: the prompt once, every choice's tokens."""
+        num_generated = sum(c.num_generated_tokens for c in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_generated,
+                "total_tokens": self.num_prompt_tokens + num_generated}
 
 
 def _finish_reason(reason: FinishReason) -> str:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
+def token_text(token_bytes: bytes) -> str:
+    """A token as OpenAI's log-probabilities name it: its text, or (part of a character) `bytes:\\xNN...`."""
+    try:
+        return token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes)
+
+
+def _chat_token(a: Alternative) -> dict[str, Any]:
+    return {"token": token_text(a.token_bytes), "logprob": a.logprob, "bytes": list(a.token_bytes)}
+
+
+def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> dict[str, Any] | None:
+    """Chat's shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    if entries is None:
+        return None
+    return {"content": [{**_chat_token(t.chosen), "top_logprobs": [_chat_token(a) for a in t.top]} for t in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> dict[str, Any] | None:
+    """The legacy shape: parallel lists of tokens, their log-probabilities, {token: logprob} of the top tokens
+    (the chosen one always among them, as OpenAI's: up to k + 1) and each token's offset in the text."""
+    if entries is None:
+        return None
+    tops = []
+    for t in entries:
+        top: dict[str, float] = {}
+        for a in (*t.top, t.chosen):  # NOTE: most likely first; two tokens of one text keep the likelier
+            top.setdefault(token_text(a.token_bytes), a.logprob)
+        tops.append(top)
+    return {"tokens": [token_text(t.chosen.token_bytes) for t in entries],
+            "token_logprobs": [t.chosen.logprob for t in entries], "top_logprobs": tops,
+            "text_offset": [t.text_offset for t in entries]}
+
+
 def completion_object(answer: Answer) -> dict[str, Any]:
     return {
         "id": f"cmpl-{answer.request_id}", "object": "text_completion", "created": answer.created,
         "model": answer.model, "usage": answer.usage(),
-        "choices": [{"index": 0, "text": answer.text, "logprobs": None,
-                     "finish_reason": _finish_reason(answer.finish_reason)}],
+        "choices": [{"index": i, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
+                     "finish_reason": _finish_reason(c.finish_reason)} for i, c in enumerate(answer.choices)],
     }
 
 
@@ -276,8 +393,9 @@ def chat_completion_object(answer: Answer) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{answer.request_id}", "object": "chat.completion", "created": answer.created,
         "model": answer.model, "usage": answer.usage(),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
-                     "finish_reason": _finish_reason(answer.finish_reason)}],
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": chat_logprobs(c.logprobs), "finish_reason": _finish_reason(c.finish_reason)}
+                    for i, c in enumerate(answer.choices)],
     }
 
 

@@ -21,6 +21,10 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_K = 1_000_000
 MAX_SEED = 2**63 - 1
 MAX_REQUESTED_TOKENS = 1_000_000  # what an edge accepts before the config's own max_new_tokens decides
+MAX_PENALTY = 2.0  # presence and frequency penalties: -2..2, as OpenAI's
+MAX_TOP_LOGPROBS = 20  # alternatives per token: chat's top_logprobs (and the native API's logprobs)
+MAX_COMPLETION_LOGPROBS = 5  # the legacy /v1/completions `logprobs` (an int) goes up to 5
+MAX_CHOICES = 128  # n: OpenAI's bound; a serving config's max_batch_size is the real one (check_num_choices)
 
 
 class RequestError(ValueError):
@@ -78,10 +82,19 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: every row decodes exactly max_new_tokens
+    # NOTE: as OpenAI and vLLM define them, over the row's generated tokens (never the prompt's):
+    # logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t], before temperature
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely ones'
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check(self, limits: DecodingConfig) -> None:
         if not 1 <= self.max_new_tokens <= limits.max_new_tokens:
@@ -98,6 +111,13 @@ class SamplingParams:
             raise RequestError(f"seed must be between 0 and 2**63 - 1, got {self.seed}")
         if any(not s for s in self.stop) or len(self.stop) > MAX_STOP_STRINGS:
             raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise RequestError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, "
+                                   f"got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs (alternatives per token) must be between 0 and {MAX_TOP_LOGPROBS}, "
+                               f"got {self.logprobs}")
 
     def to_stored(self) -> dict[str, Any]:
         """As the request row keeps it (JSON)."""
@@ -105,7 +125,8 @@ class SamplingParams:
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, Any]) -> SamplingParams:
-        """A request row's sampling back; a field it cannot read is a RequestError naming it."""
+        """A request row's sampling back; a field it cannot read is a RequestError naming it. A field the row
+        lacks (a row written before the field existed) takes its default, which asks for nothing."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(stored) - known)
         if unknown:
@@ -128,6 +149,19 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         assert (self.prompt is None) != (self.messages is None), "give exactly one of prompt or messages"
+
+
+def check_num_choices(n: int, *, max_batch_size: int) -> None:
+    """n choices are n rows decoded in one batch: at most the serving config's batch."""
+    if not 1 <= n <= min(MAX_CHOICES, max_batch_size):
+        raise RequestError(f"n must be between 1 and {min(MAX_CHOICES, max_batch_size)} (this model's "
+                           f"max_batch_size: the n choices decode in one batch), got {n}")
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice i of an n-choice request samples with seed + i (wrapping at 2**63), so each choice differs and the
+    whole answer is reproducible from the one seed; without a seed each choice draws its own."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
 
 
 def check_prompt_length(num_prompt_tokens: int, params: SamplingParams, limits: DecodingConfig) -> None:

@@ -11,8 +11,12 @@ import pytest
 from servelab.config import ServingConfig
 from servelab.jobs.catalog import Catalog
 from servelab.jobs.ingest import parse_line
-from servelab.protocol import (NO_EFFECT, NOT_HONOURED, ChatCompletionBody, CompletionBody, Rejection,
-                               refuse_unhonoured)
+from pydantic import ValidationError
+
+from servelab.engine.outputs import Alternative, TokenLogprobs
+from servelab.protocol import (NO_EFFECT, NOT_HONOURED, Answer, ChatCompletionBody, Choice, CompletionBody, Rejection,
+                               chat_completion_object, completion_object, refuse_unhonoured, to_submission)
+from servelab.request import FinishReason
 from servelab.store.batch_jobs import LineError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,10 +49,10 @@ def test_a_field_not_honoured_is_refused_by_name_unless_it_asks_for_nothing(name
 
 
 def test_neutral_means_the_same_json_value_not_a_python_equal_one() -> None:
-    """false == 0 in Python; in OpenAI's completions logprobs: 0 asks for the sampled token's log-probability."""
-    assert refusal(CompletionBody.model_validate({**PLAIN, "logprobs": 0})).param == "logprobs"
-    assert refusal(CompletionBody.model_validate({**PLAIN, "logprobs": False})) is None
-    assert refusal(CompletionBody.model_validate({**PLAIN, "presence_penalty": 0.0})) is None
+    """false == 0 in Python; `echo: 0` and `best_of: true` are not the neutral `echo: false` and `best_of: 1`."""
+    assert refusal(CompletionBody.model_validate({**PLAIN, "echo": 0})).param == "echo"
+    assert refusal(CompletionBody.model_validate({**PLAIN, "echo": False})) is None
+    assert refusal(CompletionBody.model_validate({**PLAIN, "best_of": 1})) is None
     assert refusal(CompletionBody.model_validate({**PLAIN, "best_of": True})).param == "best_of"
 
 
@@ -72,10 +76,109 @@ def test_message_fields_beyond_role_and_content_are_refused_unless_empty() -> No
     assert refusal(ChatCompletionBody.model_validate(echoed)) is None
 
 
-def test_a_batch_line_asking_for_tools_goes_to_the_error_file_naming_them() -> None:
-    catalog = Catalog({"fp32": ServingConfig.from_yaml(REPO / "configs" / "fp32.yaml")}, frozenset())
-    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 2}
+def _catalog() -> Catalog:
+    return Catalog({"fp32": ServingConfig.from_yaml(REPO / "configs" / "fp32.yaml")}, frozenset())
+
+
+def _line(body: dict) -> LineError | object:
     raw = json.dumps({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": body}).encode()
-    refused = parse_line(raw, line_no=1, endpoint="/v1/chat/completions", catalog=catalog, max_prompt_chars=1_000,
-                         max_line_bytes=10_000)
+    return parse_line(raw, line_no=1, endpoint="/v1/chat/completions", catalog=_catalog(), max_prompt_chars=1_000,
+                      max_line_bytes=10_000)
+
+
+def test_a_batch_line_asking_for_tools_goes_to_the_error_file_naming_them() -> None:
+    refused = _line({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 2})
     assert isinstance(refused, LineError) and refused.code == "unsupported_parameter" and "tools" in refused.message
+
+
+def _submission(body: CompletionBody | ChatCompletionBody):
+    return to_submission(body, catalog=_catalog(), max_prompt_chars=1_000)
+
+
+# --- honoured: penalties, log-probabilities, n ---
+
+
+def test_penalties_and_logprobs_become_the_requests_sampling_on_both_endpoints() -> None:
+    chat = _submission(ChatCompletionBody.model_validate({**CHAT, "logprobs": True, "top_logprobs": 3,
+                                                          "presence_penalty": 0.5, "frequency_penalty": -1}))
+    assert (chat.sampling.logprobs, chat.sampling.presence_penalty, chat.sampling.frequency_penalty) == (3, 0.5, -1.0)
+    assert _submission(ChatCompletionBody.model_validate({**CHAT, "logprobs": True})).sampling.logprobs == 0
+    assert _submission(ChatCompletionBody.model_validate({**CHAT, "logprobs": False, "top_logprobs": 0})
+                       ).sampling.logprobs is None
+    assert _submission(CompletionBody.model_validate({**PLAIN, "logprobs": 0})).sampling.logprobs == 0, \
+        "completions' logprobs: 0 asks for the chosen token's log-probability"
+    assert _submission(CompletionBody.model_validate({**PLAIN, "logprobs": 5})).sampling.logprobs == 5
+    plain = _submission(CompletionBody.model_validate({**PLAIN, "logprobs": False, "presence_penalty": None}))
+    assert plain.sampling.logprobs is None and not plain.sampling.has_penalties
+
+
+@pytest.mark.parametrize(("model", "fields", "param"), [
+    (CompletionBody, {"logprobs": 6}, "logprobs"), (CompletionBody, {"logprobs": True}, "logprobs"),
+    (ChatCompletionBody, {"logprobs": 0}, "logprobs"), (ChatCompletionBody, {"logprobs": True, "top_logprobs": 21},
+                                                         "top_logprobs"),
+    (ChatCompletionBody, {"top_logprobs": 2}, "top_logprobs"), (CompletionBody, {"presence_penalty": 2.5},
+                                                                "presence_penalty"),
+    (ChatCompletionBody, {"frequency_penalty": -3}, "frequency_penalty"), (CompletionBody, {"n": 0}, "n"),
+])
+def test_out_of_bounds_values_are_refused_naming_the_field(model, fields: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({**(CHAT if model is ChatCompletionBody else PLAIN), **fields})
+    assert param in str(info.value), (fields, str(info.value))
+
+
+def test_n_is_honoured_up_to_the_configs_batch_and_refused_by_name_above_it() -> None:
+    assert _submission(CompletionBody.model_validate({**PLAIN, "n": 4})).num_choices == 4
+    assert _submission(CompletionBody.model_validate({**PLAIN, "n": None})).num_choices == 1
+    with pytest.raises(Rejection) as info:
+        _submission(CompletionBody.model_validate({**PLAIN, "n": 17}))
+    assert info.value.param == "n" and "max_batch_size" in str(info.value) and "between 1 and 16" in str(info.value)
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"n": 2}, "n"), ({"logprobs": True}, "logprobs")])
+def test_what_a_stream_cannot_carry_is_refused_by_name(fields: dict, param: str) -> None:
+    with pytest.raises(Rejection) as info:
+        _submission(ChatCompletionBody.model_validate({**CHAT, "stream": True, **fields}))
+    assert info.value.param == param and info.value.code == "unsupported_parameter" and "stream" in str(info.value)
+
+
+def test_a_batch_line_asking_for_n_choices_is_refused_naming_n_and_logprobs_are_taken() -> None:
+    refused = _line({**CHAT, "n": 2})
+    assert isinstance(refused, LineError) and refused.code == "unsupported_parameter" and "n is 2" in refused.message
+    taken = _line({**CHAT, "logprobs": True, "top_logprobs": 2})
+    assert not isinstance(taken, LineError) and taken.sampling.logprobs == 2
+
+
+def _entry(token: bytes, logprob: float, offset: int, *top: tuple[bytes, float]) -> TokenLogprobs:
+    return TokenLogprobs(Alternative(len(token), token, logprob), offset,
+                         tuple(Alternative(i, b, lp) for i, (b, lp) in enumerate(top)))
+
+
+ENTRIES = (_entry(b"Hi", -0.1, 0, (b"Hi", -0.1), (b"Hey", -2.5)),
+           _entry(b"\xe2\x80", -1.5, 2, (b" there", -0.9), (b"!", -1.2)))  # part of a character, not the likeliest
+
+
+def test_chat_logprobs_come_in_openais_shape() -> None:
+    answer = Answer("r1", "fp32", 0, 3, (Choice("Hi\u2019", FinishReason.LENGTH, 2, ENTRIES),))
+    [choice] = chat_completion_object(answer)["choices"]
+    assert choice["logprobs"] == {"refusal": None, "content": [
+        {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": [
+            {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}, {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]}]},
+        {"token": "bytes:\\xe2\\x80", "logprob": -1.5, "bytes": [226, 128], "top_logprobs": [
+            {"token": " there", "logprob": -0.9, "bytes": [32, 116, 104, 101, 114, 101]},
+            {"token": "!", "logprob": -1.2, "bytes": [33]}]}]}
+
+
+def test_completion_logprobs_come_in_the_legacy_shape_with_the_chosen_token_among_the_top() -> None:
+    answer = Answer("r1", "fp32", 0, 3, (Choice("Hi\u2019", FinishReason.LENGTH, 2, ENTRIES),))
+    [choice] = completion_object(answer)["choices"]
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", "bytes:\\xe2\\x80"], "token_logprobs": [-0.1, -1.5], "text_offset": [0, 2],
+        "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {" there": -0.9, "!": -1.2, "bytes:\\xe2\\x80": -1.5}]}
+
+
+def test_n_choices_are_indexed_in_order_and_the_prompt_is_counted_once() -> None:
+    answer = Answer("r1", "fp32", 0, 7, (Choice("a", FinishReason.STOP, 3), Choice("b", FinishReason.LENGTH, 5)))
+    body = chat_completion_object(answer)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "a", "stop", None), (1, "b", "length", None)]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15}

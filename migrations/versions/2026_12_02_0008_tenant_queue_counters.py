@@ -7,7 +7,7 @@ whichever process wrote and however that process ended. Each statement touches a
 in name order, so two statements never wait for each other's counters in opposite orders (no deadlock).
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-02 16:00:00+00:00
 """
 
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0008"
-down_revision: str | Sequence[str] | None = "0006"
+down_revision: str | Sequence[str] | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

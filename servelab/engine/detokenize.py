@@ -5,13 +5,15 @@ BPE splits them): its text is held until the character is complete. And text tha
 of a stop string is held until the next tokens show it is not (a stop string found cuts the text before it):
 so no released piece is ever taken back. Each token decodes a short window of ids (the tokens since the
 last release and a few before them, for tokenizers whose pieces depend on their left neighbour), never the
-whole output again. Does not know the engine's batch or the queue.
+whole output again. Also knows a token's own bytes (what log-probabilities name). Does not know the engine's
+batch or the queue.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence gives
 
@@ -95,3 +97,48 @@ class Detokenizer:
                     held = k
                     break
         return held
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the others
+    (controls, space, ...) for the characters from U+0100 up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte-fallback tokens
+
+
+class TokenBytes:
+    """The exact bytes of a token id, as OpenAI's log-probabilities name them (`bytes`), cached per id.
+
+    NOTE: byte-level BPE tokenizers (GPT-2's alphabet: the bundled SmolLM2, Llama 3, Qwen) are exact: a token
+    holding half of a multi-byte character gives those bytes, where decoding it alone gives U+FFFD. Others:
+    sentencepiece's <0xNN> byte tokens exactly, any other token as its decoded text in UTF-8. Added (special)
+    tokens are their text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, bytes] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        state = decoder.__getstate__() if decoder is not None else b""  # its JSON; a Sequence lists its parts
+        is_byte_level = b'"ByteLevel"' in (state if isinstance(state, bytes) else str(state).encode())
+        self._alphabet = _byte_level_alphabet() if is_byte_level else None
+        self._added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._bytes(token_id)
+        return found
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._alphabet is not None and piece is not None and all(c in self._alphabet for c in piece):
+            return bytes(self._alphabet[c] for c in piece)
+        if piece is not None and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        return self.tokenizer.decode([token_id]).encode()

@@ -4,9 +4,10 @@ A running batch lives in the engine between calls: `add(requests)` prefills newc
 the group, apart from the running rows) and joins them to the batch's cache; `step()` runs one decode
 step for every live row. Both return each row's new token and the rows that finished, whose cache space
 is free at once. `generate(requests)` is a closed batch: add, then step until every row has finished.
-Knows tokenising, left-padded prefill groups, stop conditions, per-row timings and the memory of each
-stretch of steps (`take_stats`). Does not know queues, databases or how rows were chosen: a bad request
-fails alone, its batch-mates carry on.
+Knows tokenising, left-padded prefill groups, stop conditions, per-row timings, the log-probabilities a
+row asked for, and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
+how rows were chosen: a bad request fails alone, its batch-mates carry on. Past 400 lines as one piece: the
+running batch's rows and cache change together in add, step, preempt and cancel.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from transformers import PreTrainedModel
 from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
-from servelab.engine.detokenize import Detokenizer
+from servelab.engine.detokenize import Detokenizer, TokenBytes
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.memory import MemoryBreakdown
-from servelab.engine.outputs import BatchResult, BatchTimings, Completion, FinishReason, StepOutput, failed
+from servelab.engine.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
+                                     TokenLogprobs, failed)
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
-from servelab.engine.sampling import make_generator, sample_next
+from servelab.engine.sampling import make_generator, read_logprobs, sample_next
 from servelab.settings import Settings
 
 
@@ -49,6 +51,11 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
     token_times_ms: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None  # a list when the request asked for them
+
+    def __post_init__(self) -> None:
+        if self.request.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_columns(self) -> int:
@@ -87,6 +94,7 @@ class Engine:
         self.device = loaded.device
         self.eos_token_ids = _eos_token_ids(loaded)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
         self.decoder = build_decoder(loaded.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
@@ -301,11 +309,16 @@ class Engine:
         the rows that finished (they leave)."""
         rows = [self._rows[i] for i in indices]
         # NOTE: fp32 holds bf16 logits exactly; torch's argmax over bf16 is 5x slower than over fp32 on CPU
-        next_ids = sample_next(logits.float(), [r.request.params for r in rows], [r.generator for r in rows])
+        logits = logits.float()
+        next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows],
+                               [r.token_ids for r in rows])
+        read = self._read_logprobs(logits, next_ids, rows)
         now = time.perf_counter()
         tokens, texts, finished = [], [], []
-        for row, token_id in zip(rows, next_ids.tolist()):
+        for j, (row, token_id) in enumerate(zip(rows, next_ids.tolist())):
             tokens.append((row.request.request_id, token_id))
+            if j in read:  # NOTE: before the token's text joins the row's: its offset is the text so far
+                row.logprobs.append(self._token_logprobs(token_id, len(row.detok.text), *read[j]))
             going_on = self._append_token(row, token_id, (now - row.started) * 1e3)
             at = row.detok.released
             piece = row.detok.release() if going_on else row.detok.finish()
@@ -317,6 +330,22 @@ class Engine:
             done = {id(r) for r in finished}
             self._keep([i for i, r in enumerate(self._rows) if id(r) not in done])
         return tuple(tokens), tuple(texts), tuple(self._complete(r) for r in finished)
+
+    @staticmethod
+    def _read_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[_Row]
+                       ) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """{index in rows: (chosen token's log-probability, [(token, log-probability)] most likely first)} for
+        the rows that asked; nothing is computed when none did."""
+        asked = [j for j, r in enumerate(rows) if r.logprobs is not None]
+        if not asked:
+            return {}
+        num_top = [rows[j].request.params.logprobs for j in asked]
+        return dict(zip(asked, read_logprobs(logits, next_ids, asked, num_top)))
+
+    def _token_logprobs(self, token_id: int, text_offset: int, logprob: float, top: list[tuple[int, float]]
+                        ) -> TokenLogprobs:
+        return TokenLogprobs(Alternative(token_id, self.token_bytes(token_id), logprob), text_offset,
+                             tuple(Alternative(i, self.token_bytes(i), lp) for i, lp in top))
 
     def _keep(self, indices: list[int]) -> None:
         self._rows = [self._rows[i] for i in indices]
@@ -367,6 +396,7 @@ class Engine:
             token_times_ms=tuple(row.token_times_ms),
             e2e_ms=row.token_times_ms[-1],
             started_at_s=row.started_at_s,
+            logprobs=None if row.logprobs is None else tuple(row.logprobs),
         )
 
 

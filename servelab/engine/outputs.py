@@ -7,9 +7,46 @@ A request's times are milliseconds from the start of its own prefill (`started_a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from servelab.engine.memory import MemoryBreakdown
 from servelab.request import FinishReason
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One token and its log-probability under the model (the raw log-softmax of its logits)."""
+
+    token_id: int
+    token_bytes: bytes  # the token's exact bytes (a byte-level BPE token may hold part of a character)
+    logprob: float
+
+    def to_stored(self) -> dict[str, Any]:
+        return {"id": self.token_id, "bytes": list(self.token_bytes), "logprob": self.logprob}
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, Any]) -> Alternative:
+        return cls(stored["id"], bytes(stored["bytes"]), stored["logprob"])
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability, where its text begins in the row's text, and the most likely
+    tokens at its position (most likely first; the chosen one among them when it is one of the top k)."""
+
+    chosen: Alternative
+    text_offset: int  # characters of the row's text before this token's
+    top: tuple[Alternative, ...] = ()
+
+    def to_stored(self) -> dict[str, Any]:
+        """As the results row keeps it (JSON)."""
+        return {**self.chosen.to_stored(), "text_offset": self.text_offset,
+                "top": [a.to_stored() for a in self.top]}
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, Any]) -> TokenLogprobs:
+        return cls(Alternative.from_stored(stored), stored["text_offset"],
+                   tuple(Alternative.from_stored(a) for a in stored["top"]))
 
 
 @dataclass(frozen=True)
@@ -25,6 +62,7 @@ class Completion:
     token_times_ms: tuple[float, ...] = ()  # each generated token's time, from its prefill's start
     e2e_ms: float | None = None
     started_at_s: float | None = None  # when its prefill began, Unix time
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per generated token, when the request asked
 
     @property
     def num_generated_tokens(self) -> int:

@@ -1,10 +1,16 @@
-"""Picks the next token of every row from its logits, each row by its own sampling parameters.
+"""Picks the next token of every row from its logits, each row by its own sampling parameters, and reads the
+log-probabilities a row asked for.
 
-Knows greedy, temperature, top-k and top-p, and per-row seeded generators, so a row's samples
-depend only on its seed and its logits, never on its batch-mates. Does not know the model.
+Knows greedy, presence and frequency penalties (over the row's own generated tokens), temperature, top-k and
+top-p, and per-row seeded generators, so a row's samples depend only on its seed, its logits and its own
+tokens, never on its batch-mates. Rows that ask for no penalty and no sampling cost one argmax over the batch.
+Log-probabilities are the model's: the raw log-softmax of the logits, before penalties and temperature.
+Does not know the model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,15 +26,40 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample_next(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    generated: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B,)."""
-    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), logits.shape
-    next_ids = logits.argmax(dim=-1)  # (B,)
-    for i, (p, generator) in enumerate(zip(params, generators)):
+    """logits (B, V), each row's generated token ids so far -> next token ids (B,). `logits` is not changed."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
+    next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if rows:
+        penalised_logits = penalised(logits, rows, params, generated)  # (R, V)
+        next_ids[rows] = penalised_logits.argmax(dim=-1)  # the greedy ones' tokens; sampled ones are drawn below
+    for i, generator in enumerate(generators):
         if generator is not None:
-            next_ids[i] = _sample_row(logits[i].float(), p, generator)
+            row = penalised_logits[rows.index(i)] if params[i].has_penalties else logits[i]  # (V,)
+            next_ids[i] = _sample_row(row.float(), params[i], generator)
     return next_ids
+
+
+def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """These rows' logits (R, V) with OpenAI's penalties over each row's own generated tokens:
+    logits[t] - presence * (count[t] > 0) - frequency * count[t]. A copy: the batch's logits stay raw (the
+    log-probabilities read them). One set of operations for all the rows: a copy, and an update at the
+    (row, token) pairs they generated."""
+    vocab = logits.shape[-1]
+    out = logits.index_select(0, torch.tensor(rows, device=logits.device))  # (R, V)
+    flat = [j * vocab + t for j, i in enumerate(rows) for t in generated[i]]
+    if not flat:
+        return out
+    keys, counts = torch.tensor(flat, device=logits.device).unique(return_counts=True)  # (U,) (row, token) pairs
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=out.dtype, device=out.device)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=out.dtype, device=out.device)
+    owner = keys // vocab  # (U,)
+    out.view(-1)[keys] -= presence[owner] + frequency[owner] * counts.to(out.dtype)
+    return out
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
@@ -43,3 +74,19 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def read_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], num_top: list[int]
+                  ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each listed row: the chosen token's log-probability and its num_top most likely (token, log-probability),
+    most likely first, under the raw model (log-softmax of the logits, in fp32); one transfer to the host."""
+    assert len(rows) == len(num_top) and rows, (rows, num_top)
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)  # (R, V)
+    chosen = logprobs.gather(1, next_ids.index_select(0, index).view(-1, 1)).view(-1)  # (R,)
+    k = max(num_top)
+    if k == 0:
+        return [(lp, []) for lp in chosen.tolist()]
+    top = logprobs.topk(k, dim=-1)  # (R, k), sorted
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return [(lp, list(zip(ids[r][:n], values[r][:n]))) for r, (lp, n) in enumerate(zip(chosen.tolist(), num_top))]

@@ -85,6 +85,10 @@ def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catal
         if body.stream:
             raise Rejection("a batch line cannot stream; send stream: false (its answer goes to the output file)",
                             param="stream")
+        if body.num_choices > 1:  # NOTE: a line is one request row, keyed and counted by its custom_id
+            raise Rejection(f"n is {body.num_choices}: a batch line asks for one choice; send one line per choice "
+                            "(with seeds seed, seed + 1, ... for the answers an n-choice request gives)",
+                            code="unsupported_parameter", param="n")
         submission = to_submission(body, catalog=catalog, max_prompt_chars=max_prompt_chars)
     except ValidationError as exc:
         return refuse("invalid_request", "body." + describe_validation_error(exc), custom_id)

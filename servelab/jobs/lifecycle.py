@@ -15,8 +15,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.request import FinishReason
-from servelab.protocol import Answer, response_object
+from servelab.protocol import Answer, Choice, response_object
 from servelab.jobs.ingest import read_lines
 from servelab.store import batch_jobs as store
 from servelab.store import files
@@ -149,8 +148,8 @@ def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, out
         if r.status is RequestStatus.SUCCEEDED and r.text is not None:
             input_tokens += r.num_prompt_tokens
             output_tokens += r.num_generated_tokens
-            answer = Answer(r.id, r.serving_config_name, int(r.finished_at.timestamp()), r.text,
-                            r.finish_reason or FinishReason.STOP, r.num_prompt_tokens, r.num_generated_tokens)
+            answer = Answer(r.id, r.serving_config_name, int(r.finished_at.timestamp()), r.num_prompt_tokens,
+                            (Choice.of_stored(r.text, r.finish_reason, r.num_generated_tokens, r.logprobs),))
             body = response_object(job.endpoint, answer)
             _line(output, r.id, r.custom_id, response={"status_code": 200, "request_id": r.id, "body": body})
             num_output += 1

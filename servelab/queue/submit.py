@@ -76,8 +76,13 @@ class Posted:
 
 @dataclass(frozen=True)
 class Admitted:
-    request_id: str
+    request_ids: tuple[str, ...]  # one per choice (n), in order
     replayed: bool = False  # the key named an earlier submission: this one joins that one's request
+
+    @property
+    def request_id(self) -> str:
+        """The first choice's: the request's id."""
+        return self.request_ids[0]
 
 
 Outcome = Admitted | QueueFull | KeyReused | Exception
@@ -108,7 +113,9 @@ def submit_group(posts: Sequence[Posted], *, sessions: sessionmaker[Session], re
     try:
         if any(isinstance(o, Admitted) for o in outcomes):  # NOTE: a replay may name another's unflushed commit
             flush_commits(sessions)
-        enqueue_all(redis_client, prefix=prefix, entries=[(r.id, r.serving_config_name, r.stream) for r in made])
+        # NOTE: a request's choices side by side in its stream, so a worker reads them into one batch
+        enqueue_all(redis_client, prefix=prefix,
+                    entries=[(i, r.serving_config_name, r.stream) for r in made for i in r.ids])
     except (SQLAlchemyError, redis.RedisError) as exc:
         return [exc if isinstance(o, Admitted) else o for o in outcomes]
     return outcomes
@@ -144,13 +151,14 @@ def _admit(session: Session, posts: Sequence[Posted], *, max_queued: int, key_tt
     admitted = admission.admit_requests(session, [posts[i].request for i in fresh], max_queued=max_queued)
     for i in fresh:
         r = posts[i].request
-        outcomes[i] = Admitted(r.id) if r.id in admitted else QueueFull.of(r.tenant, max_queued=max_queued)
+        outcomes[i] = (Admitted(r.ids) if r.id in admitted
+                       else QueueFull.of(r.tenant, max_queued=max_queued, num_choices=r.num_choices))
     idempotency_keys.save_keys(session, uses=[(p.request.tenant, p.key, p.fingerprint, p.request.id)
                                               for p in (posts[i] for i in maker.values()) if p.request.id in admitted],
                                now=now, ttl=key_ttl)
     for i, j in follows.items():
         first = outcomes[j]
-        outcomes[i] = Admitted(first.request_id, replayed=True) if isinstance(first, Admitted) else first
+        outcomes[i] = Admitted(first.request_ids, replayed=True) if isinstance(first, Admitted) else first
     return outcomes, [posts[i].request for i in fresh if posts[i].request.id in admitted]
 
 
@@ -169,5 +177,7 @@ def _replay(session: Session, post: Posted, first: KeyUse) -> Outcome | None:
     if reused is not None:
         return reused
     if store.get_request_view(session, request_id=first.resource_id, tenant=post.request.tenant) is not None:
-        return Admitted(first.resource_id, replayed=True)
+        # NOTE: the key names the first choice; the others are found from it
+        ids = store.choice_ids(session, request_id=first.resource_id, tenant=post.request.tenant)
+        return Admitted(tuple(ids), replayed=True)
     return None  # NOTE: its request is gone (deleted): the key makes a new one

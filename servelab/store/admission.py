@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from servelab.request import SamplingParams
+from servelab.request import SamplingParams, choice_seed
 from servelab.store.models import StreamKind, TenantQueueRow
 
 
@@ -26,15 +26,16 @@ class QueueFull(Exception):
     """The tenant has its limit of queued requests; the message says how many."""
 
     @classmethod
-    def of(cls, tenant: str, *, max_queued: int) -> QueueFull:
-        return cls(f"tenant {tenant!r} has {max_queued} queued requests, the limit is {max_queued}; "
-                   "wait for some to finish, or use the Batch API for bulk work")
+    def of(cls, tenant: str, *, max_queued: int, num_choices: int = 1) -> QueueFull:
+        held = (f"has {max_queued} queued requests, the limit is {max_queued}" if num_choices == 1 else
+                f"has no room for {num_choices} more queued requests (one per choice), the limit is {max_queued}")
+        return cls(f"tenant {tenant!r} {held}; wait for some to finish, or use the Batch API for bulk work")
 
 
 @dataclass(frozen=True)
 class NewRequest:
-    """An interactive request about to be admitted; its id is made here, so a group knows its ids before the
-    INSERT (and an idempotency key can point at one before its row is written)."""
+    """An interactive request about to be admitted, with its n choices (a row each); its ids are made here, so a
+    group knows them before the INSERT (and an idempotency key can point at the first before it is written)."""
 
     tenant: str
     serving_config_name: str
@@ -43,45 +44,61 @@ class NewRequest:
     messages: list[dict[str, Any]] | None
     sampling: SamplingParams
     priority: int = 0
-    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    num_choices: int = 1
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))  # the first choice's: the request's id
 
-    def row(self) -> dict[str, Any]:
-        """The row's values as JSON can carry them."""
-        return dict(id=self.id, tenant=self.tenant, serving_config_name=self.serving_config_name,
-                    stream=self.stream.value, prompt=self.prompt, messages=self.messages,
-                    sampling=self.sampling.to_stored(), priority=self.priority)
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """Every choice's id, in order; the first is `id`, the others derived from it (the same on every call)."""
+        return (self.id, *(str(uuid.uuid5(uuid.UUID(self.id), str(i))) for i in range(1, self.num_choices)))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows' values as JSON can carry them: choice i seeded choice_seed(seed, i), each naming the first."""
+        first = self.id if self.num_choices > 1 else None
+        return [dict(id=request_id, tenant=self.tenant, serving_config_name=self.serving_config_name,
+                     stream=self.stream.value, prompt=self.prompt, messages=self.messages,
+                     sampling=replace(self.sampling, seed=choice_seed(self.sampling.seed, i)).to_stored(),
+                     priority=self.priority, first_choice_id=first, choice_index=i)
+                for i, request_id in enumerate(self.ids)]
 
 
 # NOTE: one statement: lock the tenants' counters (an upsert that writes the same count, which also makes a
-# missing row; tenants in name order), rank each tenant's requests in the group, insert those within the room
-# left. The statement trigger then adds them to the counters. The counters stay locked until the commit.
+# missing row; tenants in name order), insert each request whose rows, with those of the tenant's requests before
+# it in the group (`need`, counted by the caller), fit in the room left: a request's choices go in together or
+# not at all. The statement trigger then adds them to the counters. The counters stay locked until the commit.
 ADMIT = text("""
 WITH wanted AS (
-    SELECT r.*, row_number() OVER (PARTITION BY r.tenant ORDER BY r.place) AS rank
+    SELECT r.*
     FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS r(
-        place int, id uuid, tenant text, serving_config_name text, stream stream_kind, prompt text,
-        messages jsonb, sampling jsonb, priority int)
+        place int, need int, id uuid, tenant text, serving_config_name text, stream stream_kind, prompt text,
+        messages jsonb, sampling jsonb, priority int, first_choice_id uuid, choice_index int)
 ), locked AS (
     INSERT INTO tenant_queues AS q (tenant)
     SELECT DISTINCT tenant FROM wanted ORDER BY tenant
     ON CONFLICT (tenant) DO UPDATE SET num_queued = q.num_queued
     RETURNING q.tenant, q.num_queued
 )
-INSERT INTO requests (id, tenant, serving_config_name, stream, prompt, messages, sampling, priority)
-SELECT w.id, w.tenant, w.serving_config_name, w.stream, w.prompt, w.messages, w.sampling, w.priority
+INSERT INTO requests (id, tenant, serving_config_name, stream, prompt, messages, sampling, priority,
+                      first_choice_id, choice_index)
+SELECT w.id, w.tenant, w.serving_config_name, w.stream, w.prompt, w.messages, w.sampling, w.priority,
+       w.first_choice_id, w.choice_index
 FROM wanted AS w JOIN locked AS l ON l.tenant = w.tenant
-WHERE w.rank <= :max_queued - l.num_queued
+WHERE w.need <= :max_queued - l.num_queued
 ORDER BY w.place
 RETURNING id
 """)
 
 
 def admit_requests(session: Session, requests: Sequence[NewRequest], *, max_queued: int) -> set[str]:
-    """Admit what fits under each tenant's limit, in order, in one round trip; -> the ids admitted (inserted).
-    The tenants' counter rows stay locked until the caller's commit."""
+    """Admit what fits under each tenant's limit, in order, in one round trip; -> the ids admitted (inserted; a
+    request's choices all or none). The tenants' counter rows stay locked until the caller's commit."""
     if not requests:
         return set()
-    rows = [{"place": i, **r.row()} for i, r in enumerate(requests)]
+    need: dict[str, int] = {}  # tenant -> rows of its requests so far, this one's included
+    rows = []
+    for r in requests:
+        need[r.tenant] = need.get(r.tenant, 0) + r.num_choices
+        rows += [{"place": len(rows), "need": need[r.tenant], **row} for row in r.rows()]
     result = session.execute(ADMIT, {"rows": json.dumps(rows), "max_queued": max_queued})
     return {str(request_id) for (request_id,) in result}
 

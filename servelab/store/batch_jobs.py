@@ -111,6 +111,7 @@ class JobRequest:
     text: str | None
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
+    logprobs: list[dict[str, Any]] | None = None  # as stored, when the line asked for them
 
 
 TIMESTAMPS = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
@@ -272,7 +273,7 @@ def iter_job_requests(session: Session, *, job_id: uuid.UUID, page_size: int = 1
     query = (
         select(RequestRow.id, RequestRow.custom_id, RequestRow.serving_config_name, RequestRow.status,
                RequestRow.error, RequestRow.finish_reason, RequestRow.finished_at, ResultRow.text,
-               ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens)
+               ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens, ResultRow.logprobs)
         .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
         .where(RequestRow.batch_job_id == job_id).order_by(RequestRow.enqueued_at, RequestRow.id)
     )

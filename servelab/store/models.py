@@ -84,6 +84,7 @@ class RequestRow(Base):
         Index("ix_requests_status_serving_config_name", "status", "serving_config_name"),
         Index("ix_requests_batch_job_id", "batch_job_id"),
         Index("ix_requests_enqueued_at", "enqueued_at"),
+        Index("ix_requests_first_choice_id", "first_choice_id"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -112,6 +113,10 @@ class RequestRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
     finish_reason: Mapped[FinishReason | None] = mapped_column(FINISH_REASON)
     error: Mapped[str | None] = mapped_column(Text)
+    # NOTE: an n > 1 completion is n rows decoded together: each names the first (its own id, for the first) and
+    # its index; a plain request has none. One request's choices answer together, in choice_index order.
+    first_choice_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    choice_index: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
 
 class ResultRow(Base):
@@ -127,6 +132,9 @@ class ResultRow(Base):
     num_generated_tokens: Mapped[int] = mapped_column(Integer)
     # NOTE: the generated ids themselves, so a token count can always be checked against the text.
     token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    # One entry per generated token when the request asked (TokenLogprobs.to_stored): id, bytes, logprob,
+    # text_offset and the top alternatives.
+    logprobs: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
 
 

@@ -10,7 +10,7 @@ store/admission.py's. Knows rows; hands frozen dataclasses on.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -56,12 +56,13 @@ def create_request(
     session: Session, *, serving_config_name: str, stream: StreamKind, prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None, sampling: SamplingParams | None = None,
     tenant: str = "default", priority: int = 0, batch_job_id: uuid.UUID | None = None,
-    custom_id: str | None = None,
+    custom_id: str | None = None, request_id: uuid.UUID | None = None, first_choice_id: uuid.UUID | None = None,
+    choice_index: int = 0,
 ) -> str:
     row = RequestRow(
-        id=uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
+        id=request_id or uuid.uuid4(), serving_config_name=serving_config_name, stream=stream, prompt=prompt,
         messages=messages, sampling=(sampling or SamplingParams()).to_stored(), tenant=tenant, priority=priority,
-        batch_job_id=batch_job_id, custom_id=custom_id,
+        batch_job_id=batch_job_id, custom_id=custom_id, first_choice_id=first_choice_id, choice_index=choice_index,
     )
     session.add(row)
     session.flush()
@@ -172,6 +173,7 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
     session.execute(insert(ResultRow).values(
         request_id=uuid.UUID(c.request_id), text=c.text, num_prompt_tokens=c.num_prompt_tokens,
         num_generated_tokens=c.num_generated_tokens, token_ids=list(c.token_ids),
+        logprobs=None if c.logprobs is None else [t.to_stored() for t in c.logprobs],
     ).on_conflict_do_nothing(index_elements=["request_id"]))
     session.execute(insert(RequestMetricsRow).values(
         request_id=uuid.UUID(c.request_id), batch_id=batch_id,
@@ -278,6 +280,15 @@ class RequestView:
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
     timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms; streamed_ttft_ms, streamed_itl_ms
+    logprobs: list[dict[str, Any]] | None = None  # as stored: TokenLogprobs.to_stored per generated token
+
+
+def choice_ids(session: Session, *, request_id: str, tenant: str) -> list[str]:
+    """The ids of a request's choices in order: its own alone, unless it is the first of an n > 1 request."""
+    rows = session.scalars(select(RequestRow.id).where(RequestRow.first_choice_id == uuid.UUID(request_id),
+                                                       RequestRow.tenant == tenant)
+                           .order_by(RequestRow.choice_index)).all()
+    return [str(i) for i in rows] or [request_id]
 
 
 def get_request_view(session: Session, *, request_id: str, tenant: str) -> RequestView | None:
@@ -304,4 +315,5 @@ def get_request_view(session: Session, *, request_id: str, tenant: str) -> Reque
         str(r.id), r.tenant, r.serving_config_name, r.status, r.priority, r.enqueued_at, r.started_at,
         r.first_token_at, r.finished_at, r.finish_reason, r.error, result.text if result else None,
         result.num_prompt_tokens if result else None, result.num_generated_tokens if result else None, timings,
+        result.logprobs if result else None,
     )

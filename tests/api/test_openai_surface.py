@@ -1,7 +1,8 @@
 """The OpenAI surface as its users' tools expect it, with the official openai package against the real api
 process: retries that cannot duplicate work (an Idempotency-Key; a long wait answered with a 504 the client
-does not retry; a client that leaves cancels a request that has not started), newer fields honoured or refused
-by name, GET /v1/models/{id}, DELETE /v1/files/{id}, a batch's usage and its files' expiry."""
+does not retry; a client that leaves cancels a request that has not started), newer fields honoured (log-probabilities
+in OpenAI's shapes, checked against the reference model; penalties; n choices) or refused by name,
+GET /v1/models/{id}, DELETE /v1/files/{id}, a batch's usage, log-probabilities and its files' expiry."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ import json
 import time
 import uuid
 
+import math
+
 import httpx
 import openai
 import pytest
+import torch
 from sqlalchemy import select
 
 from servelab.queue.batcher import BatchPolicy
+from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 from servelab.store import batch_jobs
 from servelab.store.db import session_scope
 from servelab.store.models import BatchJobRow, BatchStatus, RequestRow, RequestStatus, ResultRow
 from tests.api.conftest import api_process, client_for
+from tests.engine.naive import naive_decode
 from tests.jobs.conftest import CHAT, line, register, wait_until
 
 PROMPT = "once upon a time"
@@ -114,18 +120,20 @@ def test_a_completion_past_the_wait_limit_is_a_504_the_openai_client_does_not_re
 
 
 def test_a_client_that_leaves_before_its_request_starts_cancels_it(idle) -> None:
+    """Every choice of it (n: 2)."""
     stack, served, url = idle
     with pytest.raises(httpx.ReadTimeout):  # NOTE: a client that says no read timeout and gives up after 1.5 s
-        httpx.post(f"{url}/completions", json={"model": stack.model, "prompt": PROMPT, "max_tokens": 4},
+        httpx.post(f"{url}/completions", json={"model": stack.model, "prompt": PROMPT, "max_tokens": 4, "n": 2},
                    headers={"Authorization": f"Bearer {stack.key('acme')}"}, timeout=1.5)
-    [left] = rows(stack)
-    wait_until(lambda: rows(stack)[0].status is RequestStatus.CANCELLED, timeout_s=30)
+    left = rows(stack)
+    assert len(left) == 2
+    wait_until(lambda: all(r.status is RequestStatus.CANCELLED for r in rows(stack)), timeout_s=30)
     served.start()
     other = openai_client(stack, url).completions.create(model=stack.model, prompt="the river", max_tokens=3)
     assert other.choices[0].finish_reason in ("stop", "length")
-    cancelled = next(r for r in rows(stack) if r.id == left.id)
-    assert cancelled.error == "cancelled: the client disconnected"
-    assert cancelled.num_attempts == 0 and cancelled.started_at is None, "it never started"
+    for cancelled in (r for r in rows(stack) if r.id in {x.id for x in left}):
+        assert cancelled.error == "cancelled: the client disconnected"
+        assert cancelled.num_attempts == 0 and cancelled.started_at is None, "it never started"
     wait_until(lambda: served.streams.depth() == {"interactive": 0, "bulk": 0}, timeout_s=30)
 
 
@@ -169,9 +177,10 @@ def test_newer_parameters_are_refused_by_name_and_their_neutral_values_accepted(
     stack, served, url = idle
     client = openai_client(stack, url)
     asked = [({"tools": TOOLS}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
-             ({"logprobs": True, "top_logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
-             ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"extra_body": {"min_p": 0.1}}, "min_p"),
-             ({"tools": TOOLS, "stream": True}, "tools")]
+             ({"logit_bias": {"50": 5}}, "logit_bias"), ({"extra_body": {"min_p": 0.1}}, "min_p"),
+             ({"tools": TOOLS, "stream": True}, "tools"), ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"),
+             ({"logprobs": True, "stream": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+             ({"presence_penalty": 2.5}, "presence_penalty")]
     for kwargs, param in asked:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, **kwargs)
@@ -183,6 +192,93 @@ def test_newer_parameters_are_refused_by_name_and_their_neutral_values_accepted(
                                             tool_choice="none", response_format={"type": "text"}, presence_penalty=0,
                                             logprobs=False, user="u-1", service_tier="auto")
     assert isinstance(answer.choices[0].message.content, str)
+
+
+def _reference(tiny_engine, request: GenerationRequest, **penalties) -> list[tuple[int, torch.Tensor]]:
+    """The naive reference's (token, raw log-softmax) for the request, on the worker's own model."""
+    return naive_decode(tiny_engine.model, tiny_engine.encode(request), request.params.max_new_tokens,
+                        tiny_engine.eos_token_ids, **penalties)
+
+
+def test_chat_logprobs_come_back_in_openais_shape_with_the_reference_models_values(idle, tiny_engine) -> None:
+    stack, served, url = idle
+    served.start()
+    answer = openai_client(stack, url).chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=6,
+                                                              temperature=0, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    request = GenerationRequest("r", messages=(ChatMessage("user", "Say hi"),), params=SamplingParams(max_new_tokens=6))
+    reference = _reference(tiny_engine, request)
+    assert len(content) == answer.usage.completion_tokens == len(reference)
+    for entry, (token_id, log_softmax) in zip(content, reference):
+        assert bytes(entry.bytes) == tiny_engine.token_bytes(token_id)
+        assert math.isclose(entry.logprob, float(log_softmax[token_id]), abs_tol=2e-4)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        top = torch.topk(log_softmax, 3)
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tiny_engine.token_bytes(i) for i in top.indices.tolist()]
+    [row] = rows(stack)
+    shown = httpx.get(f"{url}/requests/{row.id}", headers={"Authorization": f"Bearer {stack.key('acme')}"}).json()
+    assert shown["result"]["logprobs"] == answer.model_dump()["choices"][0]["logprobs"]["content"]
+
+
+def test_completion_logprobs_come_back_in_the_legacy_shape(idle, tiny_engine) -> None:
+    stack, served, url = idle
+    served.start()
+    answer = openai_client(stack, url).completions.create(model=stack.model, prompt=PROMPT, max_tokens=5,
+                                                         temperature=0, logprobs=2, frequency_penalty=1.5)
+    logprobs = answer.choices[0].logprobs
+    request = GenerationRequest("r", prompt=PROMPT, params=SamplingParams(max_new_tokens=5))
+    reference = _reference(tiny_engine, request, frequency_penalty=1.5)
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(reference)
+    for token, logprob, top, (token_id, log_softmax) in zip(logprobs.tokens, logprobs.token_logprobs,
+                                                            logprobs.top_logprobs, reference):
+        assert token == tiny_engine.token_bytes(token_id).decode()
+        assert math.isclose(logprob, float(log_softmax[token_id]), abs_tol=2e-4)
+        assert top[token] == logprob and 2 <= len(top) <= 3, "the two likeliest and the chosen token"
+        assert max(top.values()) == pytest.approx(float(log_softmax.max()), abs=2e-4)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+
+
+def test_penalties_reach_the_engine_and_decode_as_the_reference_defines_them(idle, tiny_engine) -> None:
+    stack, served, url = idle
+    served.start()
+    client = openai_client(stack, url)
+    # NOTE: negative: the tiny model's greedy text repeats nothing, so only a pull towards repeats changes it
+    penalised = client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                          presence_penalty=-1.0, frequency_penalty=-2.0)
+    plain = client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    request = GenerationRequest("r", prompt=PROMPT, params=SamplingParams(max_new_tokens=12))
+    expected = [t for t, _ in _reference(tiny_engine, request, presence_penalty=-1.0, frequency_penalty=-2.0)]
+    assert result_of(stack, penalised.id.removeprefix("cmpl-")).token_ids == expected
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
+def test_n_choices_come_back_indexed_each_seeded_from_the_requests_seed(idle) -> None:
+    """Choice i samples with seed + i: asked alone with that seed, it gives the same text. The prompt is counted
+    once in usage; a keyed retry answers with the same choices."""
+    stack, served, url = idle
+    served.start()
+    client = openai_client(stack, url)
+    key = f"n-{uuid.uuid4()}"
+    ask = dict(model=stack.model, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=40)
+    answer = client.chat.completions.create(n=3, extra_headers={"Idempotency-Key": key}, **ask)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    made = sorted(rows(stack), key=lambda r: r.choice_index)  # NOTE: one transaction: one enqueued_at
+    assert [(r.choice_index, r.sampling["seed"], r.first_choice_id) for r in made] == [
+        (i, 40 + i, made[0].id) for i in range(3)]
+    assert answer.id == f"chatcmpl-{made[0].id}"
+    results = [result_of(stack, str(r.id)) for r in made]
+    assert answer.usage.prompt_tokens == results[0].num_prompt_tokens
+    assert answer.usage.completion_tokens == sum(r.num_generated_tokens for r in results)
+    assert len({c.message.content for c in answer.choices}) > 1, "each choice samples with its own seed"
+    alone = client.chat.completions.create(**{**ask, "seed": 41})
+    assert alone.choices[0].message.content == answer.choices[1].message.content
+    again = client.chat.completions.create(n=3, extra_headers={"Idempotency-Key": key}, **ask)
+    assert again.model_dump() == answer.model_dump() and len(rows(stack)) == 4
+    greedy = client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=4, temperature=0, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
 def _refusal(client: openai.OpenAI, stack, **kwargs) -> str:
@@ -233,6 +329,9 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
     stack, url = jobs_worker, served_api
     client = openai_client(stack, url)
     lines = [line(f"c{i}", stack.model, url=CHAT, prompt=f"story {i}") for i in range(6)]
+    with_logprobs = json.loads(lines[0])
+    with_logprobs["body"].update(logprobs=True, top_logprobs=2)
+    lines[0] = json.dumps(with_logprobs)
     lines.append(json.dumps({"custom_id": "t", "method": "POST", "url": CHAT,
                              "body": {"model": stack.model, "messages": MESSAGES, "tools": TOOLS}}))
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch",
@@ -251,6 +350,13 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
         time.sleep(0.3)
     outputs = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert len(outputs) == 6 and batch.request_counts.failed == 1
+    for o in outputs:  # NOTE: the output line's body is the chat response, log-probabilities where asked
+        body = o["response"]["body"]
+        if o["custom_id"] == "c0":
+            content = body["choices"][0]["logprobs"]["content"]
+            assert len(content) == body["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in content)
+        else:
+            assert body["choices"][0]["logprobs"] is None
     assert batch.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs) > 0
     assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs) > 0
     assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens

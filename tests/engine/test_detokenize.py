@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from servelab.engine.detokenize import Detokenizer
+from servelab.engine.detokenize import Detokenizer, TokenBytes
 from servelab.engine.engine import Engine
 from servelab.engine.outputs import FinishReason
 from servelab.request import GenerationRequest, SamplingParams
@@ -113,3 +113,13 @@ def test_a_stop_string_completed_by_the_last_token_is_cut_at_the_end_too(tokeniz
     assert not detok.push(ids[1]), "the second token should end inside a character (held, not yet searched)"
     assert detok.finish() == "" and detok.final_text == ""
     assert tokenizer.decode(ids, skip_special_tokens=True).startswith("Hi ")
+
+
+def test_each_tokens_bytes_are_exact_even_for_part_of_a_character(tokenizer) -> None:
+    """OpenAI's logprobs `bytes`: a byte-level BPE token may hold part of a character; its own bytes join up to
+    the text's UTF-8, where decoding each token alone gives U+FFFD."""
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
+    token_bytes = TokenBytes(tokenizer)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the text splits some character over tokens"
+    assert b"".join(token_bytes(i) for i in ids) == MULTIBYTE.encode()
+    assert token_bytes(tokenizer.eos_token_id) == tokenizer.eos_token.encode(), "a special token is its text"

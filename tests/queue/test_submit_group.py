@@ -85,11 +85,11 @@ def test_a_key_repeated_in_a_group_or_a_later_one_joins_its_first_use(engine, re
         _post(tenant, "x", key="k1"), _post(tenant, "x", key="k1"), _post(tenant, "y", key="k1"),
         _post(tenant, "z", key="k2")])
     assert isinstance(first[0], Admitted) and not first[0].replayed
-    assert first[1] == Admitted(first[0].request_id, replayed=True)
+    assert first[1] == Admitted((first[0].request_id,), replayed=True)
     assert isinstance(first[2], KeyReused) and "prompt" in str(first[2])
     assert isinstance(first[3], Admitted) and not first[3].replayed
     again = _submit(engine, redis_client, key_prefix, [_post(tenant, "x", key="k1"), _post(tenant, "z", key="k2")])
-    assert again == [Admitted(first[0].request_id, replayed=True), Admitted(first[3].request_id, replayed=True)]
+    assert again == [Admitted((first[0].request_id,), replayed=True), Admitted((first[3].request_id,), replayed=True)]
     assert _stream_ids(redis_client, key_prefix, "fp32", StreamKind.INTERACTIVE) == [first[0].request_id,
                                                                                      first[3].request_id]
 
