@@ -27,9 +27,9 @@ class QueueFull(Exception):
 
     @classmethod
     def of(cls, tenant: str, *, max_queued: int, num_choices: int = 1) -> QueueFull:
-        held = (f"has {max_queued} queued requests, the limit is {max_queued}" if num_choices == 1 else
-                f"has no room for {num_choices} more queued requests (one per choice), the limit is {max_queued}")
-        return cls(f"tenant {tenant!r} {held}; wait for some to finish, or use the Batch API for bulk work")
+        what = "another queued request" if num_choices == 1 else f"{num_choices} more (one per choice)"
+        return cls(f"tenant {tenant!r} has no room for {what}: the limit is {max_queued} queued requests; "
+                   "wait for some to finish, or use the Batch API for bulk work")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class NewRequest:
 # NOTE: one statement: lock the tenants' counters (an upsert that writes the same count, which also makes a
 # missing row; tenants in name order), insert each request whose rows, with those of the tenant's requests before
 # it in the group (`need`, counted by the caller), fit in the room left: a request's choices go in together or
-# not at all. The statement trigger then adds them to the counters. The counters stay locked until the commit.
+# not at all, and a tenant's requests in a group go in arrival order up to the first that does not fit. The statement trigger then adds them to the counters. The counters stay locked until the commit.
 ADMIT = text("""
 WITH wanted AS (
     SELECT r.*

@@ -110,3 +110,27 @@ def test_enqueue_all_makes_missing_groups_and_accepts_existing_ones(redis_client
     assert [g["name"] for g in redis_client.xinfo_groups(key)] == [b"workers"]
     assert len(enqueue_all(redis_client, prefix=key_prefix, entries=entries[:1])) == 1  # BUSYGROUP is no error
     assert redis_client.xlen(key) == 4
+
+
+def test_a_requests_choices_are_admitted_all_or_none_seeded_apart_and_enqueued_side_by_side(
+        engine, redis_client, key_prefix) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    three = NewRequest(tenant, "fp32", StreamKind.INTERACTIVE, "hi", None, SamplingParams(max_new_tokens=1, seed=7),
+                       num_choices=3)
+    two = NewRequest(tenant, "fp32", StreamKind.INTERACTIVE, "hi", None, SamplingParams(max_new_tokens=1),
+                     num_choices=2)
+    one = NewRequest(tenant, "fp32", StreamKind.INTERACTIVE, "hi", None, SamplingParams(max_new_tokens=1))
+    outcomes = _submit(engine, redis_client, key_prefix, [Posted(three), Posted(two), Posted(one)], max_queued=4)
+    # 3 fit; the 2 would make 5 of 4 and go in not at all (no choice alone), nor the request after it (in order)
+    assert isinstance(outcomes[0], Admitted) and outcomes[0].request_ids == three.ids and len(set(three.ids)) == 3
+    assert isinstance(outcomes[1], QueueFull) and "no room for 2 more (one per choice)" in str(outcomes[1])
+    assert isinstance(outcomes[2], QueueFull)
+    assert _rows(engine, [*three.ids, *two.ids, one.id]) == set(three.ids)
+    assert _stream_ids(redis_client, key_prefix, "fp32", StreamKind.INTERACTIVE) == list(three.ids)
+    later = _submit(engine, redis_client, key_prefix, [Posted(one)], max_queued=4)  # the room left, in a new group
+    assert isinstance(later[0], Admitted)
+    with session_scope(session_factory(engine)) as session:
+        rows = {str(r.id): r for r in session.scalars(select(RequestRow).where(
+            RequestRow.id.in_([uuid.UUID(i) for i in three.ids])))}
+    assert [(rows[i].choice_index, str(rows[i].first_choice_id), rows[i].sampling["seed"]) for i in three.ids] == [
+        (0, three.id, 7), (1, three.id, 8), (2, three.id, 9)]
