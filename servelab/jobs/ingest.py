@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ from servelab.store import files
 from servelab.store.db import session_scope
 from servelab.store.models import BatchStatus, StreamKind
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 20  # read from the file at a time
 TOO_LONG = None  # stands for a line longer than the line limit in a step's list of lines
 
 
@@ -94,26 +95,41 @@ def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catal
                             submission.messages, submission.sampling)
 
 
+def iter_lines(session: Session, *, file: files.StoredFile, offset: int, max_line_bytes: int
+               ) -> Iterator[tuple[bytes | None, int]]:
+    """The lines from offset on (blank ones included), each with the offset after it, read a chunk at a time;
+    a line longer than max_line_bytes is TOO_LONG and never held whole."""
+    pending: list[bytes] = []  # the start of a line that runs past the chunk read so far
+    pending_bytes, is_too_long = 0, False
+    at = offset
+    while at < file.num_bytes:
+        chunk = files.read_range(session, file_id=file.id, offset=at, num_bytes=CHUNK_BYTES)
+        assert chunk, f"file {file.id} ends at {at}, before its {file.num_bytes} bytes"
+        *whole, rest = chunk.split(b"\n")
+        end = at
+        for i, piece in enumerate(whole):
+            end += len(piece) + 1
+            if i == 0 and (pending or is_too_long):
+                is_too_long = is_too_long or pending_bytes + len(piece) > max_line_bytes
+                piece = TOO_LONG if is_too_long else b"".join([*pending, piece])
+                pending, pending_bytes, is_too_long = [], 0, False
+            elif len(piece) > max_line_bytes:
+                piece = TOO_LONG
+            yield piece, end
+        at += len(chunk)
+        is_too_long = is_too_long or pending_bytes + len(rest) > max_line_bytes
+        pending, pending_bytes = ([], 0) if is_too_long else ([*pending, rest], pending_bytes + len(rest))
+    if pending_bytes or is_too_long:  # the last line has no newline
+        yield (TOO_LONG if is_too_long else b"".join(pending)), file.num_bytes
+
+
 def read_lines(session: Session, *, file: files.StoredFile, offset: int, max_lines: int, max_line_bytes: int
                ) -> tuple[list[bytes | None], int]:
     """Up to max_lines lines from offset (blank ones included) -> (lines, the offset after them)."""
-    data = files.read_range(session, file_id=file.id, offset=offset, num_bytes=CHUNK_BYTES)
-    lines: list[bytes | None] = []
-    pos = 0
-    while len(lines) < max_lines and offset + pos < file.num_bytes:
-        end = data.find(b"\n", pos)
-        if end == -1 and offset + len(data) < file.num_bytes:  # the line runs past this chunk
-            if pos > 0:
-                break  # the next step starts at this line
-            newline = files.find_newline(session, file_id=file.id, offset=offset)
-            length = (newline if newline is not None else file.num_bytes) - offset
-            line = TOO_LONG if length > max_line_bytes else files.read_range(
-                session, file_id=file.id, offset=offset, num_bytes=length)
-            return [line], offset + length + 1
-        end = len(data) if end == -1 else end
-        lines.append(TOO_LONG if end - pos > max_line_bytes else data[pos:end])
-        pos = end + 1
-    return lines, min(offset + pos, file.num_bytes)
+    lines, end = [], offset
+    for line, end in islice(iter_lines(session, file=file, offset=offset, max_line_bytes=max_line_bytes), max_lines):
+        lines.append(line)
+    return lines, end
 
 
 def ingest_step(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams],
