@@ -18,6 +18,17 @@ from servelab.request import StreamKind
 
 GROUP = "workers"
 NOTIFY_TTL_S = 600
+# KEYS: the stream, the set of enqueued ids; ARGV: request ids. Atomic, as the MULTI pipeline it replaces was.
+ENQUEUE_SCRIPT = """
+local entry_id
+for _, request_id in ipairs(ARGV) do
+    entry_id = redis.call('XADD', KEYS[1], '*', 'request_id', request_id)
+end
+for i = 1, #ARGV, 1000 do
+    redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+return entry_id
+"""
 
 
 @dataclass(frozen=True)
@@ -57,17 +68,19 @@ class RequestStreams:
                     raise
 
     def enqueue(self, request_id: str, kind: StreamKind) -> str:
-        return self.enqueue_many([request_id], kind)[0]
+        return self.enqueue_many([request_id], kind)
 
-    def enqueue_many(self, request_ids: list[str], kind: StreamKind) -> list[str]:
-        """Committed request ids onto one stream, in one round trip; -> their entry ids."""
+    def enqueue_many(self, request_ids: list[str], kind: StreamKind) -> str | None:
+        """Committed request ids onto one stream, in order, in one round trip and one command; -> the last
+        one's entry id (None when there are none)."""
+        if not request_ids:
+            return None
         self.ensure_groups()
-        pipe = self.client.pipeline(transaction=True)
         key = stream_key(self.prefix, self.config_name, kind)
-        for request_id in request_ids:
-            pipe.xadd(key, {"request_id": request_id})
-            pipe.sadd(self.enqueued_key, request_id)  # NOTE: lets the reaper find rows whose entry was lost
-        return [_text(entry_id) for entry_id in pipe.execute()[::2]]
+        # NOTE: the ids go as one script's arguments, not one XADD and SADD each through a pipeline: the
+        # client packs one command and reads one reply (a 5,000-id slice: about 6 us an id against 30); the
+        # set lets the reaper find rows whose entry was lost.
+        return _text(self.client.eval(ENQUEUE_SCRIPT, 2, key, self.enqueued_key, *request_ids))
 
     def read_new(self, consumer: str, *, count: int, block_ms: int | None,
                  interactive_only: bool = False) -> list[Entry]:
