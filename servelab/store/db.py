@@ -1,4 +1,4 @@
-"""Engines, sessions and the transaction boundary; and creating a missing database.
+"""Engines, sessions and the transaction boundary; and creating a missing database (or dropping one).
 
 Knows how to turn a PostgreSQL URL into an engine and a session factory, built explicitly by a process
 entry point, never at import time. Does not know the schema (models.py, migrations/) or where the URL
@@ -69,5 +69,17 @@ def ensure_database(url: str | URL) -> bool:
                     return False
                 raise
             return True
+    finally:
+        admin.dispose()
+
+
+def drop_database(url: str | URL) -> None:
+    """Drop the URL's database if it exists, closing its connections first (a benchmark's throwaway database)."""
+    target = sqlalchemy_url(url)
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            quoted = conn.dialect.identifier_preparer.quote(target.database)
+            conn.execute(text(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
     finally:
         admin.dispose()
