@@ -93,7 +93,9 @@ def _line(i: int, model: str, kind: str | None) -> bytes:
             "max_tokens": -1 if kind == "invalid_request" else 16 + i % 16, "temperature": 0,
             "messages": [{"role": "system", "content": "You are a careful storyteller."},
                          {"role": "user", "content": question}]}
-    record = {"custom_id": "req-1" if kind == "duplicate_custom_id" else f"req-{i}", "method": "POST",
+    # NOTE: a duplicate repeats the line before it (the same slice, but at a slice's start): a duplicate of a
+    # line in an earlier slice makes that slice's COPY run twice, a cost real files rarely pay
+    record = {"custom_id": f"req-{i - 1}" if kind == "duplicate_custom_id" else f"req-{i}", "method": "POST",
               "url": ENDPOINT, "body": body}
     if kind == "invalid_line":
         del record["custom_id"]

@@ -214,6 +214,7 @@ def update_job(session: Session, *, job_id: uuid.UUID, **values: Any) -> None:
     session.execute(update(BatchJobRow).where(BatchJobRow.id == job_id).values(**values))
 
 
+_JSON = json.JSONEncoder(check_circular=False, separators=(",", ":"))  # NOTE: a quarter cheaper than json.dumps
 _COPY_REQUESTS = ("COPY requests (id, tenant, serving_config_name, stream, status, prompt, messages, sampling, "
                   "batch_job_id, custom_id) FROM STDIN")
 
@@ -264,14 +265,15 @@ def _copy_requests(cursor: psycopg.Cursor, job: StoredJob, rows: Iterator[tuple[
                    added: list[tuple[str, NewRequest]]) -> None:
     """COPY (id, request) rows into the requests table, appending each to added as it goes."""
     stored: dict[SamplingParams, str] = {}  # NOTE: most lines of a file sample alike: one JSON text each
+    stream, status = StreamKind.BULK.value, RequestStatus.QUEUED.value
     with cursor.copy(_COPY_REQUESTS) as copy:
         for request_id, r in rows:
             added.append((request_id, r))
-            if r.sampling not in stored:
-                stored[r.sampling] = json.dumps(r.sampling.to_stored())
-            copy.write_row((request_id, job.tenant, r.serving_config_name, StreamKind.BULK.value,
-                            RequestStatus.QUEUED.value, r.prompt, None if r.messages is None else json.dumps(r.messages),
-                            stored[r.sampling], job.id, r.custom_id))
+            sampling = stored.get(r.sampling)
+            if sampling is None:
+                sampling = stored[r.sampling] = json.dumps(r.sampling.to_stored())
+            copy.write_row((request_id, job.tenant, r.serving_config_name, stream, status, r.prompt,
+                            None if r.messages is None else _JSON.encode(r.messages), sampling, job.id, r.custom_id))
 
 
 def add_line_errors(session: Session, *, job_id: uuid.UUID, errors: list[LineError]) -> None:
