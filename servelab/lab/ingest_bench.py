@@ -12,6 +12,8 @@ it). Imports no torch. Does not parse options or print: the CLI does.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -109,6 +111,7 @@ class ResidentPeak:
     torch, which this control-plane bench must not load."""
 
     def __enter__(self) -> ResidentPeak:
+        _return_freed_memory()  # NOTE: else a phase reuses what an earlier one freed, and its peak hides
         try:
             Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM to the current RSS
         except OSError:
@@ -122,6 +125,15 @@ class ResidentPeak:
     @property
     def above_start_bytes(self) -> int:
         return max(0, self.peak_bytes - self.start_bytes)
+
+
+def _return_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status_bytes(field: str) -> int:
