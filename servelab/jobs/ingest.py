@@ -106,7 +106,7 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
         return refuse("line_too_large", f"the line is longer than {max_line_bytes} bytes")
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # NOTE: [[[[... nests past the stack
         return refuse("invalid_json", f"the line is not valid JSON: {exc}")
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
     custom_id = custom_id if isinstance(custom_id, str) and custom_id else None

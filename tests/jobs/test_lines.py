@@ -92,6 +92,7 @@ TRICKY = {
     "a JSON array": b"[1, 2]",
     "trailing garbage": line() + b" x",
     "too long": TOO_LONG,
+    "nested deeper than the stack": b"[" * 100_000,
 }
 
 
@@ -139,3 +140,8 @@ def test_random_lines_get_the_reference_answer(body: dict, endpoint: str, custom
     raw = json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).encode()
     fast, reference = both(raw, endpoint)
     assert fast == reference
+
+
+def test_a_line_nested_deeper_than_the_stack_is_refused_not_raised() -> None:
+    fast, _ = both(b'{"custom_id": "c-1", "body": ' + b"[" * 100_000)
+    assert fast.code == "invalid_json" and "recursion" in fast.message
