@@ -110,9 +110,14 @@ def test_good_lines_of_both_endpoints_become_the_same_requests() -> None:
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=False, width=32),
                     st.text(max_size=6), st.sampled_from(["0", "1.5", "true", "", "none", "text"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
-                      | st.dictionaries(st.sampled_from(["type", "text", "role", "content"]), inner, max_size=3),
-                      max_leaves=6)
+
+
+def nested(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["type", "text", "role", "content"]), inner,
+                                                         max_size=3)
+
+
+VALUES = st.recursive(SCALARS, nested, max_leaves=6)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "n", "stream", "stream_options", "user", "logprobs", "best_of", "metadata", "min_p"]
 GOOD = {"model": st.just("fp32"), "prompt": st.text(max_size=40),
