@@ -8,12 +8,14 @@ or file is 404; a file an unfinished batch reads cannot be deleted (409).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import IdempotencyKey, State, Tenant
 from api.errors import ApiError
@@ -147,8 +149,26 @@ def _job_id(batch_id: str):
     return job_id
 
 
-def _num_lines(content: bytes) -> int:
-    return content.count(b"\n") + (0 if content.endswith(b"\n") else 1)
+def _store_upload(upload: BinaryIO, writer: files.FileWriter, *, max_lines: int) -> tuple[int, bool]:
+    """Copy an upload into its file a part at a time -> (its number of lines, whether it holds any text). Past
+    max_lines the rest is only counted: the upload will be refused, naming its true number of lines."""
+    num_newlines, has_text, last = 0, False, b""
+    while chunk := upload.read(files.PART_BYTES):
+        num_newlines += chunk.count(b"\n")
+        has_text = has_text or bool(chunk.strip())
+        last = chunk[-1:]
+        if num_newlines <= max_lines:
+            writer.write(chunk)
+    return num_newlines + (0 if last in (b"", b"\n") else 1), has_text
+
+
+def _parts(sessions: sessionmaker[Session], found: files.StoredFile) -> Iterator[bytes]:
+    """A file's bytes a part at a time. NOTE: each part is read in a short transaction of its own, so a slow
+    client holds no database connection between parts and the api never holds more than a part."""
+    for offset in range(0, found.num_bytes, files.PART_BYTES):
+        with session_scope(sessions) as session:
+            part = files.read_range(session, file_id=found.id, offset=offset, num_bytes=files.PART_BYTES)
+        yield part
 
 
 async def _known_form_fields(http: Request) -> None:
@@ -178,16 +198,17 @@ def upload_file(state: State, tenant: Tenant, file: UploadFile = File(descriptio
     expires_after = _expires_after(expires_after_anchor, expires_after_seconds)
     if purpose != INPUT_PURPOSE:
         raise ApiError(400, f"purpose must be 'batch', got {purpose!r}", code="invalid_purpose", param="purpose")
-    content = file.file.read()
-    if not content.strip():
-        raise ApiError(400, "the file is empty; give one JSON request per line", code="empty_file", param="file")
-    num_lines, limit = _num_lines(content), state.settings.max_batch_lines
-    if num_lines > limit:
-        raise ApiError(413, f"the file has {num_lines} lines; a batch takes at most {limit}; split it",
-                       code="too_many_lines", param="file")
-    with session_scope(state.runtime.sessions) as session:
-        stored = files.create_file(session, tenant=tenant, purpose=purpose, filename=file.filename or "upload.jsonl",
-                                   content=content, expires_after=expires_after)
+    limit = state.settings.max_batch_lines
+    with session_scope(state.runtime.sessions) as session:  # NOTE: a refused upload rolls back what it wrote
+        writer = files.FileWriter(session, tenant=tenant, purpose=purpose, filename=file.filename or "upload.jsonl",
+                                  expires_after=expires_after)
+        num_lines, has_text = _store_upload(file.file, writer, max_lines=limit)
+        if not has_text:
+            raise ApiError(400, "the file is empty; give one JSON request per line", code="empty_file", param="file")
+        if num_lines > limit:
+            raise ApiError(413, f"the file has {num_lines} lines; a batch takes at most {limit}; split it",
+                           code="too_many_lines", param="file")
+        stored = writer.close()
     return FileOut.of(stored)
 
 
@@ -235,11 +256,14 @@ def delete_file(file_id: FileId, state: State, tenant: Tenant) -> FileDeleted:
 @router.get("/v1/files/{file_id}/content", tags=["files"],
             responses={200: {"content": {"application/octet-stream": {}}}})
 def read_file_content(file_id: FileId, state: State, tenant: Tenant) -> Response:
+    """The file's bytes, streamed a part at a time. NOTE: with its Content-Length, so a download cut short (the
+    file deleted meanwhile) is an error for the client, never a short file."""
     with session_scope(state.runtime.sessions) as session:
-        content = files.read_content(session, file_id=file_id, tenant=tenant)
-    if content is None:
+        found = files.get_file(session, file_id=file_id, tenant=tenant)
+    if found is None:
         raise ApiError(404, f"no file {file_id!r}", code="file_not_found", param="file_id")
-    return Response(content, media_type="application/octet-stream")
+    return StreamingResponse(_parts(state.runtime.sessions, found), media_type="application/octet-stream",
+                             headers={"content-length": str(found.num_bytes)})
 
 
 @router.post("/v1/batches", response_model=BatchOut, tags=["batches"])

@@ -12,13 +12,12 @@ and `prune` deletes finished requests, batch records and files past the retentio
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
 from celery import Celery
 
-from servelab.jobs.ingest import IngestLimits, ingest_step
+from servelab.jobs.ingest import IngestLimits, ingest_for
 from servelab.jobs.lifecycle import advance_job
 from servelab.jobs.reaper import reap_lost
 from servelab.jobs.retention import RetentionPolicy, prune as prune_history
@@ -33,9 +32,9 @@ from servelab.store.models import BatchStatus
 
 log = logging.getLogger(__name__)
 app = Celery("servelab")
-INGEST_SLICE_S = 20.0  # one ingest task runs this long at most, then gives its slot back
-LEASE_MS = 60_000  # NOTE: longer than INGEST_SLICE_S: a lease outlives the task that holds it
-VISIBILITY_TIMEOUT_S = 3_600  # NOTE: far above the longest task (an ingest slice, a 100k-line finalise)
+INGEST_TASK_S = 20.0  # one ingest task runs this long at most (many slices), then gives its slot back
+LEASE_MS = 60_000  # NOTE: longer than INGEST_TASK_S: a lease outlives the task that holds it
+VISIBILITY_TIMEOUT_S = 3_600  # NOTE: far above the longest task (an ingest task, a 100k-line finalise)
 PURGE_EVERY_S = 60.0
 PRUNE_EVERY_S = 600.0  # NOTE: one run spends at most RetentionPolicy.budget_s (30 s); a backlog drains run by run
 _bound: dict[str, object] = {}
@@ -80,26 +79,16 @@ def _lease_key(settings: ServiceSettings, kind: str, job_id: str) -> str:
 
 @app.task(name="servelab.ingest_batch")
 def ingest_batch(job_id: str) -> int:
-    """Ingest a job's lines for up to INGEST_SLICE_S, waiting out back-pressure; sweep starts the next slice."""
+    """Ingest a job's lines for up to INGEST_TASK_S, waiting out back-pressure; sweep starts the next task."""
     runtime, settings = _runtime()
     limits = IngestLimits(max_prompt_chars=settings.max_prompt_chars, max_job_in_flight=settings.max_job_in_flight,
                           max_line_bytes=settings.max_request_bytes)
-    deadline = time.monotonic() + INGEST_SLICE_S
-    num_lines = 0
     try:
-        while time.monotonic() < deadline:
-            now = datetime.now(UTC)
-            step = ingest_step(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
-                               job_id=uuid.UUID(job_id), configs_dir=settings.configs_dir,
-                               live_since=now - timedelta(seconds=settings.worker_live_s), limits=limits, now=now)
-            num_lines += step.num_lines
-            if step.is_done:
-                break
-            if step.is_throttled:
-                time.sleep(0.1)
+        return ingest_for(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
+                          job_id=uuid.UUID(job_id), configs_dir=settings.configs_dir,
+                          worker_live_s=settings.worker_live_s, limits=limits, max_s=INGEST_TASK_S)
     finally:
         runtime.redis.delete(_lease_key(settings, "ingest", job_id))
-    return num_lines
 
 
 @app.task(name="servelab.advance_batch")

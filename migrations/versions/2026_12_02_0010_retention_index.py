@@ -1,7 +1,7 @@
 """Retention: batch records found by age (the control plane deletes old ones in small batches).
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-12-02 16:00:00+00:00
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0010"
-down_revision: str | Sequence[str] | None = "0008"
+down_revision: str | Sequence[str] | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

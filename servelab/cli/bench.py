@@ -1,5 +1,5 @@
 """The `bench` group: engine against transformers, the speed steps, in-process against the queue,
-interactive calls behind a bulk job per admission policy, and the API's submission rate.
+interactive calls behind a bulk job per admission policy, the API's submission rate, and batch-file ingest.
 
 Knows these commands' options and what they print. Does not know how anything is timed or started:
 servelab/lab/bench.py does. torch and the engine are imported inside the commands.
@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, connected, fail, load_config, load_engines,
-                                  parse_ints, progress, settings)
+                                  parse_ints, progress, service_settings, settings)
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios measured side by side.")
 
@@ -274,3 +274,42 @@ def bench_api(
             typer.echo(f"first error of {row.api.label}: {row.first_error}")
     typer.echo(f"the load generator against GET /healthz of the last api: {ceiling.requests_per_s:.0f} requests/s "
                f"(p50 {ceiling.percentile_ms(50):.1f} ms, {ceiling.num_errors} errors): its ceiling is at least this")
+
+
+@app.command("ingest")
+def bench_ingest(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    lines: Annotated[int, typer.Option(min=1, help="lines in the batch file")] = 20_000,
+    slice_lines: Annotated[int | None, typer.Option("--slice", min=1, help="lines per ingest slice (one "
+                                                    "transaction); default: the jobs-worker's")] = None,
+    bad_every: Annotated[int, typer.Option(min=0, help="every n-th line is bad, for one reason or another "
+                                           "(0: none; at least 2)")] = 100,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds of the same file; medians are printed")] = 1,
+) -> None:
+    """Batch-file ingest on the local stack's servers (a throwaway database): lines/s, CPU per line and peak
+    memory above idle for the upload, the ingest, the output file's writing and its download."""
+    serving = load_config(config)
+    if bad_every == 1:
+        fail("--bad-every 1 makes every line bad; give 0 (none) or at least 2")
+
+    from servelab.lab.ingest_bench import format_ingest_table, run_ingest_bench, throwaway_stack
+
+    limits = _ingest_limits(slice_lines, lines)
+    with throwaway_stack(settings()) as runtime:
+        batch, by_round = run_ingest_bench(runtime, num_lines=lines, model=serving.name, configs_dir=config.parent,
+                                           limits=limits, bad_every=bad_every, num_rounds=rounds, progress=progress)
+        database = runtime.db.url.database
+    typer.echo(f"{batch.num_lines} lines ({batch.num_bad_lines} bad), {batch.num_bytes / 1e6:.1f} MB, chat "
+               f"completions for {serving.name}; slices of {limits.max_lines_per_step} lines; {rounds} round(s); "
+               f"database {database} (dropped); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    typer.echo(format_ingest_table(by_round))
+
+
+def _ingest_limits(slice_lines: int | None, num_lines: int):
+    from servelab.jobs.ingest import IngestLimits
+
+    limits = service_settings()
+    # NOTE: no back-pressure: no GPU worker drains the queue in this bench, so every line may be in flight
+    return IngestLimits(max_prompt_chars=limits.max_prompt_chars, max_job_in_flight=num_lines,
+                        max_line_bytes=limits.max_request_bytes,
+                        **({"max_lines_per_step": slice_lines} if slice_lines else {}))

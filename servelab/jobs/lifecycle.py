@@ -7,16 +7,16 @@ running any of them twice changes nothing. Does not know Celery or HTTP.
 
 from __future__ import annotations
 
-import io
 import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from itertools import islice
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.protocol import Answer, Choice, response_object
-from servelab.jobs.ingest import read_lines
+from servelab.jobs.ingest import iter_lines
 from servelab.store import batch_jobs as store
 from servelab.store import files
 from servelab.store.db import session_scope
@@ -25,6 +25,7 @@ from servelab.store.models import BatchStatus, RequestStatus
 OUTPUT_PURPOSE = "batch_output"
 MAX_WINDOW = timedelta(days=7)
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+UNREAD_LINES_PER_INSERT = 5_000
 
 
 class NotCancellable(ValueError):
@@ -99,7 +100,11 @@ def _due(session: Session, job: store.StoredJob, now: datetime) -> bool:
 
 
 def finalise(*, sessions: sessionmaker[Session], job_id: uuid.UUID, now: datetime) -> None:
-    """Write the output and error files of a finalizing job and end it; a re-run writes the same files."""
+    """Write the output and error files of a finalizing job and end it; a re-run writes the same files.
+
+    NOTE: the files are written as they are built, a part at a time, from rows read through server-side
+    cursors: a 50,000-line output is never held whole.
+    """
     with session_scope(sessions) as session:
         job = store.get_job(session, job_id=job_id, for_update=True)
         if job is None or job.status is not BatchStatus.FINALIZING:
@@ -107,12 +112,10 @@ def finalise(*, sessions: sessionmaker[Session], job_id: uuid.UUID, now: datetim
         final = (BatchStatus.CANCELLED if job.timestamps["cancelling_at"] else
                  BatchStatus.EXPIRED if job.timestamps["expired_at"] else BatchStatus.COMPLETED)
         _answer_unread_lines(session, job, code=f"batch_{final.value}")
-        output, errors = io.BytesIO(), io.BytesIO()
+        output, errors = _writer(session, job, "output"), _writer(session, job, "errors")
         counts = _write_lines(session, job, final, output, errors)
-        output_id = _save(session, job, "output", output.getvalue())
-        error_id = _save(session, job, "errors", errors.getvalue())
         store.move_job(session, job_id=job.id, from_statuses=(BatchStatus.FINALIZING,), to=final, now=now,
-                       output_file_id=output_id, error_file_id=error_id,
+                       output_file_id=_close(output), error_file_id=_close(errors),
                        request_counts={"total": counts.num_output_lines + counts.num_error_lines,
                                        "completed": counts.num_output_lines, "failed": counts.num_error_lines},
                        usage=counts.usage.as_dict())
@@ -124,12 +127,12 @@ def _answer_unread_lines(session: Session, job: store.StoredJob, *, code: str) -
         return
     file = files.get_file(session, file_id=job.input_file_id, tenant=job.tenant)
     offset, num_lines = job.ingest_offset, job.num_lines
-    while file is not None and offset < file.num_bytes:
-        lines, offset = read_lines(session, file=file, offset=offset, max_lines=5_000, max_line_bytes=1 << 30)
+    lines = iter_lines(session, file=file, offset=offset, max_line_bytes=1 << 30) if file is not None else iter(())
+    while batch := list(islice(lines, UNREAD_LINES_PER_INSERT)):
         errors = [store.LineError(num_lines + i + 1, _custom_id(raw), code, f"{code}: the line was never run")
-                  for i, raw in enumerate(lines) if raw and raw.strip()]
+                  for i, (raw, _) in enumerate(batch) if raw and raw.strip()]
         store.add_line_errors(session, job_id=job.id, errors=errors)
-        num_lines += len(lines)
+        num_lines, offset = num_lines + len(batch), batch[-1][1]
     store.update_job(session, job_id=job.id, ingest_offset=offset, num_lines=num_lines, is_ingested=True)
 
 
@@ -141,8 +144,8 @@ def _custom_id(raw: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, output: io.BytesIO,
-                 errors: io.BytesIO) -> Counts:
+def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, output: files.FileWriter,
+                 errors: files.FileWriter) -> Counts:
     num_output = num_errors = input_tokens = output_tokens = 0
     for r in store.iter_job_requests(session, job_id=job.id):
         if r.status is RequestStatus.SUCCEEDED and r.text is not None:
@@ -168,7 +171,7 @@ def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, out
     return Counts(num_output, num_errors, store.TokenUsage(input_tokens, output_tokens))
 
 
-def _line(out: io.BytesIO, request_id: str, custom_id: str | None, *, response: dict | None = None,
+def _line(out: files.FileWriter, request_id: str, custom_id: str | None, *, response: dict | None = None,
           error: dict | None = None, line: int | None = None) -> None:
     record = {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": response, "error": error}
     if line is not None:
@@ -176,12 +179,13 @@ def _line(out: io.BytesIO, request_id: str, custom_id: str | None, *, response: 
     out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
 
 
-def _save(session: Session, job: store.StoredJob, kind: str, content: bytes) -> str | None:
-    if not content:
-        return None
+def _writer(session: Session, job: store.StoredJob, kind: str) -> files.FileWriter:
     # NOTE: the id follows from the job, so a re-run finalise finds the file it already wrote.
-    file_id = f"file-{uuid.uuid5(job.id, kind).hex}"
     expires_after = None if job.output_expires_after_s is None else timedelta(seconds=job.output_expires_after_s)
-    files.create_file(session, tenant=job.tenant, purpose=OUTPUT_PURPOSE, file_id=file_id,
-                      filename=f"{job.public_id}_{kind}.jsonl", content=content, expires_after=expires_after)
-    return file_id
+    return files.FileWriter(session, tenant=job.tenant, purpose=OUTPUT_PURPOSE, file_id=f"file-{uuid.uuid5(job.id, kind).hex}",
+                            filename=f"{job.public_id}_{kind}.jsonl", expires_after=expires_after)
+
+
+def _close(writer: files.FileWriter) -> str | None:
+    """The file's id; None for a file with no line (OpenAI's batches then name no file)."""
+    return writer.close().id if writer.num_bytes else None

@@ -19,7 +19,21 @@ from servelab.request import StreamKind
 
 GROUP = "workers"
 NOTIFY_TTL_S = 600
-
+# KEYS: the stream, the set of enqueued ids; ARGV: request ids. Atomic, as the MULTI pipeline it replaces was.
+# NOTE: one script per stream: its group made where missing (pcall: BUSYGROUP when it exists), then the ids as
+# the script's arguments (the client packs one command and reads one reply: for a 5,000-id slice about 6 us an
+# id, against 30 for an XADD and a SADD each through a pipeline), and the ids into the set that lets the reaper
+# find rows whose entry was lost.
+ENQUEUE_SCRIPT = """
+redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+for i = 2, #ARGV do
+    redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[i])
+end
+for i = 2, #ARGV, 1000 do
+    redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+return #ARGV - 1
+"""
 
 @dataclass(frozen=True)
 class Entry:
@@ -57,11 +71,11 @@ class RequestStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def enqueue(self, request_id: str, kind: StreamKind) -> str:
-        return self.enqueue_many([request_id], kind)[0]
+    def enqueue(self, request_id: str, kind: StreamKind) -> int:
+        return self.enqueue_many([request_id], kind)
 
-    def enqueue_many(self, request_ids: list[str], kind: StreamKind) -> list[str]:
-        """Committed request ids onto one stream, in one round trip; -> their entry ids."""
+    def enqueue_many(self, request_ids: list[str], kind: StreamKind) -> int:
+        """Committed request ids onto one stream, in order, in one round trip; -> how many were added."""
         return enqueue_all(self.client, prefix=self.prefix,
                            entries=[(request_id, self.config_name, kind) for request_id in request_ids])
 
@@ -134,28 +148,18 @@ class RequestStreams:
         return {key.rsplit(":", 1)[1]: int(self.client.xlen(key)) for key in self.keys}
 
 
-def enqueue_all(client: redis.Redis, *, prefix: str, entries: Sequence[tuple[str, str, StreamKind]]) -> list[str]:
-    """Committed requests (request id, config name, stream kind) onto their streams, with the groups made where
-    missing, in one round trip; -> their entry ids, in order."""
-    if not entries:
-        return []
-    pipe = client.pipeline(transaction=True)
-    keys = {stream_key(prefix, config, kind) for _, config, kind in entries}
-    for key in sorted(keys):
-        pipe.xgroup_create(key, GROUP, id="0", mkstream=True)
+def enqueue_all(client: redis.Redis, *, prefix: str, entries: Sequence[tuple[str, str, StreamKind]]) -> int:
+    """Committed requests (request id, config name, stream kind) onto their streams, in order within each, with
+    the groups made where missing, in one round trip; -> how many were added."""
+    by_stream: dict[tuple[str, StreamKind], list[str]] = {}
     for request_id, config, kind in entries:
-        pipe.xadd(stream_key(prefix, config, kind), {"request_id": request_id})
-    by_config: dict[str, list[str]] = {}
-    for request_id, config, _ in entries:
-        by_config.setdefault(config, []).append(request_id)
-    for config, request_ids in by_config.items():
-        pipe.sadd(enqueued_key(prefix, config), *request_ids)  # NOTE: lets the reaper find rows whose entry was lost
-    # NOTE: a group that exists answers BUSYGROUP inside the transaction; the other commands still run.
-    replies = pipe.execute(raise_on_error=False)
-    for reply in replies:
-        if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
-            raise reply
-    return [_text(entry_id) for entry_id in replies[len(keys):len(keys) + len(entries)]]
+        by_stream.setdefault((config, kind), []).append(request_id)
+    if not by_stream:
+        return 0
+    pipe = client.pipeline(transaction=True)
+    for (config, kind), request_ids in by_stream.items():
+        pipe.eval(ENQUEUE_SCRIPT, 2, stream_key(prefix, config, kind), enqueued_key(prefix, config), GROUP, *request_ids)
+    return sum(pipe.execute())
 
 
 def stream_key(prefix: str, config_name: str, kind: StreamKind) -> str:

@@ -7,12 +7,15 @@ or Celery. Every function takes a session and never commits.
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import func, literal, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
@@ -212,23 +215,66 @@ def update_job(session: Session, *, job_id: uuid.UUID, **values: Any) -> None:
     session.execute(update(BatchJobRow).where(BatchJobRow.id == job_id).values(**values))
 
 
-def add_requests(session: Session, *, job: StoredJob, requests: list[NewRequest]) -> tuple[dict[str, str], list[str]]:
-    """Insert request rows; -> ({custom_id: new request id}, custom_ids already taken by earlier lines)."""
-    if not requests:
-        return {}, []
-    rows = [dict(id=uuid.uuid4(), tenant=job.tenant, serving_config_name=r.serving_config_name,
-                 stream=StreamKind.BULK, status=RequestStatus.QUEUED, prompt=r.prompt, messages=r.messages,
-                 sampling=r.sampling.to_stored(), batch_job_id=job.id, custom_id=r.custom_id) for r in requests]
-    table = RequestRow.__table__
-    # NOTE: one cached statement executed for many rows (insertmanyvalues), not a new VALUES list per step:
-    # compiling 500-row VALUES statements cost more than running them.
-    result = session.execute(
-        insert(table).on_conflict_do_nothing(index_elements=["batch_job_id", "custom_id"])
-        .returning(table.c.id, table.c.custom_id),
-        rows,
-    )
-    created = {custom_id: str(request_id) for request_id, custom_id in result.all()}
-    return created, [r.custom_id for r in requests if r.custom_id not in created]
+_JSON = json.JSONEncoder(check_circular=False, separators=(",", ":"))  # NOTE: a quarter cheaper than json.dumps
+_COPY_REQUESTS = ("COPY requests (id, tenant, serving_config_name, stream, status, prompt, messages, sampling, "
+                  "batch_job_id, custom_id) FROM STDIN")
+
+
+def add_requests(session: Session, *, job: StoredJob, requests: Iterable[NewRequest]
+                 ) -> tuple[dict[str, str], list[str]]:
+    """Insert request rows as they come; -> ({custom_id: new request id}, custom_ids already taken by earlier
+    lines). The caller holds the job's row lock (one writer per job), and the requests' custom_ids differ.
+
+    NOTE: rows are COPYed straight into the table as the iterable yields them, so PostgreSQL inserts them while
+    the caller parses the next lines; psycopg formats COPY rows in C (about 1 us a row, against 30-45 us to bind
+    them as parameters). COPY has no ON CONFLICT: when an earlier slice holds one of the custom_ids, the COPY
+    fails, is rolled back to its savepoint and runs again without the taken ones. A re-run slice (a resumed
+    job) finds none of its own rows: they were rolled back with the offset that would have skipped it.
+    """
+    rows = zip(_new_request_ids(), requests)
+    added: list[tuple[str, NewRequest]] = []
+    cursor = session.connection().connection.driver_connection.cursor()  # in the session's transaction
+    with cursor:
+        cursor.execute("SAVEPOINT add_requests")
+        try:
+            _copy_requests(cursor, job, rows, added)
+            cursor.execute("RELEASE SAVEPOINT add_requests")
+            return {r.custom_id: request_id for request_id, r in added}, []
+        except psycopg.errors.UniqueViolation:
+            cursor.execute("ROLLBACK TO SAVEPOINT add_requests")
+        added.extend(rows)  # the requests not yet copied when the COPY failed
+        cursor.execute("SELECT custom_id FROM requests WHERE batch_job_id = %s AND custom_id = ANY(%s)",
+                       (job.id, [r.custom_id for _, r in added]))
+        taken = {custom_id for custom_id, in cursor.fetchall()}
+        fresh = [(request_id, r) for request_id, r in added if r.custom_id not in taken]
+        _copy_requests(cursor, job, iter(fresh), [])
+    return {r.custom_id: request_id for request_id, r in fresh}, [r.custom_id for _, r in added
+                                                                   if r.custom_id in taken]
+
+
+def _new_request_ids(batch: int = 1_024) -> Iterator[str]:
+    """Random (version 4) UUIDs as text, made from one read of random bytes per batch: a third of the cost of
+    str(uuid.uuid4()) each, which ingest pays for every line."""
+    while True:
+        h = os.urandom(16 * batch).hex()
+        for i in range(0, 32 * batch, 32):
+            yield (f"{h[i:i + 8]}-{h[i + 8:i + 12]}-4{h[i + 13:i + 16]}-{'89ab'[int(h[i + 16], 16) & 3]}"
+                   f"{h[i + 17:i + 20]}-{h[i + 20:i + 32]}")
+
+
+def _copy_requests(cursor: psycopg.Cursor, job: StoredJob, rows: Iterator[tuple[str, NewRequest]],
+                   added: list[tuple[str, NewRequest]]) -> None:
+    """COPY (id, request) rows into the requests table, appending each to added as it goes."""
+    stored: dict[SamplingParams, str] = {}  # NOTE: most lines of a file sample alike: one JSON text each
+    stream, status = StreamKind.BULK.value, RequestStatus.QUEUED.value
+    with cursor.copy(_COPY_REQUESTS) as copy:
+        for request_id, r in rows:
+            added.append((request_id, r))
+            sampling = stored.get(r.sampling)
+            if sampling is None:
+                sampling = stored[r.sampling] = json.dumps(r.sampling.to_stored())
+            copy.write_row((request_id, job.tenant, r.serving_config_name, stream, status, r.prompt,
+                            None if r.messages is None else _JSON.encode(r.messages), sampling, job.id, r.custom_id))
 
 
 def add_line_errors(session: Session, *, job_id: uuid.UUID, errors: list[LineError]) -> None:

@@ -1,4 +1,4 @@
-"""Engines, sessions and the transaction boundary; and creating a missing database.
+"""Engines, sessions and the transaction boundary; and creating a missing database (or dropping one).
 
 Knows how to turn a PostgreSQL URL into an engine and a session factory, built explicitly by a process
 entry point, never at import time. Does not know the schema (models.py, migrations/) or where the URL

@@ -272,7 +272,7 @@ class ApiKeyRow(Base):
 
 
 class FileRow(Base):
-    """An uploaded batch input file or a job's output / error file, content in the row (JSONL bytes).
+    """An uploaded batch input file or a job's output / error file; its bytes are its parts (FilePartRow).
 
     NOTE: in Postgres, not under state_dir: the api and the jobs-worker run on different hosts.
     """
@@ -286,12 +286,22 @@ class FileRow(Base):
     purpose: Mapped[str] = mapped_column(Text)  # "batch" (input) or "batch_output"
     filename: Mapped[str] = mapped_column(Text)
     num_bytes: Mapped[int] = mapped_column(BigInteger)
-    content: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     # NOTE: a file past expires_at, or deleted, is gone for every read; a deleted file's content is erased and
     # its row stays (batches name their files through foreign keys), as do expired rows until the purge erases them
     expires_at: Mapped[datetime | None] = mapped_column(Timestamp)
     deleted_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+
+class FilePartRow(Base):
+    """A stretch of a file's bytes (migration 0009): files are written and read a part at a time, so no
+    process holds a whole file. A file's parts cover [0, num_bytes) without gaps, in byte_offset order."""
+
+    __tablename__ = "file_parts"
+
+    file_id: Mapped[str] = mapped_column(Text, ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    byte_offset: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # of the part's first byte
+    content: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class BatchJobRow(Base):

@@ -15,8 +15,8 @@ from sqlalchemy import delete, exists, select, union_all, update
 from sqlalchemy.orm import Session
 
 from servelab.store.batch_jobs import ACTIVE
-from servelab.store.models import (BatchJobRow, BatchRow, FileRow, RequestMetricsRow, RequestRow, RequestStatus,
-                                   RunRequestRow)
+from servelab.store.models import (BatchJobRow, BatchRow, FilePartRow, FileRow, RequestMetricsRow, RequestRow,
+                                   RequestStatus, RunRequestRow)
 
 FINISHED = (RequestStatus.SUCCEEDED, RequestStatus.FAILED, RequestStatus.CANCELLED)
 
@@ -71,6 +71,8 @@ def delete_old_files(session: Session, *, cutoff: datetime, now: datetime, limit
     erasable = (select(FileRow.id).where(FileRow.created_at < cutoff, FileRow.deleted_at.is_(None),
                                          FileRow.id.not_in(select(of_active.c[0])))
                 .limit(limit - num_deleted).with_for_update(skip_locked=True))
-    num_erased = len(session.execute(update(FileRow).where(FileRow.id.in_(erasable))
-                                     .values(deleted_at=now, content=b"").returning(FileRow.id)).all())
-    return num_deleted + num_erased
+    erased = session.scalars(update(FileRow).where(FileRow.id.in_(erasable)).values(deleted_at=now)
+                             .returning(FileRow.id)).all()
+    if erased:
+        session.execute(delete(FilePartRow).where(FilePartRow.file_id.in_(erased)))  # NOTE: a deleted row's go with it
+    return num_deleted + len(erased)

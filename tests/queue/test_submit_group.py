@@ -104,12 +104,13 @@ def test_a_keyed_submission_refused_for_the_limit_keeps_no_key(engine, redis_cli
 
 def test_enqueue_all_makes_missing_groups_and_accepts_existing_ones(redis_client, key_prefix) -> None:
     entries = [(f"r{i}", "fp32", StreamKind.INTERACTIVE) for i in range(3)]
-    entry_ids = enqueue_all(redis_client, prefix=key_prefix, entries=entries)
-    assert len(entry_ids) == 3 and all("-" in e for e in entry_ids)
+    assert enqueue_all(redis_client, prefix=key_prefix, entries=entries) == 3
     key = stream_key(key_prefix, "fp32", StreamKind.INTERACTIVE)
     assert [g["name"] for g in redis_client.xinfo_groups(key)] == [b"workers"]
-    assert len(enqueue_all(redis_client, prefix=key_prefix, entries=entries[:1])) == 1  # BUSYGROUP is no error
+    assert enqueue_all(redis_client, prefix=key_prefix, entries=entries[:1]) == 1  # BUSYGROUP is no error
     assert redis_client.xlen(key) == 4
+    assert _stream_ids(redis_client, key_prefix, "fp32", StreamKind.INTERACTIVE) == ["r0", "r1", "r2", "r0"]
+    assert redis_client.smembers(f"{key_prefix}:enqueued:fp32") == {b"r0", b"r1", b"r2"}
 
 
 def test_a_requests_choices_are_admitted_all_or_none_seeded_apart_and_enqueued_side_by_side(

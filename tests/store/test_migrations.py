@@ -12,7 +12,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
 
+from servelab.store import files
 from servelab.store.db import make_engine
 from servelab.store.migrate import MIGRATIONS_DIR, alembic_config, current, downgrade, upgrade
 from servelab.store.models import Base
@@ -65,3 +67,29 @@ def test_revisions_form_one_line_and_are_named_by_date_and_slug(database_url: UR
     assert len(scripts.get_heads()) == 1, f"more than one head: {scripts.get_heads()}; merge them"
     for path in (MIGRATIONS_DIR / "versions").glob("*.py"):
         assert re.fullmatch(r"\d{4}_\d{2}_\d{2}_\w+_[a-z0-9_]+\.py", path.name), f"badly named: {path.name}"
+
+
+def test_files_are_cut_into_parts_on_the_way_up_and_joined_again_on_the_way_down(
+    fresh_database_url: URL, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    before_parts = ScriptDirectory.from_config(alembic_config(fresh_database_url)).get_revision("0009").down_revision
+    upgrade(fresh_database_url, before_parts)
+    contents = {"file-big": bytes(range(256)) * 10_000, "file-small": b'{"a": 1}\n', "file-empty": b""}
+    engine = make_engine(fresh_database_url)
+    try:
+        with engine.begin() as conn:
+            for file_id, content in contents.items():
+                conn.execute(text("INSERT INTO files (id, tenant, purpose, filename, num_bytes, content) "
+                                  "VALUES (:id, 'acme', 'batch', 'in.jsonl', :n, :content)"),
+                             {"id": file_id, "n": len(content), "content": content})
+        upgrade(fresh_database_url)
+        with Session(engine) as session:
+            assert {i: files.read_content(session, file_id=i, tenant="acme") for i in contents} == contents
+            parts = dict(session.execute(text("SELECT file_id, count(*) FROM file_parts GROUP BY file_id")).all())
+        assert parts == {"file-big": 3, "file-small": 1}  # 2.56 MB in parts of 1 MiB; nothing for an empty file
+        downgrade(fresh_database_url, before_parts)
+        with engine.connect() as conn:
+            assert dict(conn.execute(text("SELECT id, content FROM files")).all()) == contents
+    finally:
+        engine.dispose()
