@@ -86,7 +86,7 @@ def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catal
     if raw is not TOO_LONG:
         try:
             line = TYPED_LINES[endpoint].model_validate_json(raw)
-            if line.url == endpoint and not line.body.stream:
+            if line.url == endpoint and not line.body.stream and line.body.num_choices == 1:
                 submission = to_submission(line.body, catalog=catalog, max_prompt_chars=max_prompt_chars)
                 return store.NewRequest(line.custom_id, submission.serving_config_name, submission.prompt,
                                         submission.messages, submission.sampling)

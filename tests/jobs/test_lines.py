@@ -54,6 +54,11 @@ TRICKY = {
     "a refused field at 0 where false is neutral": line({"model": "fp32", "messages": MESSAGES, "logprobs": 0}),
     "a refused field asking for something": line({"model": "fp32", "messages": MESSAGES, "tools": [{"x": 1}]}),
     "an unknown field": line({"model": "fp32", "messages": MESSAGES, "min_p": 0.1}),
+    "n choices (one line, one choice)": line({"model": "fp32", "messages": MESSAGES, "n": 2}),
+    "n of 1": line({"model": "fp32", "messages": MESSAGES, "n": 1}),
+    "logprobs with alternatives": line({"model": "fp32", "messages": MESSAGES, "logprobs": True, "top_logprobs": 3}),
+    "penalties": line({"model": "fp32", "messages": MESSAGES, "presence_penalty": 0.5, "frequency_penalty": -1}),
+    "a penalty out of bounds": line({"model": "fp32", "messages": MESSAGES, "presence_penalty": 2.5}),
     "developer role and content parts": line({"model": "fp32", "messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "extra": 1}]}]}),
