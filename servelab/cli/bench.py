@@ -102,34 +102,81 @@ def bench_steps_command(
 def bench_queue(
     configs: Annotated[list[Path], typer.Option("--config", "-c", help="serving config YAML; repeat to compare "
                                                 "configs side by side (ratios to the first)")] = [Path("configs/fp32.yaml")],
-    requests: Annotated[int, typer.Option(help="requests in the burst")] = 32,
-    prompt_tokens: int = 32,
-    new_tokens: int = 16,
-    rounds: Annotated[int, typer.Option(help="in-process / queue pairs, back to back")] = 2,
+    requests: Annotated[int, typer.Option(min=1, help="requests in the burst")] = 32,
+    prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    rounds: Annotated[int, typer.Option(min=1, help="in-process / queue pairs, back to back")] = 2,
+    stream: Annotated[str, typer.Option(help="the stream the burst waits in: bulk (a backlog; rows publish only "
+                                             "their end) or interactive (every row's text published per step)")] = "bulk",
     threads: Annotated[int | None, typer.Option(min=1, max=256, help="torch threads (default: the config's)")] = None,
 ) -> None:
-    """The same burst served by the engine in-process and through the full queue path; the ratios."""
+    """The same burst served by the engine in-process and through the full queue path (a worker process); the ratios."""
     serving = [load_config(c) for c in configs]
+    kind = _stream_kind(stream)
 
     from servelab.engine.loader import ModelLoadError
-    from servelab.lab.bench import format_queue_comparison, format_queue_table, start_bench_worker, time_queue_rounds
+    from servelab.lab.bench import format_queue_comparison, format_queue_table, start_queue_bench, time_queue_rounds
+    from servelab.lab.runner import RunError
 
     if threads:
         serving = [c.model_copy(update={"num_threads": threads}) for c in serving]
     with connected() as runtime, ExitStack() as started:
         try:
-            workers = [started.enter_context(start_bench_worker(config, runtime)) for config in serving]
-        except ModelLoadError as exc:
+            benches = [started.enter_context(start_queue_bench(config, runtime)) for config in serving]
+        except (ModelLoadError, RunError) as exc:
             fail(str(exc))
-        pairs = time_queue_rounds(workers, num_requests=requests, num_prompt_tokens=prompt_tokens,
-                                  num_new_tokens=new_tokens, num_rounds=rounds, progress=progress)
-    for config, worker, config_pairs in zip(serving, workers, pairs):
-        typer.echo(f"config {config.name} ({config.weights}, {worker.engine.kernel}), max_batch_size "
+        pairs = time_queue_rounds(benches, runtime, num_requests=requests, num_prompt_tokens=prompt_tokens,
+                                  num_new_tokens=new_tokens, num_rounds=rounds, kind=kind, progress=progress)
+    for config, bench, config_pairs in zip(serving, benches, pairs):
+        typer.echo(f"config {config.name} ({config.weights}, {bench.engine.kernel}), max_batch_size "
                    f"{config.batching.max_batch_size}, max_wait_ms {config.batching.max_wait_ms}, threads "
-                   f"{engine_threads()}; burst of {requests} requests, {prompt_tokens} prompt + {new_tokens} new tokens each")
+                   f"{engine_threads()}; burst of {requests} {kind.value} requests, {prompt_tokens} prompt + "
+                   f"{new_tokens} new tokens each")
         typer.echo(format_queue_table(config_pairs))
-    if len(workers) > 1:
+    if len(benches) > 1:
         typer.echo(format_queue_comparison([c.name for c in serving], pairs))
+
+
+@app.command("workers")
+def bench_workers(
+    config: ConfigOption = Path("configs/fp32.yaml"),
+    workers: Annotated[str, typer.Option(help="comma-separated worker counts, each serving the same burst")] = "1,2",
+    requests: Annotated[int, typer.Option(min=1, help="requests in the burst")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="about this many prompt tokens per request")] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1, help="tokens each request makes (EOS ignored)")] = 32,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds; the counts alternate ascending / descending")] = 2,
+    threads: Annotated[int, typer.Option(min=1, max=256, help="torch threads per worker process")] = 1,
+) -> None:
+    """Scale-out: one config served by 1, 2, ... worker processes on the same streams; total tokens/s against the
+    first count, how the requests were shared, and how many ran more than once (must be 0)."""
+    serving = load_config(config).model_copy(update={"num_threads": threads})
+    counts = parse_ints(workers, "--workers")
+
+    from servelab.lab.runner import RunError
+    from servelab.lab.scaling import bench_scale_out, format_scale_table
+
+    with connected() as runtime:
+        try:
+            rows = bench_scale_out(serving, runtime, worker_counts=counts, num_requests=requests,
+                                   num_prompt_tokens=prompt_tokens, num_new_tokens=new_tokens, num_rounds=rounds,
+                                   progress=progress)
+        except RunError as exc:
+            fail(str(exc))
+    typer.echo(f"config {serving.name} ({serving.weights}), max_batch_size {serving.batching.max_batch_size}, "
+               f"policy {serving.batching.policy}, {threads} thread(s) per worker; burst of {requests} bulk requests, "
+               f"about {prompt_tokens} prompt + {new_tokens} new tokens each; {rounds} round(s)")
+    typer.echo(format_scale_table(rows))
+    if any(r.outcome.num_run_twice for r in rows):
+        raise typer.Exit(code=1)
+
+
+def _stream_kind(name: str):
+    from servelab.request import StreamKind
+
+    try:
+        return StreamKind(name)
+    except ValueError:
+        fail(f"--stream {name} is not a stream; choose bulk or interactive")
 
 
 @app.command("hol")

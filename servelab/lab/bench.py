@@ -2,18 +2,15 @@
 
 Knows how to build equal-length prompts, time both engines in interleaved rounds (the machine is
 shared and noisy, so only ratios from the same run mean anything), and hold decode speed against
-the memory-bandwidth roofline; for `servelab bench queue`, start an in-process worker on a private
-stream and time one burst in-process and through the queue. Does not parse options or print: the CLI does.
+the memory-bandwidth roofline; for `servelab bench queue`, start a worker process on a private copy of
+a config and time one burst in-process and through the queue. Does not parse options or print: the CLI does.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -23,18 +20,12 @@ from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.lab.roofline import weights_roofline
 from servelab.lab.stats import interleaved_medians
+from servelab.lab.bursts import FILLER, send_burst
+from servelab.lab.scaling import private_workers
+from servelab.queue.streams import RequestStreams
 from servelab.request import GenerationRequest, SamplingParams
-from servelab.queue.streams import RequestStreams, wait_done
-from servelab.queue.submit import submit_request
 from servelab.runtime import Runtime
-from servelab.serving import FaultPolicy, ServingWorker, batch_policy
-from servelab.store import requests as store
-from servelab.store.db import session_scope
-
-FILLER = (
-    "In the quiet town by the river, the baker rose before dawn to light the ovens, "
-    "and the smell of fresh bread drifted down the narrow streets where the children played. "
-)
+from servelab.store.models import StreamKind
 
 
 @dataclass(frozen=True)
@@ -218,57 +209,49 @@ def time_in_process(engine: Engine, requests: list[GenerationRequest], max_batch
     return PathTiming("in-process", len(requests), num_tokens, time.perf_counter() - started, tuple(latencies))
 
 
-def time_queue_path(worker: ServingWorker, requests: list[GenerationRequest]) -> PathTiming:
-    """The same burst through the full path: commit + XADD, a live worker, the store, the notification."""
-    def one(request: GenerationRequest) -> tuple[str, float]:
-        sent = time.perf_counter()
-        request_id = submit_request(sessions=worker.sessions, streams=worker.streams, prompt=request.prompt,
-                                    sampling=request.params)
-        assert wait_done(worker.streams.client, prefix=worker.streams.prefix, request_id=request_id, timeout_s=600)
-        return request_id, (time.perf_counter() - sent) * 1e3
+def time_queue_path(runtime: Runtime, streams: RequestStreams, requests: list[GenerationRequest], *,
+                    kind: StreamKind) -> PathTiming:
+    """The same burst through the full path: the rows committed and their ids added (one transaction, one
+    pipelined XADD), a worker process reading the stream, claiming, serving and storing, the notifications."""
+    assert len({r.params for r in requests}) == 1, "a burst shares one sampling"
+    outcome = send_burst(runtime, streams, prompts=[r.prompt for r in requests], sampling=requests[0].params, kind=kind)
+    return PathTiming("queue", outcome.num_requests, outcome.output_tokens, outcome.wall_s, outcome.latencies_ms)
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
-        outcomes = list(pool.map(one, requests))
-    wall_s = time.perf_counter() - started
-    with session_scope(worker.sessions) as session:
-        num_tokens = store.count_generated_tokens(session, ids=[i for i, _ in outcomes])
-    return PathTiming("queue", len(requests), num_tokens, wall_s, tuple(ms for _, ms in outcomes))
+
+@dataclass(frozen=True)
+class QueueBench:
+    """One config of `bench queue`: its engine in this process, and a worker process serving a private copy."""
+
+    engine: Engine
+    streams: RequestStreams
 
 
 @contextmanager
-def start_bench_worker(config: ServingConfig, runtime: Runtime) -> Iterator[ServingWorker]:
-    """A ServingWorker for the config on a thread of this process, reading a fresh private stream (so no
-    other worker takes part); stopped on exit. Raises ModelLoadError when the config's model does not load."""
-    settings = runtime.settings
-    engine = Engine.from_config(config, settings)
-    streams = RequestStreams(runtime.redis, prefix=settings.key_prefix, config_name=f"bench-{uuid.uuid4().hex[:8]}")
-    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name="bench",
-                           policy=batch_policy(engine), faults=FaultPolicy.from_settings(settings))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.stop.set()
-        thread.join(timeout=30)
+def start_queue_bench(config: ServingConfig, runtime: Runtime) -> Iterator[QueueBench]:
+    """The config's engine here and one worker process for it, stopped on exit. Raises ModelLoadError when the
+    config's model does not load (before any process is started).
+    NOTE: a process of its own, as deployed: the bench's client and in-process engine never share its GIL."""
+    engine = Engine.from_config(config, runtime.settings)
+    with private_workers(config, runtime, count=1) as streams:
+        yield QueueBench(engine, streams)
 
 
 def time_queue_rounds(
-    workers: list[ServingWorker], *, num_requests: int, num_prompt_tokens: int, num_new_tokens: int,
-    num_rounds: int, progress=lambda message: None,
+    benches: list[QueueBench], runtime: Runtime, *, num_requests: int, num_prompt_tokens: int, num_new_tokens: int,
+    num_rounds: int, kind: StreamKind = StreamKind.BULK, progress=lambda message: None,
 ) -> list[list[tuple[PathTiming, PathTiming]]]:
-    """Per worker, one (in-process, queue) pair per round on the same burst; the configs interleaved round
+    """Per config, one (in-process, queue) pair per round on the same burst; the configs interleaved round
     after round, since only pairs measured close together on a shared machine compare."""
-    burst = bench_requests(workers[0].engine, num_requests, num_prompt_tokens, num_new_tokens)
-    for worker in workers:
-        time_in_process(worker.engine, burst[:2], worker.engine.config.batching.max_batch_size)  # warm-up
-    pairs: list[list[tuple[PathTiming, PathTiming]]] = [[] for _ in workers]
+    burst = bench_requests(benches[0].engine, num_requests, num_prompt_tokens, num_new_tokens)
+    for bench in benches:  # warm-up, both paths
+        time_in_process(bench.engine, burst[:2], bench.engine.config.batching.max_batch_size)
+        time_queue_path(runtime, bench.streams, burst[:2], kind=kind)
+    pairs: list[list[tuple[PathTiming, PathTiming]]] = [[] for _ in benches]
     for round_idx in range(num_rounds):
-        for worker, config_pairs in zip(workers, pairs):
-            progress(f"round {round_idx + 1}/{num_rounds}: {worker.engine.config.name}")
-            config_pairs.append((time_in_process(worker.engine, burst, worker.engine.config.batching.max_batch_size),
-                                 time_queue_path(worker, burst)))
+        for bench, config_pairs in zip(benches, pairs):
+            progress(f"round {round_idx + 1}/{num_rounds}: {bench.engine.config.name}")
+            config_pairs.append((time_in_process(bench.engine, burst, bench.engine.config.batching.max_batch_size),
+                                 time_queue_path(runtime, bench.streams, burst, kind=kind)))
     return pairs
 
 

@@ -227,6 +227,29 @@ def save_serving_config(session: Session, *, config: ServingConfig) -> None:
     ).on_conflict_do_nothing(index_elements=["name", "config_hash"]))
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How a request was served: its started executions, its result rows, the worker that finished it."""
+
+    request_id: str
+    num_attempts: int
+    num_results: int
+    num_generated_tokens: int
+    worker_name: str | None  # the worker of the batch record that holds its metrics; None if unfinished
+
+
+def executions(session: Session, *, ids: list[str]) -> list[Execution]:
+    rows = session.execute(
+        select(RequestRow.id, RequestRow.num_attempts, func.count(ResultRow.request_id),
+               func.coalesce(func.sum(ResultRow.num_generated_tokens), 0), func.min(BatchRow.worker_name))
+        .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+        .outerjoin(RequestMetricsRow, RequestMetricsRow.request_id == RequestRow.id)
+        .outerjoin(BatchRow, BatchRow.id == RequestMetricsRow.batch_id)
+        .where(RequestRow.id.in_(_uuids(ids))).group_by(RequestRow.id)
+    ).all()
+    return [Execution(str(i), attempts, results, int(tokens), worker) for i, attempts, results, tokens, worker in rows]
+
+
 def count_generated_tokens(session: Session, *, ids: list[str]) -> int:
     total = session.scalar(select(func.coalesce(func.sum(ResultRow.num_generated_tokens), 0))
                            .where(ResultRow.request_id.in_(_uuids(ids))))

@@ -37,6 +37,26 @@ def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder
     assert compared["tiny-transformers"][2] == "1.00x" and float(compared["tiny"][1]) > 0
 
 
+def test_bench_workers_shares_one_burst_between_worker_processes_and_runs_each_request_once(
+        tmp_path: Path, tiny_folder: Path, service_settings) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 2\n  max_wait_ms: 20\n"
+                      "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
+    result = CliRunner().invoke(app, ["bench", "workers", "--config", str(config), "--workers", "1,2", "--requests", "8",
+                                      "--prompt-tokens", "6", "--new-tokens", "12", "--rounds", "1"],
+                                env=_env(service_settings))
+    assert result.exit_code == 0, result.output
+    rows = {int(line.split()[0]): line.split() for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ("1", "2") and line.split()[1] == "1"}
+    assert set(rows) == {1, 2}
+    for count, row in rows.items():
+        assert float(row[2]) > 0 and row[5] == "0"  # tokens/s; no request ran twice
+        shares = [int(n) for n in row[6:]]
+        assert sum(shares) == 8 and len(shares) <= count
+    assert "requests that ran more than once, or have other than one result: 0 of 16" in result.stdout
+    assert "2 worker(s):" in result.stdout and "against 1" in result.stdout
+
+
 def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Path, tiny_folder: Path,
                                                                     service_settings) -> None:
     config = tmp_path / "tiny.yaml"
