@@ -20,13 +20,12 @@ from servelab.runtime import Runtime, connect
 from servelab.settings import ServiceSettings
 from servelab.telemetry import record_in_files, release_process
 
-MAX_THREADS = 256  # NOTE: each waiting completion call holds one thread while it blocks on Redis (1 s at a time)
-
 
 def create_app(runtime: Runtime, settings: ServiceSettings, *, close_runtime: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        anyio.to_thread.current_default_thread_limiter().total_tokens = MAX_THREADS
+        # NOTE: each waiting completion call holds one thread while it blocks on Redis (1 s at a time)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         yield
         release_process()
         if close_runtime:

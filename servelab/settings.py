@@ -66,6 +66,8 @@ class ServiceSettings(Settings):
                                      "for their Prometheus counts (emptied by `servelab api`); None: one process")
     api_workers: int = Field(default=1, ge=1, le=64, description="api processes behind the one port (`servelab api`); "
                              "more where the api has cores to itself")
+    api_threads: int = Field(default=256, ge=1, le=4096, description="threads per api process for blocking work: "
+                             "a waiting completion call holds one, 1 s at a time; /healthz never needs one")
     api_access_log: bool = Field(default=False, description="a log line per HTTP request (uvicorn's access log); "
                                  "errors are logged either way")
     key_cache_s: float = Field(default=5.0, ge=0, description="an api process trusts a key's tenant this long: "
