@@ -93,7 +93,7 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 FLOORS = (
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.idempotency"),  # the contract
     ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded",
-     "servelab.telemetry"),  # rows; the model; the host; Prometheus counts
+     "servelab.telemetry", "servelab.resident"),  # rows; the model; the host; Prometheus counts; this process's memory
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
     ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack
     ("servelab.lab",),  # runs, comparisons, benches

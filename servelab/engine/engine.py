@@ -33,6 +33,7 @@ from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_mode
 from servelab.engine.memory import MemoryBreakdown
 from servelab.engine.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
                                      TokenLogprobs, failed)
+from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, read_logprobs, sample_next
 from servelab.settings import Settings
@@ -105,7 +106,7 @@ class Engine:
         self.released_bytes = release_copied_weights(loaded.model, self.decoder) if settings is not None else 0
         if self.released_bytes:
             gc.collect()
-            measure.return_freed_memory()
+            return_freed_memory()
         # NOTE: what the process holds: the model's remaining tensors and the decoder's layouts, shared storage once
         own = isinstance(self.decoder, LlamaDecoder)
         held = self.decoder.tensors() if own else []

@@ -12,11 +12,9 @@ it). Imports no torch. Does not parse options or print: the CLI does.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -34,6 +32,7 @@ from servelab.jobs.ingest import IngestLimits, ingest_for
 from servelab.jobs.lifecycle import advance_job
 from servelab.queue.streams import RequestStreams
 from servelab.embedded import resolve_urls
+from servelab.resident import ResidentPeak, return_freed_memory
 from servelab.runtime import Runtime, connect
 from servelab.settings import Settings
 from servelab.store import batch_jobs as jobs
@@ -105,45 +104,12 @@ def _line(i: int, model: str, kind: str | None) -> bytes:
     return line[:40] if kind == "invalid_json" else line
 
 
-class ResidentPeak:
-    """This process's peak resident memory over a block, above its level at the start (Linux's VmHWM, reset
-    through /proc/self/clear_refs). NOTE: servelab/engine/measure.py does the same for the engine, but imports
-    torch, which this control-plane bench must not load."""
-
-    def __enter__(self) -> ResidentPeak:
-        _return_freed_memory()  # NOTE: else a phase reuses what an earlier one freed, and its peak hides
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # "5" resets VmHWM to the current RSS
-        except OSError:
-            pass  # not allowed: VmHWM is the process-lifetime peak, an over-estimate
-        self.start_bytes, self.peak_bytes = _status_bytes("VmRSS"), 0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.peak_bytes = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    @property
-    def above_start_bytes(self) -> int:
-        return max(0, self.peak_bytes - self.start_bytes)
-
-
-def _return_freed_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere)."""
+def _phase_peak() -> ResidentPeak:
+    """A phase's peak resident memory. NOTE: garbage collected and freed heap handed back first, else a phase
+    reuses what an earlier one freed, and its own peak hides."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return_freed_memory()
+    return ResidentPeak()
 
 
 def database_cpu_s(runtime: Runtime) -> float | None:
@@ -167,7 +133,7 @@ def _proc_cpu_ticks(pid: int) -> int:
 def measured(runtime: Runtime, name: str, num_lines: int, phases: list[Phase]) -> Iterator[None]:
     """Time a block; its Phase is appended to phases."""
     db_start, cpu_start = database_cpu_s(runtime), time.process_time()
-    with ResidentPeak() as peak:
+    with _phase_peak() as peak:
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start

@@ -17,7 +17,7 @@ import torch
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
-from servelab.engine.measure import return_freed_memory
+from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
