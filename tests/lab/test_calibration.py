@@ -19,7 +19,7 @@ def test_nothing_changed_is_almost_never_judged_a_change_and_a_known_difference_
     workload.write_text("prompts: {set: chat, num_prompts: 12, seed: 3}\nmax_new_tokens: 16\nignore_eos: true\n"
                         "arrival: {process: burst}\n")
     result = calibrate(ServingConfig.from_yaml(path), path, load_workload(workload), runtime, num_comparisons=20,
-                       num_known=3, repeats=3, known_repeats=6)
+                       num_known=3, repeats=3, known_repeats=10)
     report = format_calibration(result)
     print(report)  # the counts, for the log (pytest -s)
     for experiment in result.experiments:
@@ -34,5 +34,7 @@ def test_nothing_changed_is_almost_never_judged_a_change_and_a_known_difference_
     same = result.experiments[0]
     assert same.excluding_one and max(same.excluding_one.values()) <= 5, report
     assert result.known.num_comparisons == 3
+    # NOTE: 10 rounds, not 6: under CI's noise (A/A tokens/s log spread 0.28, A/A' 0.47) a x1.72 gain measured in
+    # 6 rounds had an interval reaching below x1.2 (found 2/3); 10 rounds narrow it by about a third for ~15 s more.
     assert result.known.found == 3 and result.known.reverse_rejected == 3, report
     assert "known difference" in report and "A/A'" in report
