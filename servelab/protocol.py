@@ -12,7 +12,7 @@ Does not know HTTP status codes or tokenizers (the worker counts tokens exactly)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
@@ -259,9 +259,8 @@ def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog
     else:
         messages, prompt = None, body.prompt
         requested = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, config.decoding.max_new_tokens)
-    submission = checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
-                                    sampling=body.sampling(max_new_tokens(requested, config)))
-    return replace(submission, num_choices=body.num_choices)
+    return checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
+                              sampling=body.sampling(max_new_tokens(requested, config)), num_choices=body.num_choices)
 
 
 def refuse_unstreamable(body: CompletionBody | ChatCompletionBody) -> None:
@@ -286,13 +285,13 @@ def find_config(catalog: Catalog, name: str) -> ServingConfig:
 
 
 def checked_submission(config: ServingConfig, *, prompt: str | None, messages: list[dict[str, str]] | None,
-                       sampling: SamplingParams, max_prompt_chars: int) -> Submission:
+                       sampling: SamplingParams, max_prompt_chars: int, num_choices: int = 1) -> Submission:
     """A request every edge builds the same way: the prompt's size checked, the sampling against the config."""
     num_chars = len(prompt) if prompt is not None else sum(len(m["content"]) for m in messages or [])
     if num_chars > max_prompt_chars:
         raise Rejection(f"the prompt has {num_chars} characters; at most {max_prompt_chars} are accepted",
                         kind="too_large", code="prompt_too_large", param="messages" if messages else "prompt")
-    return Submission(config.name, prompt, messages, sampling)
+    return Submission(config.name, prompt, messages, sampling, num_choices)
 
 
 def max_new_tokens(requested: int | None, config: ServingConfig, *, param: str = "max_tokens") -> int:
