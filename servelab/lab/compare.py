@@ -116,11 +116,18 @@ def round_order(names: list[str], round_index: int, *, seed: int = 0) -> list[st
 
 
 def start_workers(stack: ExitStack, configs, runtime: Runtime, workload: Workload, progress) -> dict[str, WorkerProcess]:
-    """A warmed-up worker process per config, stopped when the stack closes."""
+    """A warmed-up worker process per config, stopped when the stack closes. NOTE: the processes start together
+    (their imports and loads overlap: a plan with fresh workers starts them every round), then each is awaited;
+    nothing is measured until every one is up and warmed."""
     workers = {}
     for config, path in configs:
         progress(f"[{config.name}] starting a worker")
-        workers[config.name] = stack.enter_context(start_worker(config, path, runtime))
+        worker = start_worker(config, path, runtime)
+        stack.push(worker)  # NOTE: stopped when the stack closes, whichever start fails
+        worker.launch()
+        workers[config.name] = worker
+    for worker in workers.values():
+        worker.wait_registered()
     for config, _ in configs:
         warm_up(workers[config.name], config, workload)
     return workers

@@ -59,6 +59,12 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> WorkerProcess:
+        self.launch()
+        self.wait_registered()
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (start_workers starts several at once, then waits)."""
         s = self.runtime.settings
         env = {**os.environ, "SERVELAB_REDIS_URL": self.runtime.urls.redis_url,
                "SERVELAB_DATABASE_URL": self.runtime.urls.database_url, "SERVELAB_KEY_PREFIX": s.key_prefix,
@@ -68,10 +74,9 @@ class WorkerProcess:
         # NOTE: the worker's stdout goes to this process's stderr: stdout is the lab commands' data (--json)
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.gpu", str(self.config_path.resolve())],
                                      cwd=REPO, env=env, stdout=2)
-        self._wait_registered()
-        return self
 
-    def _wait_registered(self) -> None:
+    def wait_registered(self) -> None:
+        """Until the worker has loaded its model and registered (its hardware row), or a RunError."""
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -36,13 +36,17 @@ class ScaleRow:
 @contextmanager
 def private_workers(config: ServingConfig, runtime: Runtime, *, count: int) -> Iterator[RequestStreams]:
     """`count` worker processes serving a private copy of the config (name `<name>-<random>`); -> its streams.
-    They are started one after another, each registered before the next starts, and stopped on exit."""
+    They start together (their loads overlap), each is awaited before any request is sent, and all stop on exit."""
     private = config.model_copy(update={"name": f"{config.name}-{uuid.uuid4().hex[:8]}"})
     with tempfile.TemporaryDirectory(prefix="servelab-scale-") as folder, ExitStack() as stack:
         path = Path(folder) / f"{private.name}.yaml"
         path.write_text(yaml.safe_dump(private.model_dump(mode="json"), sort_keys=False))
-        for i in range(count):
-            stack.enter_context(WorkerProcess(path, runtime, f"scale-{private.name}-{i}"))
+        workers = [WorkerProcess(path, runtime, f"scale-{private.name}-{i}") for i in range(count)]
+        for worker in workers:
+            stack.push(worker)  # NOTE: stopped on exit, whichever start fails
+            worker.launch()
+        for worker in workers:
+            worker.wait_registered()
         yield RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=private.name)
 
 

@@ -86,6 +86,7 @@ def seeded(tmp_path_factory, tiny_folder) -> Iterator[Seeded]:  # noqa: F811
         plan_path.write_text(
             f"name: dash-precision\nworkload: {workload_file(folder, 'burst', 6)}\nbaseline: {base}\n"
             f"candidates: [{half}]\nrepeats: 2\nquality: {{lambada_samples: 8}}\n"
+            "fresh_workers: false\n"  # NOTE: one worker per config for both rounds: the pages read runs, not workers
             "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
             "  gains: [{metric: weight_bytes, max_ratio: 0.75}]\n")
         comparison_id = run_plan(load_plan(plan_path), runtime).comparison_id

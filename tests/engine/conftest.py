@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
+from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.loader import resolve_model_folder
 from servelab.settings import Settings
 
@@ -20,6 +21,20 @@ REPO = Path(__file__).resolve().parents[2]
 def settings() -> Settings:
     # NOTE: the converted bundled model is cached in the repo's .cache, shared across test runs.
     return Settings(cache_dir=REPO / ".cache")
+
+
+def with_built_kernels(cache_dir: Path) -> Path:
+    """cache_dir with the suite's compiled kernels linked in (REPO/.cache's builds, this CPU's best built there
+    first): a test that needs a cache of its own (its measured choices, its quantised checkpoints) reads the
+    same build instead of compiling its own, about 50 s each."""
+    shared = REPO / ".cache" / "kernels"
+    load_blocked_kernel(REPO / ".cache")
+    (cache_dir / "kernels").mkdir(parents=True, exist_ok=True)
+    for built in shared.iterdir() if shared.is_dir() else ():
+        link = cache_dir / "kernels" / built.name
+        if built.is_dir() and built.name != "choices" and not link.exists():
+            link.symlink_to(built, target_is_directory=True)
+    return cache_dir
 
 
 @pytest.fixture(scope="session")

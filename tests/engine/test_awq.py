@@ -24,7 +24,7 @@ from servelab.engine.linear import Int4Linear, ServelabInt4Linear
 from servelab.engine.measure import weight_bytes
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
-from tests.engine.conftest import save_tiny_llama
+from tests.engine.conftest import save_tiny_llama, with_built_kernels
 from tests.engine.naive import naive_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="needs gptqmodel==7.6.0")
@@ -42,7 +42,7 @@ def _awq_config(model: str | Path, **awq) -> ServingConfig:
 
 @pytest.fixture(scope="module")
 def awq_settings(tmp_path_factory) -> Settings:
-    return Settings(cache_dir=tmp_path_factory.mktemp("awq-cache"))
+    return Settings(cache_dir=with_built_kernels(tmp_path_factory.mktemp("awq-cache")))
 
 
 @pytest.fixture(scope="module")

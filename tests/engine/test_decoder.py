@@ -16,6 +16,7 @@ from servelab.engine.kvcache import SlotKVCache, StaticKVCache
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
                                     TorchLinear, choose_linear_kernel, layout_families, linear_kernel_reason,
                                     one_layout_winners)
+from tests.engine.conftest import with_built_kernels
 
 CPU = torch.device("cpu")
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
@@ -194,6 +195,7 @@ def test_an_explicit_kernel_that_cannot_run_is_refused_before_the_model_loads(tm
 
 def test_auto_serves_each_batch_size_with_the_kernel_measured_fastest_there(tmp_path) -> None:
     shapes = ((48, 32), (32, 48))
+    with_built_kernels(tmp_path)  # NOTE: its own choices, the suite's build
     kernel = choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
     [cached] = list((tmp_path / "kernels" / "choices").glob("*.json"))
     record = json.loads(cached.read_text())
