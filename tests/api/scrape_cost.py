@@ -30,6 +30,7 @@ from servelab.store.db import make_engine, session_factory
 from servelab.store.migrate import upgrade
 from servelab.telemetry import WorkerMeter, count_submission
 from tests.conftest import REDIS_URL, REPO, create_test_database, drop_test_database
+from tests.timing import samples_s
 
 FILL = """
 CREATE TEMP TABLE seed AS
@@ -72,12 +73,7 @@ OLD_SCRAPE = [
 
 def timed_ms(fn, *, repeats: int) -> str:
     """Median and fastest of `repeats` calls (the fastest is what the call costs on a quiet machine)."""
-    fn()  # warm: plans cached, pages in memory
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
+    samples = samples_s(fn, repeats=repeats)
     return f"{statistics.median(samples) * 1e3:7.1f} / {min(samples) * 1e3:5.1f} ms"
 
 

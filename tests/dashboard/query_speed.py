@@ -24,6 +24,7 @@ from servelab.store import queries
 from servelab.store.db import make_engine
 from servelab.store.migrate import upgrade
 from tests.conftest import REDIS_URL, create_test_database, drop_test_database
+from tests.timing import samples_s
 
 FILL = """
 CREATE TEMP TABLE seed_runs AS
@@ -103,13 +104,7 @@ FROM generate_series(0, 9) AS i;
 
 
 def timed(fn, *, repeats: int = 5) -> float:
-    fn()  # warm: plans cached, pages in memory
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e3
+    return statistics.median(samples_s(fn, repeats=repeats)) * 1e3
 
 
 def main() -> None:
