@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
@@ -31,6 +32,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
+from servelab.engine.loaded_model import resolve_device
+from servelab.engine.model_files import file_lock
 from servelab.engine.outputs import BatchResult, Completion, StepOutput
 from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
 from servelab.queue.batcher import BatchPolicy, Candidate
@@ -447,18 +450,29 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def measured_alone(config: ServingConfig, settings: Settings) -> AbstractContextManager:
+    """On a CPU, what a starting worker measures (auto's kernel choice, int4's crossover, the memory bandwidth
+    its runs' rooflines use) is measured with no other worker of this cache loading or measuring beside it:
+    workers started together (a lab round, a scale-out) overlap their imports only, then load one at a time.
+    NOTE: not on a GPU, where nothing is measured at load and many workers of a host load at once."""
+    if resolve_device(config.device).type != "cpu":
+        return nullcontext()
+    return file_lock(settings.cache_dir / "kernels" / "load.lock")
+
+
 def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     """Load the model once, register, serve until SIGTERM / SIGINT (the step in hand is finished first; rows
     still running are redelivered, to this worker's next start or to another worker)."""
     name = runtime.settings.worker_name or default_worker_name()
     faults = FaultPolicy.from_settings(runtime.settings)
-    engine = Engine.from_config(config, runtime.settings)
+    with measured_alone(config, runtime.settings):
+        engine = Engine.from_config(config, runtime.settings)
+        bandwidth_gbs = round(measure_bandwidth_gbs(engine.device), 1)
     streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
     with session_scope(runtime.sessions) as session:
         store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
                               hardware={**describe_hardware().as_dict(), "device": str(engine.device),
-                                        "kernel": engine.kernel,
-                                        "bandwidth_gbs": round(measure_bandwidth_gbs(engine.device), 1)},
+                                        "kernel": engine.kernel, "bandwidth_gbs": bandwidth_gbs},
                               software=software_versions())
         store.save_serving_config(session, config=config)
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),

@@ -293,3 +293,25 @@ def test_a_worker_whose_claim_keeper_died_stops_loudly(make_served, monkeypatch)
     monkeypatch.setattr(served.worker, "_keep_claims", lambda: None)  # the thread ends at once
     with pytest.raises(RuntimeError, match="the claim keeper stopped"):
         served.worker.run()
+
+
+def test_a_cpu_worker_loads_and_measures_only_while_no_other_worker_of_its_cache_does(tmp_path) -> None:
+    """Workers started together (a lab round) overlap their imports, then load and measure one at a time."""
+    from servelab.config import ServingConfig
+    from servelab.engine.model_files import file_lock
+    from servelab.settings import Settings
+
+    config = ServingConfig.from_dict({"name": "alone", "model": "bundled:smollm2-135m-instruct", "device": "cpu"})
+    settings = Settings(cache_dir=tmp_path)
+    entered = threading.Event()
+
+    def start() -> None:
+        with serving.measured_alone(config, settings):
+            entered.set()
+
+    with file_lock(tmp_path / "kernels" / "load.lock"):  # another worker loading
+        thread = threading.Thread(target=start)
+        thread.start()
+        assert not entered.wait(0.5), "a second worker measured while the first was loading"
+    assert entered.wait(5), "the second worker never went on once the first was done"
+    thread.join()
