@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
-from servelab.lab.runner import WorkerProcess, run_workload, start_worker, warm_up
+from servelab.lab.runner import WorkerProcess, run_workload, start_together, start_worker, warm_up
 from servelab.lab.verdict import Limits, RunSet, Verdict, compare
 from servelab.lab.workload import Workload, load_workload
 from servelab.runtime import Runtime
@@ -117,17 +117,12 @@ def round_order(names: list[str], round_index: int, *, seed: int = 0) -> list[st
 
 def start_workers(stack: ExitStack, configs, runtime: Runtime, workload: Workload, progress) -> dict[str, WorkerProcess]:
     """A warmed-up worker process per config, stopped when the stack closes. NOTE: the processes start together
-    (their imports and loads overlap: a plan with fresh workers starts them every round), then each is awaited;
-    nothing is measured until every one is up and warmed."""
+    (a plan with fresh workers starts them every round); nothing is measured until every one is up and warmed."""
     workers = {}
     for config, path in configs:
         progress(f"[{config.name}] starting a worker")
-        worker = start_worker(config, path, runtime)
-        stack.push(worker)  # NOTE: stopped when the stack closes, whichever start fails
-        worker.launch()
-        workers[config.name] = worker
-    for worker in workers.values():
-        worker.wait_registered()
+        workers[config.name] = start_worker(config, path, runtime)
+    start_together(stack, list(workers.values()))
     for config, _ in configs:
         warm_up(workers[config.name], config, workload)
     return workers

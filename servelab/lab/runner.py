@@ -13,7 +13,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -98,6 +100,16 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def start_together(stack: ExitStack, workers: Sequence[WorkerProcess]) -> None:
+    """Launch every worker, then wait for each to register; each is stopped when the stack closes, whichever
+    start fails. NOTE: their imports overlap; on a CPU they load and measure one at a time (measured_alone)."""
+    for worker in workers:
+        stack.push(worker)
+        worker.launch()
+    for worker in workers:
+        worker.wait_registered()
 
 
 def replay(workload: Workload, *, runtime: Runtime, streams: RequestStreams) -> list[tuple[str, int, float | None]]:

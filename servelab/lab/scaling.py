@@ -19,7 +19,7 @@ import yaml
 
 from servelab.config import ServingConfig
 from servelab.lab.bursts import BurstOutcome, filler_prompt, send_burst
-from servelab.lab.runner import WorkerProcess
+from servelab.lab.runner import WorkerProcess, start_together
 from servelab.lab.stats import percentile
 from servelab.queue.streams import RequestStreams
 from servelab.request import SamplingParams
@@ -36,17 +36,12 @@ class ScaleRow:
 @contextmanager
 def private_workers(config: ServingConfig, runtime: Runtime, *, count: int) -> Iterator[RequestStreams]:
     """`count` worker processes serving a private copy of the config (name `<name>-<random>`); -> its streams.
-    They start together (their loads overlap), each is awaited before any request is sent, and all stop on exit."""
+    They start together, each is awaited before any request is sent, and all stop on exit."""
     private = config.model_copy(update={"name": f"{config.name}-{uuid.uuid4().hex[:8]}"})
     with tempfile.TemporaryDirectory(prefix="servelab-scale-") as folder, ExitStack() as stack:
         path = Path(folder) / f"{private.name}.yaml"
         path.write_text(yaml.safe_dump(private.model_dump(mode="json"), sort_keys=False))
-        workers = [WorkerProcess(path, runtime, f"scale-{private.name}-{i}") for i in range(count)]
-        for worker in workers:
-            stack.push(worker)  # NOTE: stopped on exit, whichever start fails
-            worker.launch()
-        for worker in workers:
-            worker.wait_registered()
+        start_together(stack, [WorkerProcess(path, runtime, f"scale-{private.name}-{i}") for i in range(count)])
         yield RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=private.name)
 
 
