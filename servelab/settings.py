@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default=Path(".state"), description="embedded servers' data, logs, pids")
     key_prefix: str = Field(default="servelab", description="prefix of every Redis key this process uses")
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: config or torch default")
+    huge_pages: bool = Field(default=True, description="CPU: the weights a decode step reads on transparent huge pages")
     price_per_hour: float = Field(default=0.0, ge=0.0, description="hardware price, for cost per request")
     hf_hub_offline: bool = Field(default=True, description="never reach a model hub unless False")
     worker_name: str | None = Field(default=None, description="stream consumer name; default host-pid")

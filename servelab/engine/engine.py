@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from servelab.config import ServingConfig
 from servelab.engine import measure
+from servelab.engine.arena import gather_on_huge_pages
 from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
 from servelab.engine.detokenize import Detokenizer, TokenBytes
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
@@ -115,6 +116,14 @@ class Engine:
         self.step_weight_bytes = (measure.tensor_storage_bytes(self.decoder.step_tensors()) if own
                                   else self.weight_bytes - measure.tensor_storage_bytes(
                                       [loaded.model.get_input_embeddings().weight]) * (not _tied(loaded.model)))
+        # NOTE: after the byte figures (which count storages, not the arena): the weights a step streams move onto
+        # huge pages, where the CPU's prefetcher is not stopped at every 4 KB
+        self.arena = (gather_on_huge_pages(self.decoder.step_tensors(),
+                                           sharing=[*loaded.model.parameters(), *loaded.model.buffers(), *held])
+                      if own and self.device.type == "cpu" and settings is not None and settings.huge_pages else None)
+        if self.arena is not None:
+            gc.collect()
+            return_freed_memory()
         self._rows: list[_Row] = []  # the running batch, row i of the cache is rows[i]
         self._batch_cache: BatchKVCache | None = None
         self._meter: _Meter | None = None

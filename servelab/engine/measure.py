@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from servelab.engine.arena import arena_bytes
 from servelab.resident import ResidentPeak
 
 
 def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes held, each storage once; an opaque tensor (oneDNN's packed weights) by its elements."""
+    """Bytes held, each storage once (a weight arena by what it holds); an opaque tensor (oneDNN's packed weights)
+    by its elements."""
     seen: dict[int, int] = {}
     opaque = 0
     for t in tensors:
@@ -20,7 +22,8 @@ def tensor_storage_bytes(tensors: list[torch.Tensor]) -> int:
             opaque += t.numel() * t.element_size()
             continue
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        held = arena_bytes(storage)
+        seen[storage.data_ptr()] = storage.nbytes() if held is None else held
     return sum(seen.values()) + opaque
 
 

@@ -21,7 +21,7 @@ from servelab.engine import awq
 from servelab.engine.engine import Engine
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import Int4Linear, ServelabInt4Linear
-from servelab.engine.measure import weight_bytes
+from servelab.engine.measure import tensor_storage_bytes, weight_bytes
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 from tests.engine.conftest import save_tiny_llama, with_built_kernels
@@ -267,7 +267,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert isinstance(fused, ServelabInt4Linear)
         assert engine.kernel.startswith("servelab decoder, int4 servelab")  # reported with every run
         assert engine.loaded.model.model.layers[0].self_attn.q_proj.qweight.numel() == 0
-        own_layout = sum(t.untyped_storage().nbytes() for layer in engine.decoder.layers for t in layer.qkv.tensors())
+        own_layout = tensor_storage_bytes([t for layer in engine.decoder.layers for t in layer.qkv.tensors()])
         assert engine.weight_bytes >= own_layout > 0  # the process's weights: the decoder's layouts
     else:
         assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
