@@ -71,6 +71,10 @@ class AWQConfig(_Frozen):
     calibration_set: Literal["hellaswag", "arc_easy", "piqa"] = "hellaswag"
     kernel: Literal["auto", "servelab", "aten", "torch", "triton", "marlin", "gemm", "exllama"] = Field(
         default="auto", description="int4 matmul: auto = servelab's own on CPU (gptqmodel's ATen kernel where it cannot run), a CUDA kernel on GPU; servelab / aten name a CPU kernel; the rest name a gptqmodel backend")
+    activations: Literal["int8", "float"] = Field(
+        default="int8", description="servelab's int4 kernel at few rows: int8 = activations quantised per group, integer "
+                                    "dot products (streams the weights at the bandwidth); float = fp32 activations on "
+                                    "weights dequantised in registers (closer to full precision, slower)")
 
 
 class ServingConfig(_Frozen):

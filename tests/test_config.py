@@ -34,6 +34,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("batch_size: 4\n", ["batch_size: unknown field"]),
         ("awq:\n  group_size: 64\n", ["needs weights: awq-int4"]),
         ("awq:\n  group_size: 100\nweights: awq-int4\n", ["awq.group_size: got 100", "32, 64 or 128"]),
+        ("awq:\n  activations: fp16\nweights: awq-int4\n", ["awq.activations: got 'fp16'", "'int8' or 'float'"]),
         ("- a list\n", ["expected a mapping"]),
         ("weights: [unclosed\n", ["not valid YAML"]),
     ],

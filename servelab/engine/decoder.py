@@ -58,10 +58,12 @@ class Decoder(Protocol):
 
 
 def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                  linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto", lm_head_weights: str = "auto") -> Decoder:
+                  linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto", lm_head_weights: str = "auto",
+                  int4_activations: str = "int8") -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
     int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
-    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU).
+    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU). int4_activations:
+    servelab's int4 kernel at few rows on int8 activations (integer dot products) or 'float' ones (fp32 FMAs).
     lm_head_weights 'int8': the output layer in int8 through servelab's kernel (refused where it cannot run)."""
     if lm_head_weights != "auto" and (reason := lm_head_reason(model, choice, device, cache_dir)) is not None:
         raise LinearKernelError(f"lm_head_weights {lm_head_weights!r} cannot run here: {reason}")
@@ -69,7 +71,7 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
     int4 = None
     if choice == "auto" and unsupported_reason(model) is None:
         if int4_layers:
-            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir)
+            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float")
         if int4 is None:
             _warm_up_int4(model, int4_layers, device)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
@@ -90,14 +92,17 @@ class Int4Kernel:
 
     blocked: BlockedKernel
     int_rows: int
+    float_activations: bool = False  # fp32 FMAs on weights dequantised in registers, not int8 dot products
 
     @property
     def label(self) -> str:
         tiles = "" if self.int_rows >= 1 << 20 else f" up to {self.int_rows} rows, fp32 tiles above"
-        return f"int4 {self.blocked.label} ({self.blocked.module.int8_dot()}{tiles})"
+        streamed = "fp32 activations" if self.float_activations else self.blocked.module.int8_dot()
+        return f"int4 {self.blocked.label} ({streamed}{tiles})"
 
 
-def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.device, cache_dir: Path) -> Int4Kernel | None:
+def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.device, cache_dir: Path,
+                 float_activations: bool = False) -> Int4Kernel | None:
     if choice not in ("auto", "servelab"):
         return None
     reason = (next((r for m in layers if (r := int4_modules_reason([m])) is not None), None) if device.type == "cpu"
@@ -112,7 +117,8 @@ def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.devic
         return None
     group = layers[0].in_features // layers[0].scales.shape[0]
     per_layer = {(m.out_features, m.in_features) for m in layers[:7]}  # one decoder layer's shapes
-    return Int4Kernel(blocked, int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group))
+    int_rows = int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group, float_activations)
+    return Int4Kernel(blocked, int_rows, float_activations)
 
 
 @torch.inference_mode()
@@ -179,7 +185,7 @@ class TransformersDecoder:
 def projection(modules: list[torch.nn.Module], kernel: LinearKernel, int4: Int4Kernel | None = None) -> Projection:
     """One matmul for one projection, or for several of the same input (q/k/v, gate/up), outputs side by side."""
     if int4 is not None and int4_modules_reason(modules) is None:
-        return ServelabInt4Linear(int4.blocked, modules, int4.int_rows)
+        return ServelabInt4Linear(int4.blocked, modules, int4.int_rows, int4.float_activations)
     if all(type(m) is torch.nn.Linear for m in modules):
         weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight  # (sum N_i, K)
         biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
@@ -408,7 +414,7 @@ class LlamaDecoder:
                 self._stack = blocked.Int4DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
                 for layer in self.layers:
                     self._stack.add_layer(layer.attn_norm, layer.mlp_norm,
-                                          *((p.packed, p.scales, p.zeros, p.group_size, p.int_rows)
+                                          *((p.packed, p.scales, p.zeros, p.group_size, p.int_rows, p.float_activations)
                                             for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         return self._stack or None
 

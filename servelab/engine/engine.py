@@ -101,6 +101,7 @@ class Engine:
         self.decoder = build_decoder(loaded.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
                                      cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto",
+                                     int4_activations=config.awq.activations if config.awq else "int8",
                                      lm_head_weights=config.lm_head_weights)
         self._settings = settings
         self._reference: PreTrainedModel | None = None

@@ -394,13 +394,15 @@ class ServelabInt4Linear:
     """AWQ int4 weights through servelab's own kernel (blocked.cpp, 'int4x16'), several projections of one
     input as one matmul: their outputs side by side. The AWQ tensors are unpacked and laid out once; this
     layout is then the only copy of these weights the decoder needs. Up to `int_rows` rows the kernel takes
-    integer dot products on activations quantised per group to int8; above, torch's GEMM on the weight
-    dequantised for the call (int4_int_rows says which is faster where)."""
+    integer dot products on activations quantised per group to int8 (or, float_activations, fp32 FMAs on the weights
+    dequantised in registers); above, torch's GEMM on the weight dequantised for the call (int4_int_rows says which
+    is faster where)."""
 
-    def __init__(self, blocked: BlockedKernel, modules: list[torch.nn.Module], int_rows: int) -> None:
+    def __init__(self, blocked: BlockedKernel, modules: list[torch.nn.Module], int_rows: int,
+                 float_activations: bool = False) -> None:
         from servelab.engine.awq.unpack import unpack_awq
 
-        self.kernel, self.int_rows = blocked.module, int_rows
+        self.kernel, self.int_rows, self.float_activations = blocked.module, int_rows, float_activations
         parts = [unpack_awq(m.qweight, m.qzeros, m.scales) for m in modules]
         self.group_size = parts[0][3]
         q = torch.cat([p[0] for p in parts])  # (N, K)
@@ -433,8 +435,10 @@ class ServelabInt4Linear:
         if residual is not None:
             assert self.takes_residual, "a residual needs unpadded outputs and no bias"
             return self.kernel.int4_linear(rows, self.packed, self.scales, self.zeros, self.group_size, self.int_rows,
-                                           residual.reshape(rows.shape[0], -1)).view_as(residual)
-        y = self.kernel.int4_linear(rows, self.packed, self.scales, self.zeros, self.group_size, self.int_rows)
+                                           residual.reshape(rows.shape[0], -1),
+                                           float_activations=self.float_activations).view_as(residual)
+        y = self.kernel.int4_linear(rows, self.packed, self.scales, self.zeros, self.group_size, self.int_rows,
+                                    float_activations=self.float_activations)
         y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -491,17 +495,18 @@ INT4_MEASURED_ROWS = (16, 64, 256)
 
 
 def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[int, int], ...],
-                  group: int) -> int:
-    """Up to how many rows servelab's int4 kernel takes integer dot products rather than torch's GEMM on the
-    dequantised weight: measured once per CPU, threads and shapes (the GEMM wins at many rows, where the product's
-    arithmetic outweighs dequantising the weight once), cached like the dense kernels' choice. One row and few
-    rows always take the integer path: it streams the weights once and does 4x the work per instruction."""
+                  group: int, float_activations: bool = False) -> int:
+    """Up to how many rows servelab's int4 kernel streams the weights (integer dot products, or fp32 FMAs with
+    float_activations) rather than torch's GEMM on the dequantised weight: measured once per CPU, threads, shapes
+    and activations (the GEMM wins at many rows, where the product's arithmetic outweighs dequantising the weight
+    once), cached like the dense kernels' choice. One row and few rows always stream: the weights are read once."""
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "isa": blocked.isa.name if blocked.isa else None, "shapes": [list(s) for s in shapes], "group": group,
-            "rows": list(INT4_MEASURED_ROWS), "kernel": "int4", "tiles": "gemm"}
+            "rows": list(INT4_MEASURED_ROWS), "kernel": "int4", "tiles": "gemm",
+            "activations": "float" if float_activations else "int8"}
 
     def measure() -> dict:
-        timings = _measure_int4(blocked, shapes, group)
+        timings = _measure_int4(blocked, shapes, group, float_activations)
         int_rows = 1 << 30
         for rows, (dot, tile) in zip(INT4_MEASURED_ROWS, timings):
             if tile < dot:
@@ -514,8 +519,8 @@ def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[i
 
 @torch.inference_mode()
 def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], group: int,
-                  num_rounds: int = 3) -> list[tuple[float, float]]:
-    """(integer path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds."""
+                  float_activations: bool = False, num_rounds: int = 3) -> list[tuple[float, float]]:
+    """(streaming path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds."""
     kernel = blocked.module
     generator = torch.Generator().manual_seed(0)
     weights = []
@@ -532,7 +537,7 @@ def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], g
             for path, int_rows in enumerate((1 << 30, 0)):
                 started = time.perf_counter()
                 for packed, x in zip(weights, inputs):
-                    kernel.int4_linear(x, *packed, group, int_rows)
+                    kernel.int4_linear(x, *packed, group, int_rows, float_activations=float_activations)
                 if round_idx:
                     best[path] = min(best[path], time.perf_counter() - started)
         out.append((best[0], best[1]))

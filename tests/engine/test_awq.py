@@ -236,11 +236,15 @@ class _OwnKernel(torch.nn.Module):
         return self.linear(x)
 
 
+@pytest.mark.parametrize("activations", ["int8", "float"])
 def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: ServingConfig,
-                                                        awq_settings: Settings) -> None:
+                                                        awq_settings: Settings, activations: str) -> None:
     """servelab's own int4 kernel where this CPU runs a build (else gptqmodel's ATen layers, joined): the engine
-    (batched, cached, q/k/v joined) against transformers' forward with the same kernel in each layer."""
-    engine = Engine.from_config(tiny_config, awq_settings)
+    (batched, cached, q/k/v joined) against transformers' forward with the same kernel in each layer, on int8 or
+    fp32 activations."""
+    awq_config = tiny_config.awq.model_copy(update={"activations": activations})
+    engine = Engine.from_config(tiny_config.model_copy(update={"awq": awq_config}), awq_settings)
+    float_activations = activations == "float"
     blocked = load_blocked_kernel(awq_settings.cache_dir)
     # NOTE: the serving engine emptied the int4 layers it laid out for its own kernel (one copy of the
     # weights); engine.model is a fresh load of gptqmodel's layers
@@ -254,7 +258,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
             if hasattr(module, "qweight"):
                 parent, _, child = name.rpartition(".")
                 setattr(reference.get_submodule(parent), child,
-                        _OwnKernel(ServelabInt4Linear(blocked, [module], 1 << 30)))
+                        _OwnKernel(ServelabInt4Linear(blocked, [module], 1 << 30, float_activations)))
     requests = [GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=8))
                 for i, p in enumerate(PROMPTS)]
     result = engine.generate(requests)
@@ -264,8 +268,9 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
     fused = engine.decoder.layers[0].qkv  # q/k/v int4 weights joined: one int4 matmul
     if blocked.module is not None:
         assert engine.decoder._int4_stack() is not None  # the decode steps above ran every layer in one call
-        assert isinstance(fused, ServelabInt4Linear)
+        assert isinstance(fused, ServelabInt4Linear) and fused.float_activations == float_activations
         assert engine.kernel.startswith("servelab decoder, int4 servelab")  # reported with every run
+        assert ("fp32 activations" in engine.kernel) == float_activations
         assert engine.loaded.model.model.layers[0].self_attn.q_proj.qweight.numel() == 0
         own_layout = tensor_storage_bytes([t for layer in engine.decoder.layers for t in layer.qkv.tensors()])
         assert engine.weight_bytes >= own_layout > 0  # the process's weights: the decoder's layouts

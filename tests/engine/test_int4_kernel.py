@@ -85,6 +85,12 @@ def test_int4_matmul_equals_dequantise_then_matmul(build: str, group: int) -> No
             torch.testing.assert_close(dots, _quantized_rows(x, group) @ weight.t(), rtol=1e-4, atol=1e-4)
             # and the int8 rounding of x costs little against the full-precision product
             assert (dots - x @ weight.t()).norm() <= 0.02 * (x @ weight.t()).norm()
+            # fp32 activations on weights dequantised in registers: x @ W^T itself, no rounding of x
+            floats = kernel.int4_linear(x, *packed, group, ALL_ROWS, float_activations=True)
+            torch.testing.assert_close(floats, x @ weight.t(), rtol=1e-4, atol=1e-4)
+            residual = torch.randn(rows, out_features, generator=generator)
+            torch.testing.assert_close(kernel.int4_linear(x, *packed, group, ALL_ROWS, residual, float_activations=True),
+                                       floats + residual, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -94,10 +100,10 @@ def test_joined_awq_layers_with_padding_bias_and_bf16(build: str) -> None:
     generator = torch.Generator().manual_seed(1)
     layers = [_awq_layer(n, 128, 64, generator, bias=True) for n in (40, 24, 24)]
     assert int4_modules_reason([layer for layer, _ in layers]) is None
-    for int_rows in (0, ALL_ROWS):
-        joined = ServelabInt4Linear(blocked, [layer for layer, _ in layers], int_rows)
+    for int_rows, float_activations in ((0, False), (ALL_ROWS, False), (ALL_ROWS, True)):
+        joined = ServelabInt4Linear(blocked, [layer for layer, _ in layers], int_rows, float_activations)
         x = torch.randn(2, 3, 128, generator=generator)
-        seen = x if int_rows == 0 else _quantized_rows(x.view(-1, 128), 64).view_as(x)
+        seen = x if int_rows == 0 or float_activations else _quantized_rows(x.view(-1, 128), 64).view_as(x)
         want = torch.cat([seen @ w.t() + layer.bias for layer, w in layers], dim=-1)
         torch.testing.assert_close(joined(x), want, rtol=1e-4, atol=1e-4)
         got_bf16 = joined(x.bfloat16())

@@ -43,6 +43,7 @@ inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline Vec vfms(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }  // a b - c
 inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec vandnot(Vec a, Vec b) { return _mm512_andnot_ps(a, b); }  // ~a & b
@@ -88,6 +89,7 @@ inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+inline Vec vfms(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }  // a b - c
 inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec vandnot(Vec a, Vec b) { return _mm256_andnot_ps(a, b); }  // ~a & b
@@ -367,7 +369,9 @@ namespace {
 //
 // Few rows (decode): each row's activations are quantised per group to int8 (symmetric, d = max|x| / 127),
 // and y = sum over groups of s (d sum_k xi q - z d sum_k xi): the integer sums run over the group, the
-// weights are read once as a stream. Many rows (prefill): the weight is dequantised once to an fp32 tile in the
+// weights are read once as a stream. Or (float_activations) the rows stay fp32 and each weight vector is
+// dequantised in registers, w = q s - s z, for fp32 FMAs: the same stream, no rounding of x, about 4x the
+// instructions per weight byte. Many rows (prefill): the weight is dequantised once to an fp32 tile in the
 // blocked16 layout and torch's GEMM (MKL / oneDNN) multiplies every row by it, as an fp32 model's prefill runs:
 // the dequantisation is N x K operations against M x N x K for the product (a tile of at most a few MB, freed
 // at once). Measured on an AVX-512 EPYC: the earlier register-tiled fp32 pass over per-span tiles made int4
@@ -514,6 +518,49 @@ void block_int4(QuadAt w, const at::Half* s, const uint8_t* z, const Int4Rows& x
       }
 }
 
+// R rows x C adjacent blocks with fp32 activations: each unit's 8 nibbles per lane dequantised in registers,
+// w = q s - s z, and multiplied into fp32 accumulators (no rounding of the activations). X: the rows (M, K) in fp32.
+// Per 64-byte unit: 8 x (shift, mask, convert, dequantise) shared by the rows, 8 FMAs per row, against the integer
+// path's 2 shifts / masks and 2 dot products per row: it is compute-bound where that one streams (the measurement
+// is in the README).
+template <int R, int C, typename TY>
+void block_int4_float(QuadAt w, const at::Half* s, const uint8_t* z, const float* X, int64_t K, int64_t groups,
+                      int64_t group, int64_t row0, TY* y, int64_t ldy, const TY* res) {
+  const int64_t units_per_group = group / 8, block_groups = groups * kBlock;
+  const IVec low = iset1(0x0F);
+  Vec acc[R][C][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec scale[C][kVecs], offset[C][kVecs];  // s and s z of the group's 16 outputs per block
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = c * block_groups + g * kBlock + v * kLanes;
+        scale[c][v] = vload(s + at);
+        offset[c][v] = vmul(scale[c][v], vload_u8(z + at));
+      }
+    for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
+      if constexpr (R >= kPrefetchRows)
+        for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w.first + c * kUnit + (u + 8) * w.unit_stride), _MM_HINT_T0);
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) {
+          const IVec raw = iload(w.first + c * kUnit + u * w.unit_stride + v * (kUnit / kVecs));
+          for (int t = 0; t < 8; ++t) {  // k0 + t: byte t's low nibble (t < 4), byte t - 4's high one (t >= 4)
+            const Vec wt = vfms(itof(iand(isrl(raw, (t & 3) * 8 + (t >> 2) * 4), low)), scale[c][v], offset[c][v]);
+            for (int r = 0; r < R; ++r) acc[r][c][v] = vfma(wt, vset1(X[(row0 + r) * K + u * 8 + t]), acc[r][c][v]);
+          }
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = r * ldy + c * kBlock + v * kLanes;
+        store_out(y + at, acc[r][c][v], res ? res + at : nullptr);
+      }
+}
+
 // One block of int4 weights -> (K, 16) fp32 in the blocked16 layout: w = s (q - z).
 void dequantize_block(QuadAt w, const at::Half* s, const uint8_t* z, int64_t K, int64_t group, float* out) {
   const IVec low = iset1(0x0F);
@@ -623,6 +670,36 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
           block_int4<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
                                                              Z + b * block_groups, rows, group, m, Y + at, N,
                                                              res ? res + at : nullptr);
+        });
+      }
+    }
+  });
+}
+
+template <typename TX>
+void int4_float_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
+                     int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
+  std::vector<float> converted;
+  const float* XF;
+  if constexpr (std::is_same_v<TX, float>) {
+    XF = X;
+  } else {
+    converted.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) converted[i] = static_cast<float>(X[i]);
+    XF = converted.data();
+  }
+  const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, groups = K / group, block_groups = groups * kBlock;
+  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
+  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const int64_t b = span * i;
+      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+          const int64_t at = m * N + b * kBlock;
+          block_int4_float<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
+                                                                   Z + b * block_groups, XF, K, groups, group, m, Y + at, N,
+                                                                   res ? res + at : nullptr);
         });
       }
     }
@@ -752,10 +829,11 @@ std::vector<torch::Tensor> int4_pack(const torch::Tensor& q, const torch::Tensor
 }
 
 // x (M, K) fp32 or bf16, weights from int4_pack -> y (M, N) in x's dtype, plus the residual (M, N) when given.
-// Up to `int_rows` rows: integer dot products on int8 activations; more: torch's GEMM on the dequantised tile.
+// Up to `int_rows` rows: streamed weights, with integer dot products on int8 activations or (float_activations)
+// fp32 FMAs on weights dequantised in registers; more: torch's GEMM on the dequantised tile.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const torch::Tensor& zeros, int64_t group, int64_t int_rows,
-                          const c10::optional<torch::Tensor>& residual) {
+                          const c10::optional<torch::Tensor>& residual, bool float_activations) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "int4_linear: fp32 or bf16 x");
   TORCH_CHECK(scales.scalar_type() == torch::kHalf && zeros.scalar_type() == torch::kUInt8,
@@ -768,6 +846,16 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto* S = scales.data_ptr<at::Half>();
   const auto* Z = zeros.data_ptr<uint8_t>();
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (M <= int_rows && float_activations) {
+    if (bf16) {
+      int4_float_path(x.data_ptr<at::BFloat16>(), W, S, Z, y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res),
+                      M, K, num_blocks, group);
+    } else {
+      int4_float_path(x.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K, num_blocks,
+                      group);
+    }
+    return y;
+  }
   if (M <= int_rows) {
     if (bf16) {
       int4_integer_path(x.data_ptr<at::BFloat16>(), W, S, Z, y.data_ptr<at::BFloat16>(),
@@ -1074,7 +1162,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // much as the layers' weight reads). Holds its weights by reference: the decoder's own tensors.
 class Int4DecodeStack {
  public:
-  using Projection = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t>;  // packed, scales, zeros, group, int_rows
+  // packed, scales, zeros, group, int_rows, float_activations
+  using Projection = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, bool>;
 
   Int4DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : H_(num_heads), H_kv_(num_kv_heads), D_(head_dim), eps_(eps) {}
@@ -1109,7 +1198,8 @@ class Int4DecodeStack {
   };
 
   static torch::Tensor apply(const Projection& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual) {
-    return int4_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), residual);
+    return int4_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), residual,
+                       std::get<5>(p));
   }
 
   int64_t H_, H_kv_, D_;
@@ -1136,7 +1226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_pack", &int4_pack, "AWQ int4 values, scales and zeros -> the int4x16 layout");
   m.def("int4_linear", &int4_linear, "x (M, K) @ W^T (+ residual) with int4 W in the int4x16 layout", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int_rows"),
-        py::arg("residual") = py::none());
+        py::arg("residual") = py::none(), py::arg("float_activations") = false);
   m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 and int8 kernels use");
   m.def("int8_pack", &int8_pack, "W (N, K) -> int8 per output row, the int8x16 layout");
   m.def("int8_linear", &int8_linear, "x (M, K) @ W^T (+ residual) with int8 W in the int8x16 layout", py::arg("x"),
