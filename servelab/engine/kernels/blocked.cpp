@@ -384,6 +384,10 @@ inline IVec iset1(int32_t x) { return _mm512_set1_epi32(x); }
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec iand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
 inline IVec isrl(IVec a, int n) { return _mm512_srli_epi32(a, n); }
+inline IVec isll(IVec a, int n) { return _mm512_slli_epi32(a, n); }
+// (a & mask) | bits in one instruction (vpternlogd: A & B | C)
+inline Vec ibits_as_float(IVec a, IVec mask, IVec bits) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(a, mask, bits, 0xEA)); }
+constexpr int kFloatRows = 8;  // rows per pass of the fp32-activation int4 path: 8 sums + 8 accumulators
 inline Vec itof(IVec a) { return _mm512_cvtepi32_ps(a); }
 #ifdef __AVX512VNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
@@ -409,6 +413,9 @@ inline IVec iset1(int32_t x) { return _mm256_set1_epi32(x); }
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline IVec iand(IVec a, IVec b) { return _mm256_and_si256(a, b); }
 inline IVec isrl(IVec a, int n) { return _mm256_srli_epi32(a, n); }
+inline IVec isll(IVec a, int n) { return _mm256_slli_epi32(a, n); }
+inline Vec ibits_as_float(IVec a, IVec mask, IVec bits) { return _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(a, mask), bits)); }
+constexpr int kFloatRows = 2;  // 2 rows x 2 blocks: 8 sums + 8 accumulators of the 16 ymm registers
 inline Vec itof(IVec a) { return _mm256_cvtepi32_ps(a); }
 #ifdef __AVXVNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
@@ -518,40 +525,58 @@ void block_int4(QuadAt w, const at::Half* s, const uint8_t* z, const Int4Rows& x
       }
 }
 
-// R rows x C adjacent blocks with fp32 activations: each unit's 8 nibbles per lane dequantised in registers,
-// w = q s - s z, and multiplied into fp32 accumulators (no rounding of the activations). X: the rows (M, K) in fp32.
-// Per 64-byte unit: 8 x (shift, mask, convert, dequantise) shared by the rows, 8 FMAs per row, against the integer
-// path's 2 shifts / masks and 2 dot products per row: it is compute-bound where that one streams (the measurement
-// is in the README).
+// R rows x C adjacent blocks with fp32 activations, no rounding of x. Each nibble q becomes the float 1 + q / 16
+// exactly by moving it under the mantissa of 1.0 (a shift, then a mask-and-or: one vpternlogd on AVX-512), and
+// the group's sums t = sum_k x (1 + q / 16) run in fp32 FMAs; then, per group, s (sum x q - z sum x) =
+// 16 s t - s (16 + z) sum x. Per 64-byte unit: 8 x (shift, mask-or) shared by the rows and 8 FMAs per row, against
+// the integer path's 3 operations and 2 dot products per row: it is compute-bound where that one streams.
+// X: the rows (M, K) in fp32; xsum: their per-group sums (M, groups).
+template <int T>
+inline Vec one_plus_nibble(IVec raw, IVec mask, IVec one) {  // k0 + T: byte T's low nibble (T < 4), byte T - 4's high one
+  constexpr int at = (T & 3) * 8 + (T >> 2) * 4;  // the nibble's lowest bit; it goes to bit 19 (mantissa bits 19..22)
+  if constexpr (at <= 19) return ibits_as_float(isll(raw, 19 - at), mask, one);
+  else return ibits_as_float(isrl(raw, at - 19), mask, one);
+}
+
 template <int R, int C, typename TY>
-void block_int4_float(QuadAt w, const at::Half* s, const uint8_t* z, const float* X, int64_t K, int64_t groups,
-                      int64_t group, int64_t row0, TY* y, int64_t ldy, const TY* res) {
+void block_int4_float(QuadAt w, const at::Half* s, const uint8_t* z, const float* X, const float* xsum, int64_t K,
+                      int64_t groups, int64_t group, int64_t row0, TY* y, int64_t ldy, const TY* res) {
   const int64_t units_per_group = group / 8, block_groups = groups * kBlock;
-  const IVec low = iset1(0x0F);
+  const IVec mask = iset1(0x00780000), one = iset1(0x3F800000);
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    Vec scale[C][kVecs], offset[C][kVecs];  // s and s z of the group's 16 outputs per block
-    for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) {
-        const int64_t at = c * block_groups + g * kBlock + v * kLanes;
-        scale[c][v] = vload(s + at);
-        offset[c][v] = vmul(scale[c][v], vload_u8(z + at));
-      }
+    Vec sums[R][C][kVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int v = 0; v < kVecs; ++v) sums[r][c][v] = vzero();
     for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
       if constexpr (R >= kPrefetchRows)
         for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w.first + c * kUnit + (u + 8) * w.unit_stride), _MM_HINT_T0);
       for (int c = 0; c < C; ++c)
         for (int v = 0; v < kVecs; ++v) {
           const IVec raw = iload(w.first + c * kUnit + u * w.unit_stride + v * (kUnit / kVecs));
-          for (int t = 0; t < 8; ++t) {  // k0 + t: byte t's low nibble (t < 4), byte t - 4's high one (t >= 4)
-            const Vec wt = vfms(itof(iand(isrl(raw, (t & 3) * 8 + (t >> 2) * 4), low)), scale[c][v], offset[c][v]);
-            for (int r = 0; r < R; ++r) acc[r][c][v] = vfma(wt, vset1(X[(row0 + r) * K + u * 8 + t]), acc[r][c][v]);
-          }
+          auto take = [&](auto t) {
+            const Vec wt = one_plus_nibble<decltype(t)::value>(raw, mask, one);
+            for (int r = 0; r < R; ++r)
+              sums[r][c][v] = vfma(wt, vset1(X[(row0 + r) * K + u * 8 + decltype(t)::value]), sums[r][c][v]);
+          };
+          take(std::integral_constant<int, 0>{}); take(std::integral_constant<int, 1>{});
+          take(std::integral_constant<int, 2>{}); take(std::integral_constant<int, 3>{});
+          take(std::integral_constant<int, 4>{}); take(std::integral_constant<int, 5>{});
+          take(std::integral_constant<int, 6>{}); take(std::integral_constant<int, 7>{});
         }
     }
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t at = c * block_groups + g * kBlock + v * kLanes;
+        const Vec scale = vload(s + at), sixteen = vset1(16.f);
+        const Vec times = vmul(scale, sixteen), offset = vmul(scale, vadd(sixteen, vload_u8(z + at)));  // 16 s, s (16 + z)
+        for (int r = 0; r < R; ++r)
+          acc[r][c][v] = vfnma(offset, vset1(xsum[(row0 + r) * groups + g]), vfma(times, sums[r][c][v], acc[r][c][v]));
+      }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
@@ -679,7 +704,8 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
 template <typename TX>
 void int4_float_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
                      int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
-  std::vector<float> converted;
+  const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, groups = K / group, block_groups = groups * kBlock;
+  std::vector<float> converted, xsum(M * groups, 0.f);
   const float* XF;
   if constexpr (std::is_same_v<TX, float>) {
     XF = X;
@@ -688,18 +714,19 @@ void int4_float_path(const TX* X, const uint8_t* W, const at::Half* S, const uin
     for (int64_t i = 0; i < M * K; ++i) converted[i] = static_cast<float>(X[i]);
     XF = converted.data();
   }
-  const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, groups = K / group, block_groups = groups * kBlock;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += XF[m * K + k];
   const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
   at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
+      for (int64_t m = 0; m < M; m += kFloatRows) {
+        dispatch(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), blocks, [&](auto r, auto c) {
           const int64_t at = m * N + b * kBlock;
           block_int4_float<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
-                                                                   Z + b * block_groups, XF, K, groups, group, m, Y + at, N,
-                                                                   res ? res + at : nullptr);
+                                                                   Z + b * block_groups, XF, xsum.data(), K, groups, group,
+                                                                   m, Y + at, N, res ? res + at : nullptr);
         });
       }
     }
