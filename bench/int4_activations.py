@@ -1,0 +1,149 @@
+"""servelab's int4 kernel on int8 activations against fp32 ones (awq.activations), on the bundled model's
+awq-int4-fast checkpoint, one thread:
+
+- agreement: greedy tokens of each against gptqmodel's ATen layers (configs/awq-int4-fast-aten.yaml, the same
+  checkpoint and output layer), on the 32 chat prompts (chat template, batches of 16) and on 32 LAMBADA passages
+  (seed 0, one at a time): how many of 32 are identical over the first --new-tokens tokens, and where the others
+  part. --heads picks the output layer on both sides: bf16 as the checkpoint stores it (auto) and/or int8.
+- speed: decode tok/s of the two, interleaved round by round: B x (N - 1) / (t_N - t_1) with a 64-token prompt
+  and N = 64, the ratio float / int8 per round and its median.
+
+    python -m bench.int4_activations --batch-sizes 1,16,64 --rounds 3 --heads auto,int8
+
+Make the checkpoint first: servelab quantize --config configs/awq-int4-fast.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from servelab.config import ServingConfig
+from servelab.engine.engine import Engine
+from servelab.request import ChatMessage, GenerationRequest, SamplingParams
+from servelab.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+ACTIVATIONS = ("int8", "float")
+
+
+def _config(activations: str, head: str) -> ServingConfig:
+    base = ServingConfig.from_yaml(REPO / "configs" / "awq-int4-fast.yaml")
+    return base.model_copy(update={"lm_head_weights": head,
+                                   "awq": base.awq.model_copy(update={"activations": activations})})
+
+
+def _aten(head: str) -> ServingConfig:
+    return ServingConfig.from_yaml(REPO / "configs" / "awq-int4-fast-aten.yaml").model_copy(
+        update={"lm_head_weights": head})
+
+
+def _greedy(engine: Engine, batches: list[list[GenerationRequest]]) -> list[list[int]]:
+    out = []
+    for batch in batches:
+        out += [list(c.token_ids) for c in engine.generate(batch).completions]
+    return out
+
+
+def _prompt_sets(new_tokens: int) -> dict[str, list[list[GenerationRequest]]]:
+    from servelab.lab.quality import lambada_passages
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    chat = [json.loads(line)["prompt"] for line in (REPO / "servelab/lab/prompts/chat.jsonl").read_text().splitlines()]
+    chat_requests = [GenerationRequest(f"chat-{i}", messages=(ChatMessage(role="user", content=p),), params=params)
+                     for i, p in enumerate(chat[:32])]
+    lambada = [[GenerationRequest(f"lambada-{p.index}", prompt=p.context, params=params)]
+               for p in lambada_passages(32, seed=0)]
+    return {"chat (batches of 16)": [chat_requests[:16], chat_requests[16:]], "LAMBADA (one at a time)": lambada}
+
+
+def agreement(heads: list[str], new_tokens: int, settings: Settings) -> None:
+    sets = _prompt_sets(new_tokens)
+    for head in heads:
+        aten = Engine.from_config(_aten(head), settings)
+        reference = {name: _greedy(aten, batches) for name, batches in sets.items()}
+        print(f"reference: {aten.kernel}", flush=True)
+        del aten
+        for activations in ACTIVATIONS:
+            engine = Engine.from_config(_config(activations, head), settings)
+            for name, batches in sets.items():
+                tokens = _greedy(engine, batches)
+                parts = sorted(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), new_tokens)
+                               for x, y in zip(reference[name], tokens))
+                same = sum(p == new_tokens for p in parts)
+                print(f"{name}, output layer {head}, activations {activations} ({engine.kernel}): {same} of "
+                      f"{len(parts)} identical over {new_tokens} tokens; the others part at tokens "
+                      f"{[p for p in parts if p < new_tokens]}", flush=True)
+
+
+def speed(batch_sizes: list[int], rounds: int, settings: Settings) -> None:
+    engines = {a: Engine.from_config(_config(a, "int8"), settings) for a in ACTIVATIONS}
+    tokenizer = engines["int8"].tokenizer
+    prompt = tokenizer.decode(tokenizer("The history of the city " * 20)["input_ids"][:64])
+
+    def timed(engine: Engine, rows: int, new_tokens: int) -> float:
+        requests = [GenerationRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_new_tokens=new_tokens,
+                                                                                      ignore_eos=True))
+                    for i in range(rows)]
+        started = time.perf_counter()
+        engine.generate(requests)
+        return time.perf_counter() - started
+
+    for name, engine in engines.items():
+        print(f"{name}: {engine.kernel}", flush=True)
+        timed(engine, 2, 4)  # warm-up
+    for rows in batch_sizes:
+        rates: dict[str, list[float]] = {a: [] for a in ACTIVATIONS}
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                first, full = timed(engine, rows, 1), timed(engine, rows, 64)
+                rates[name].append(rows * 63 / (full - first))
+        ratios = [f / i for f, i in zip(rates["float"], rates["int8"])]
+        print(f"batch {rows}: decode tok/s int8 {statistics.median(rates['int8']):.1f}, float "
+              f"{statistics.median(rates['float']):.1f}; float / int8 x{statistics.median(ratios):.2f} (rounds "
+              f"{', '.join(f'x{r:.2f}' for r in ratios)})", flush=True)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def _heads(text: str) -> list[str]:
+    heads = text.split(",")
+    if not heads or any(h not in ("auto", "int8") for h in heads):
+        raise argparse.ArgumentTypeError(f"expected a comma list of auto and int8, got {text!r}")
+    return heads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.int4_activations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, choices=range(1, 21), default=3, metavar="1..20")
+    parser.add_argument("--heads", type=_heads, default=["auto"], help="output layer on both sides: auto (bf16), int8")
+    parser.add_argument("--new-tokens", type=int, choices=range(2, 257), default=32, metavar="2..256",
+                        help="greedy tokens compared")
+    parser.add_argument("--skip", choices=("agreement", "speed"), help="run only the other part")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    settings = Settings()  # SERVELAB_CACHE_DIR, else .cache
+    if args.skip != "agreement":
+        agreement(args.heads, args.new_tokens, settings)
+    if args.skip != "speed":
+        speed(args.batch_sizes, args.rounds, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
