@@ -677,6 +677,21 @@ Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vec
   return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
 }
 
+// Every span of int4_span_for(M) blocks once from memory, `rows_per_pass` rows of x at a time against it while it
+// is in cache: fn(rows, blocks, first block, first row), rows and blocks as compile-time constants.
+template <typename Fn>
+void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, Fn&& fn) {
+  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
+  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const int64_t b = span * i;
+      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
+      for (int64_t m = 0; m < M; m += rows_per_pass)
+        dispatch(static_cast<int>(std::min<int64_t>(rows_per_pass, M - m)), blocks, [&](auto r, auto c) { fn(r, c, b, m); });
+    }
+  });
+}
+
 template <typename TX>
 void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
                        int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
@@ -684,20 +699,11 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
   std::vector<float> d, dsum;
   const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
   const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
-  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const int64_t b = span * i;
-      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
-          const int64_t at = m * N + b * kBlock;
-          block_int4<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
-                                                             Z + b * block_groups, rows, group, m, Y + at, N,
-                                                             res ? res + at : nullptr);
-        });
-      }
-    }
+  over_spans(M, num_blocks, kMaxRows, [&](auto r, auto c, int64_t b, int64_t m) {
+    const int64_t at = m * N + b * kBlock;
+    block_int4<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
+                                                       Z + b * block_groups, rows, group, m, Y + at, N,
+                                                       res ? res + at : nullptr);
   });
 }
 
@@ -716,20 +722,11 @@ void int4_float_path(const TX* X, const uint8_t* W, const at::Half* S, const uin
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += XF[m * K + k];
-  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const int64_t b = span * i;
-      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += kFloatRows) {
-        dispatch(static_cast<int>(std::min<int64_t>(kFloatRows, M - m)), blocks, [&](auto r, auto c) {
-          const int64_t at = m * N + b * kBlock;
-          block_int4_float<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
-                                                                   Z + b * block_groups, XF, xsum.data(), K, groups, group,
-                                                                   m, Y + at, N, res ? res + at : nullptr);
-        });
-      }
-    }
+  over_spans(M, num_blocks, kFloatRows, [&](auto r, auto c, int64_t b, int64_t m) {
+    const int64_t at = m * N + b * kBlock;
+    block_int4_float<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
+                                                             Z + b * block_groups, XF, xsum.data(), K, groups, group, m,
+                                                             Y + at, N, res ? res + at : nullptr);
   });
 }
 
@@ -801,19 +798,10 @@ void int8_path(const TX* X, const uint8_t* W, const float* S, TX* Y, const TX* r
   std::vector<float> d, dsum;
   const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
   const int64_t N = num_blocks * kBlock, block_bytes = K / 4 * kUnit;
-  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const int64_t b = span * i;
-      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto r, auto c) {
-          const int64_t at = m * N + b * kBlock;
-          block_int8<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * kBlock, rows, group, m,
-                                                             Y + at, N, res ? res + at : nullptr);
-        });
-      }
-    }
+  over_spans(M, num_blocks, kMaxRows, [&](auto r, auto c, int64_t b, int64_t m) {
+    const int64_t at = m * N + b * kBlock;
+    block_int8<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * kBlock, rows, group, m,
+                                                       Y + at, N, res ? res + at : nullptr);
   });
 }
 
