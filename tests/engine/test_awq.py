@@ -278,12 +278,14 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
 
 
+@pytest.mark.parametrize("activations", ["int8", "float"])
 @torch.inference_mode()
 def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: ServingConfig,
-                                                         awq_settings: Settings) -> None:
+                                                         awq_settings: Settings, activations: str) -> None:
     """The one-call decode step (Int4DecodeStack) runs the same kernels in the same order as the decoder's loop:
-    the same logits to the bit, and the same cache, over rows of different lengths."""
-    engine = Engine.from_config(tiny_config, awq_settings)
+    the same logits to the bit, and the same cache, over rows of different lengths; with either activations."""
+    awq_config = tiny_config.awq.model_copy(update={"activations": activations})
+    engine = Engine.from_config(tiny_config.model_copy(update={"awq": awq_config}), awq_settings)
     decoder = engine.decoder
     if decoder._int4_stack() is None:
         pytest.skip("servelab's int4 kernel does not serve here")
