@@ -4,7 +4,9 @@ awq-int4-fast checkpoint, one thread:
 - agreement: greedy tokens of each against gptqmodel's ATen layers (configs/awq-int4-fast-aten.yaml, the same
   checkpoint and output layer), on the 32 chat prompts (chat template, batches of 16) and on 32 LAMBADA passages
   (seed 0, one at a time): how many of 32 are identical over the first --new-tokens tokens, and where the others
-  part. --heads picks the output layer on both sides: bf16 as the checkpoint stores it (auto) and/or int8.
+  part. --heads picks the output layer on both sides: bf16 as the checkpoint stores it (auto) and/or int8. The
+  reference against itself too: its chat prompts batched against one at a time (its rounding depends on the
+  batch), the agreement no other kernel can be expected to beat.
 - speed: decode tok/s of the two, interleaved round by round: B x (N - 1) / (t_N - t_1) with a 64-token prompt
   and N = 64, the ratio float / int8 per round and its median.
 
@@ -63,23 +65,30 @@ def _prompt_sets(new_tokens: int) -> dict[str, list[list[GenerationRequest]]]:
     return {"chat (batches of 16)": [chat_requests[:16], chat_requests[16:]], "LAMBADA (one at a time)": lambada}
 
 
+def _report(what: str, reference: list[list[int]], tokens: list[list[int]], new_tokens: int) -> None:
+    parts = sorted(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), new_tokens)
+                   for x, y in zip(reference, tokens))
+    same = sum(p == new_tokens for p in parts)
+    print(f"{what}: {same} of {len(parts)} identical over {new_tokens} tokens; the others part at tokens "
+          f"{[p for p in parts if p < new_tokens]}", flush=True)
+
+
 def agreement(heads: list[str], new_tokens: int, settings: Settings) -> None:
     sets = _prompt_sets(new_tokens)
+    chat = "chat (batches of 16)"
     for head in heads:
         aten = Engine.from_config(_aten(head), settings)
         reference = {name: _greedy(aten, batches) for name, batches in sets.items()}
         print(f"reference: {aten.kernel}", flush=True)
+        alone = _greedy(aten, [[request] for batch in sets[chat] for request in batch])
+        _report(f"the reference against itself, output layer {head}: chat prompts batched against one at a time",
+                reference[chat], alone, new_tokens)
         del aten
         for activations in ACTIVATIONS:
             engine = Engine.from_config(_config(activations, head), settings)
             for name, batches in sets.items():
-                tokens = _greedy(engine, batches)
-                parts = sorted(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), new_tokens)
-                               for x, y in zip(reference[name], tokens))
-                same = sum(p == new_tokens for p in parts)
-                print(f"{name}, output layer {head}, activations {activations} ({engine.kernel}): {same} of "
-                      f"{len(parts)} identical over {new_tokens} tokens; the others part at tokens "
-                      f"{[p for p in parts if p < new_tokens]}", flush=True)
+                _report(f"{name}, output layer {head}, activations {activations} ({engine.kernel})", reference[name],
+                        _greedy(engine, batches), new_tokens)
 
 
 def speed(batch_sizes: list[int], rounds: int, settings: Settings) -> None:
