@@ -1,0 +1,28 @@
+"""bench.int4_activations: its command line refuses bad values by name, and agreement counts leading tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.int4_activations import _report, main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--batch-sizes", "0"], "--batch-sizes: expected a comma list of positive integers, got '0'"),
+    (["--batch-sizes", "1,x"], "--batch-sizes: expected a comma list of positive integers, got '1,x'"),
+    (["--heads", "bf16"], "--heads: expected a comma list of auto and int8, got 'bf16'"),
+    (["--rounds", "0"], "--rounds: invalid choice"),
+    (["--skip", "both"], "--skip: invalid choice"),
+])
+def test_bad_arguments_are_refused_by_name(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_agreement_counts_prompts_identical_over_the_tokens_and_where_the_others_part(capsys) -> None:
+    reference = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    tokens = [[1, 2, 3, 4], [1, 2, 0, 4], [0, 6, 7, 8], [9, 9, 9, 9]]
+    _report("x", reference, tokens, 4)
+    assert capsys.readouterr().out.strip() == "x: 2 of 4 identical over 4 tokens; the others part at tokens [0, 2]"
