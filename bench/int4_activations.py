@@ -7,8 +7,8 @@ awq-int4-fast checkpoint, one thread:
   part. --heads picks the output layer on both sides: bf16 as the checkpoint stores it (auto) and/or int8. The
   reference against itself too: its chat prompts batched against one at a time (its rounding depends on the
   batch), the agreement no other kernel can be expected to beat.
-- speed: decode tok/s of the two, interleaved round by round: B x (N - 1) / (t_N - t_1) with a 64-token prompt
-  and N = 64, the ratio float / int8 per round and its median.
+- speed: decode tok/s of the two, interleaved round by round (bench.side_by_side): B x (N - 1) / (t_N - t_1)
+  with a 64-token prompt and N = 64, the ratio float / int8 per round and its median.
 
     python -m bench.int4_activations --batch-sizes 1,16,64 --rounds 3 --heads auto,int8
 
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from bench.side_by_side import compare_decode, positive_ints
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.request import ChatMessage, GenerationRequest, SamplingParams
@@ -92,41 +91,7 @@ def agreement(heads: list[str], new_tokens: int, settings: Settings) -> None:
 
 
 def speed(batch_sizes: list[int], rounds: int, settings: Settings) -> None:
-    engines = {a: Engine.from_config(_config(a, "int8"), settings) for a in ACTIVATIONS}
-    tokenizer = engines["int8"].tokenizer
-    prompt = tokenizer.decode(tokenizer("The history of the city " * 20)["input_ids"][:64])
-
-    def timed(engine: Engine, rows: int, new_tokens: int) -> float:
-        requests = [GenerationRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_new_tokens=new_tokens,
-                                                                                      ignore_eos=True))
-                    for i in range(rows)]
-        started = time.perf_counter()
-        engine.generate(requests)
-        return time.perf_counter() - started
-
-    for name, engine in engines.items():
-        print(f"{name}: {engine.kernel}", flush=True)
-        timed(engine, 2, 4)  # warm-up
-    for rows in batch_sizes:
-        rates: dict[str, list[float]] = {a: [] for a in ACTIVATIONS}
-        for _ in range(rounds):
-            for name, engine in engines.items():
-                first, full = timed(engine, rows, 1), timed(engine, rows, 64)
-                rates[name].append(rows * 63 / (full - first))
-        ratios = [f / i for f, i in zip(rates["float"], rates["int8"])]
-        print(f"batch {rows}: decode tok/s int8 {statistics.median(rates['int8']):.1f}, float "
-              f"{statistics.median(rates['float']):.1f}; float / int8 x{statistics.median(ratios):.2f} (rounds "
-              f"{', '.join(f'x{r:.2f}' for r in ratios)})", flush=True)
-
-
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
-    return values
+    compare_decode({a: Engine.from_config(_config(a, "int8"), settings) for a in ACTIVATIONS}, batch_sizes, rounds)
 
 
 def _heads(text: str) -> list[str]:
@@ -138,7 +103,7 @@ def _heads(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.int4_activations", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 16, 64])
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, choices=range(1, 21), default=3, metavar="1..20")
     parser.add_argument("--heads", type=_heads, default=["auto"], help="output layer on both sides: auto (bf16), int8")
     parser.add_argument("--new-tokens", type=int, choices=range(2, 257), default=32, metavar="2..256",

@@ -37,7 +37,7 @@ _arena_bytes: dict[tuple[int, int], int] = {}
 class Arena:
     num_bytes: int  # the storages gathered, each once, with their alignment
     num_tensors: int
-    huge_page_bytes: int  # of the arena, on huge pages now (AnonHugePages in /proc/self/smaps)
+    huge_page_bytes: int  # the huge pages backing the arena now (AnonHugePages in /proc/self/smaps), whole pages
     mode: str  # the transparent huge pages mode: always | madvise
     buffer: torch.Tensor = field(repr=False)  # the arena; its registry entry goes with it
 
@@ -105,8 +105,8 @@ def gather_on_huge_pages(tensors: list[torch.Tensor], sharing: list[torch.Tensor
     weakref.finalize(buffer, _arena_bytes.pop, key, None)
     on_huge_pages = min(resident_huge_page_bytes(buffer.data_ptr() + start), span)
     arena = Arena(total, sum(len(m) for _, m in groups.values()), on_huge_pages, mode, buffer)
-    log.info("weights a step reads gathered into one %.1f MB arena (%d tensors), %.1f MB of it on huge pages",
-             arena.num_bytes / 1e6, arena.num_tensors, arena.huge_page_bytes / 1e6)
+    log.info("weights a step reads gathered into one %.1f MB arena (%d tensors), on %d huge pages of 2 MB",
+             arena.num_bytes / 1e6, arena.num_tensors, arena.huge_page_bytes // HUGE_PAGE)
     return arena
 
 

@@ -1,9 +1,11 @@
-"""bench.int4_activations: its command line refuses bad values by name, and agreement counts leading tokens."""
+"""bench.int4_activations and bench.huge_pages: their command lines refuse bad values by name, and agreement counts
+leading tokens. (What they measure needs the bundled model and minutes: they are run by hand, see README.)"""
 
 from __future__ import annotations
 
 import pytest
 
+from bench import huge_pages
 from bench.int4_activations import _report, main
 
 
@@ -26,3 +28,15 @@ def test_agreement_counts_prompts_identical_over_the_tokens_and_where_the_others
     tokens = [[1, 2, 3, 4], [1, 2, 0, 4], [0, 6, 7, 8], [9, 9, 9, 9]]
     _report("x", reference, tokens, 4)
     assert capsys.readouterr().out.strip() == "x: 2 of 4 identical over 4 tokens; the others part at tokens [0, 2]"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "the following arguments are required: --config"),
+    (["--config", "configs/absent.yaml"], "configs/absent.yaml: no such config file"),
+    (["--config", "configs/fp32.yaml", "--batch-sizes", "-1"], "expected a comma list of positive integers"),
+])
+def test_huge_pages_refuses_bad_arguments_by_name(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        huge_pages.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
