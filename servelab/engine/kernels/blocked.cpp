@@ -43,7 +43,6 @@ inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
-inline Vec vfms(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }  // a b - c
 inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec vandnot(Vec a, Vec b) { return _mm512_andnot_ps(a, b); }  // ~a & b
@@ -89,7 +88,6 @@ inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
-inline Vec vfms(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }  // a b - c
 inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec vandnot(Vec a, Vec b) { return _mm256_andnot_ps(a, b); }  // ~a & b
@@ -369,9 +367,9 @@ namespace {
 //
 // Few rows (decode): each row's activations are quantised per group to int8 (symmetric, d = max|x| / 127),
 // and y = sum over groups of s (d sum_k xi q - z d sum_k xi): the integer sums run over the group, the
-// weights are read once as a stream. Or (float_activations) the rows stay fp32 and each weight vector is
-// dequantised in registers, w = q s - s z, for fp32 FMAs: the same stream, no rounding of x, about 4x the
-// instructions per weight byte. Many rows (prefill): the weight is dequantised once to an fp32 tile in the
+// weights are read once as a stream. Or (float_activations) the rows stay fp32 and the nibbles are made floats in
+// registers for fp32 FMAs (block_int4_float): the same stream, no rounding of x, about 4x the instructions per
+// weight byte. Many rows (prefill): the weight is dequantised once to an fp32 tile in the
 // blocked16 layout and torch's GEMM (MKL / oneDNN) multiplies every row by it, as an fp32 model's prefill runs:
 // the dequantisation is N x K operations against M x N x K for the product (a tile of at most a few MB, freed
 // at once). Measured on an AVX-512 EPYC: the earlier register-tiled fp32 pass over per-span tiles made int4
@@ -860,25 +858,14 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto* W = packed.data_ptr<uint8_t>();
   const auto* S = scales.data_ptr<at::Half>();
   const auto* Z = zeros.data_ptr<uint8_t>();
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  if (M <= int_rows && float_activations) {
-    if (bf16) {
-      int4_float_path(x.data_ptr<at::BFloat16>(), W, S, Z, y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res),
-                      M, K, num_blocks, group);
-    } else {
-      int4_float_path(x.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K, num_blocks,
-                      group);
-    }
-    return y;
-  }
   if (M <= int_rows) {
-    if (bf16) {
-      int4_integer_path(x.data_ptr<at::BFloat16>(), W, S, Z, y.data_ptr<at::BFloat16>(),
-                        static_cast<const at::BFloat16*>(res), M, K, num_blocks, group);
-    } else {
-      int4_integer_path(x.data_ptr<float>(), W, S, Z, y.data_ptr<float>(), static_cast<const float*>(res), M, K,
-                        num_blocks, group);
-    }
+    auto stream = [&](auto* X, auto* Y) {  // X, Y: x's and y's data in x's dtype
+      using T = std::remove_pointer_t<decltype(Y)>;
+      if (float_activations) int4_float_path(X, W, S, Z, Y, static_cast<const T*>(res), M, K, num_blocks, group);
+      else int4_integer_path(X, W, S, Z, Y, static_cast<const T*>(res), M, K, num_blocks, group);
+    };
+    if (x.scalar_type() == torch::kBFloat16) stream(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+    else stream(x.data_ptr<float>(), y.data_ptr<float>());
     return y;
   }
   // many rows: x @ the dequantised tile, as N/16 products (M, K) x (K, 16) side by side, in fp32; the residual
