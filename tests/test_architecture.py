@@ -164,3 +164,11 @@ def test_api_and_dashboard_reach_no_torch_through_any_import(package: str) -> No
     graph = import_graph()
     for module in (m for m in graph if m == package or m.startswith(package + ".")):
         assert not reachable(graph, module) & {"torch", "transformers", "gptqmodel"}, module
+
+
+def test_a_module_past_400_lines_says_at_its_top_why_it_is_one_piece() -> None:
+    long = [p for folder in ("servelab", *PROCESS_PACKAGES) for p in python_files(folder)
+            if len(p.read_text().splitlines()) > 400]
+    unexplained = [str(p.relative_to(REPO)) for p in long
+                   if "past 400 lines" not in " ".join((ast.get_docstring(ast.parse(p.read_text())) or "").lower().split())]
+    assert unexplained == []
