@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.deps import ApiState, IdempotencyKey, State, Tenant
-from api.errors import ApiError
+from api.errors import ApiError, TextCheckedRoute
 from api.streaming import openai_stream, request_event_stream
 from servelab.idempotency import HEADER, Fingerprint, KeyReused
 from servelab.jobs.catalog import Catalog
@@ -58,7 +58,7 @@ from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
 from servelab.telemetry import count_submission
 
-router = APIRouter()
+router = APIRouter(route_class=TextCheckedRoute)
 STATUS_OF_REJECTION = {"invalid": 400, "unknown_model": 404, "too_large": 413}
 READ_TIMEOUT_HEADER = "x-stainless-read-timeout"  # what the openai client sends: its read timeout in seconds
 CLIENT_TIMEOUT_MARGIN_S = 5.0  # the answer leaves this long before the client's read timeout (network, commits)

@@ -18,11 +18,11 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import ApiState, State, Tenant
-from api.errors import ApiError
+from api.errors import ApiError, TextCheckedRoute
 from servelab.store.db import session_scope
 from servelab.telemetry import QUEUE_DEPTH, exposition
 
-router = APIRouter()
+router = APIRouter(route_class=TextCheckedRoute)
 
 
 class ModelOut(BaseModel):

@@ -9,6 +9,7 @@ every other room stands on it. Does not know a serving config's own limits beyon
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
@@ -149,6 +150,47 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         assert (self.prompt is None) != (self.messages is None), "give exactly one of prompt or messages"
+
+
+# NOTE: a lone surrogate (U+D800..U+DFFF unpaired) is what JSON's "\\ud800" escape and Python's str can hold but no
+# UTF-8 can: no tokenizer reads it and no database stores it, so every edge refuses it, naming where it is. Any other
+# text (NUL and control characters included) is served as the tokenizer reads it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class NonText:
+    """Where a JSON value holds a lone surrogate: the string's path (dotted keys and indexes), the index in it."""
+
+    where: str
+    at: int
+    char: str
+
+    @property
+    def message(self) -> str:
+        return (f"{self.where} holds a lone surrogate (U+{ord(self.char):04X} at character {self.at}), which is not "
+                "Unicode text and cannot be encoded as UTF-8: send the character it stands for (a surrogate pair "
+                "escapes one character: \\ud83d\\ude00 is U+1F600) or leave it out")
+
+
+def find_non_text(value: Any) -> NonText | None:
+    """The first string of a JSON value (keys included) that holds a lone surrogate, or None when every string is
+    Unicode text."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), value)]  # NOTE: a walk, not recursion: JSON nests deep
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item) if not item.isascii() else None
+            if found:
+                return NonText(".".join(path) or "(the body)", found.start(), found.group())
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                name = key if key.isascii() and key.isprintable() else ascii(key)
+                stack.append(((*path, "(a key)"), key))
+                stack.append(((*path, name), child))
+        elif isinstance(item, list | tuple):
+            stack.extend(((*path, str(i)), child) for i, child in reversed(list(enumerate(item))))
+    return None
 
 
 def check_num_choices(n: int, *, max_batch_size: int) -> None:
