@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelab.config import describe_validation_error
-from servelab.request import find_non_text
+from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "conflict_error", 413: "request_too_large", 422: "idempotency_error", 429: "rate_limit_error",
@@ -51,7 +51,8 @@ def install_error_handlers(app: FastAPI) -> None:
         # NOTE: 400, not FastAPI's 422: OpenAI clients expect 400 for a bad parameter.
         errors = exc.errors()
         param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-        return error_response(400, describe_validation_error(_AsValidationError(errors)), code="invalid_request",
+        return error_response(400, describe_validation_error(_AsValidationError(errors), unknown_hint=UNKNOWN_BODY_FIELD),
+                              code="invalid_request",
                               param=param or None)
 
     @app.exception_handler(StarletteHTTPException)

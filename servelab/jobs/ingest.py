@@ -29,7 +29,7 @@ from servelab.config import describe_validation_error
 from servelab.protocol import (CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody, Rejection,
                                body_model, to_submission)
 from servelab.jobs.catalog import Catalog, load_catalog
-from servelab.request import find_non_text
+from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
 from servelab.store import files
@@ -121,7 +121,7 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
     try:
         line = BatchLine.model_validate(data)
     except ValidationError as exc:
-        return refuse("invalid_line", describe_validation_error(exc), custom_id)
+        return refuse("invalid_line", describe_validation_error(exc, unknown_hint=UNKNOWN_BODY_FIELD), custom_id)
     if line.url != endpoint:
         return refuse("invalid_url", f"url is {line.url!r}; every line of this batch must use {endpoint!r}",
                       custom_id)
@@ -136,7 +136,8 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
                             code="unsupported_parameter", param="n")
         submission = to_submission(body, catalog=catalog, max_prompt_chars=max_prompt_chars)
     except ValidationError as exc:
-        return refuse("invalid_request", "body." + describe_validation_error(exc), custom_id)
+        return refuse("invalid_request", "body." + describe_validation_error(exc, unknown_hint=UNKNOWN_BODY_FIELD),
+                      custom_id)
     except Rejection as exc:
         return refuse(exc.code, str(exc), custom_id)
     return store.NewRequest(line.custom_id, submission.serving_config_name, submission.prompt,
