@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.deps import IdempotencyKey, State, Tenant
-from api.errors import ApiError
+from api.errors import ApiError, TextCheckedRoute
 from servelab.idempotency import HEADER, Fingerprint, KeyReused, check_reuse
 from servelab.protocol import ENDPOINTS
 from servelab.jobs.lifecycle import NotCancellable, cancel_job, parse_window
@@ -33,7 +33,7 @@ from servelab.store.db import session_scope
 ID_PATTERN = r"^[A-Za-z0-9_-]+$"
 FileId = Annotated[str, Path(max_length=100, pattern=ID_PATTERN)]
 
-router = APIRouter()
+router = APIRouter(route_class=TextCheckedRoute)
 INPUT_PURPOSE = "batch"
 BATCHES = "/v1/batches"
 # OpenAI's bounds for a file's expiry (expires_after on upload, output_expires_after on a batch)

@@ -1,18 +1,25 @@
-"""OpenAI-style errors and the request-size limit of the API.
+"""OpenAI-style errors, the request-size limit of the API, and the text a JSON body may carry.
 
 Knows the error body every client of this API reads ({"error": {"message", "type", "param", "code"}}) and
-turns validation failures, missing resources and oversized bodies into it. Does not know the routes.
+turns validation failures, missing resources, oversized bodies and bodies holding text no UTF-8 can carry (lone
+surrogates, found by servelab.request.find_non_text before any route reads the body) into it. Does not know the
+routes.
 """
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelab.config import describe_validation_error
+from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "conflict_error", 413: "request_too_large", 422: "idempotency_error", 429: "rate_limit_error",
@@ -44,12 +51,35 @@ def install_error_handlers(app: FastAPI) -> None:
         # NOTE: 400, not FastAPI's 422: OpenAI clients expect 400 for a bad parameter.
         errors = exc.errors()
         param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-        return error_response(400, describe_validation_error(_AsValidationError(errors)), code="invalid_request",
+        return error_response(400, describe_validation_error(_AsValidationError(errors), unknown_hint=UNKNOWN_BODY_FIELD),
+                              code="invalid_request",
                               param=param or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+
+class TextCheckedRoute(APIRoute):
+    """A route whose JSON body is refused (400, naming the field) when a string in it is not Unicode text, before
+    validation or any message could echo it (a lone surrogate cannot be encoded into an answer either)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            return await handler(_TextCheckedRequest(request.scope, request.receive))
+
+        return checked
+
+
+class _TextCheckedRequest(Request):
+    async def json(self) -> Any:
+        value = await super().json()
+        found = find_non_text(value)
+        if found is not None:
+            raise ApiError(400, found.message, code="invalid_text", param=found.where)
+        return value
 
 
 class _AsValidationError:

@@ -27,12 +27,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.deps import ApiState, IdempotencyKey, State, Tenant
-from api.errors import ApiError
+from api.errors import ApiError, TextCheckedRoute
 from api.streaming import openai_stream, request_event_stream
 from servelab.idempotency import HEADER, Fingerprint, KeyReused
 from servelab.jobs.catalog import Catalog
-from servelab.request import (MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE,
-                              MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason, SamplingParams)
+from servelab.request import (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, FinishReason, SamplingParams,
+                              bounded)
 from servelab.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -58,7 +58,7 @@ from servelab.store.db import session_scope
 from servelab.store.models import RequestStatus, StreamKind
 from servelab.telemetry import count_submission
 
-router = APIRouter()
+router = APIRouter(route_class=TextCheckedRoute)
 STATUS_OF_REJECTION = {"invalid": 400, "unknown_model": 404, "too_large": 413}
 READ_TIMEOUT_HEADER = "x-stainless-read-timeout"  # what the openai client sends: its read timeout in seconds
 CLIENT_TIMEOUT_MARGIN_S = 5.0  # the answer leaves this long before the client's read timeout (network, commits)
@@ -73,23 +73,30 @@ class Message(BaseModel):
 
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS,
-                                       description="default: the config's limit (decoding.max_new_tokens)")
-    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 is greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    max_new_tokens: int | None = bounded("max_new_tokens", None,
+                                         description="default: the config's limit (decoding.max_new_tokens)")
+    temperature: float = bounded("temperature", 0.0, description="0 is greedy")
+    top_p: float = bounded("top_p", 1.0)
+    top_k: int = bounded("top_k", 0)
+    seed: int | None = bounded("seed", None)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
-                                 description="alternatives per token: each token's log-probability and the k likeliest")
+    presence_penalty: float = bounded("presence_penalty", 0.0)
+    frequency_penalty: float = bounded("frequency_penalty", 0.0)
+    logprobs: int | None = bounded("logprobs", None,
+                                   description="alternatives per token: each token's log-probability and the k likeliest")
+    ignore_eos: bool = False
+    min_tokens: int = bounded("min_tokens", 0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(default_factory=list,
+                                                                            max_length=MAX_STOP_TOKEN_IDS)
+    repetition_penalty: float = bounded("repetition_penalty", 1.0)
+    min_p: float = bounded("min_p", 0.0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def params(self, num_new_tokens: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=num_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop),
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              logprobs=self.logprobs)
+        """NOTE: the fields are SamplingParams' own, by name and bound: one definition, checked once more there."""
+        return SamplingParams(**{**self.model_dump(exclude={"max_new_tokens"}), "max_new_tokens": num_new_tokens,
+                                 "stop": tuple(self.stop), "stop_token_ids": tuple(self.stop_token_ids)})
 
 
 class RequestIn(BaseModel):

@@ -1,4 +1,5 @@
-"""Routes for operators and clients' discovery: GET /v1/models[/{id}], /healthz, /readyz and /metrics (Prometheus).
+"""Routes for operators and clients' discovery: GET /v1/models[/{id}], /healthz, /readyz, /metrics (Prometheus), and
+vLLM's /health and /version (benchmark clients check them).
 
 Knows which configs count as served (a live worker) and what /metrics adds to the counts servelab.telemetry
 keeps: the queue depth per config and stream, read from Redis at scrape time. Nothing here reads the
@@ -8,6 +9,7 @@ requests history: each count was made when its event happened.
 from __future__ import annotations
 
 import time
+from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Request
@@ -18,11 +20,11 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import ApiState, State, Tenant
-from api.errors import ApiError
+from api.errors import ApiError, TextCheckedRoute
 from servelab.store.db import session_scope
 from servelab.telemetry import QUEUE_DEPTH, exposition
 
-router = APIRouter()
+router = APIRouter(route_class=TextCheckedRoute)
 
 
 class ModelOut(BaseModel):
@@ -59,6 +61,25 @@ def read_model(model_id: Annotated[str, Path(max_length=256)], state: State, _te
 async def healthz() -> dict[str, str]:
     """The process answers. NOTE: async, so it runs on the event loop, never behind blocking waits in the pool."""
     return {"status": "ok"}
+
+
+def servelab_version() -> str:
+    try:
+        return package_version("servelab")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/health", tags=["operations"])
+async def health() -> Response:
+    """vLLM's liveness route (benchmark clients check it first): 200 with an empty body while the process answers."""
+    return Response(status_code=200)
+
+
+@router.get("/version", tags=["operations"])
+async def version() -> dict[str, str]:
+    """vLLM's version route: servelab's version."""
+    return {"version": servelab_version()}
 
 
 @router.get("/readyz", tags=["operations"], responses={503: {"description": "Redis or PostgreSQL unreachable"}})

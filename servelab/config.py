@@ -159,14 +159,16 @@ def read_yaml_mapping(path: Path, kind: str, error: type[ValueError]) -> dict[st
     return {"name": path.stem, **data}
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per bad field: 'field.path: got VALUE; MESSAGE'."""
+def describe_validation_error(exc: ValidationError, *,
+                              unknown_hint: str = "check the spelling; see configs/ for the allowed fields") -> str:
+    """One line per bad field: 'field.path: got VALUE; MESSAGE'; an unknown field with unknown_hint (where the
+    allowed fields are: configs/ for a YAML file, the API reference for a request body)."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown field (check the spelling; see configs/ for the allowed fields)")
+            lines.append(f"{where}: unknown field ({unknown_hint})")
         elif err["type"] == "missing":
             lines.append(f"{where}: required field is missing")
         else:

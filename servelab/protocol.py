@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
 from servelab.config import ServingConfig
 from servelab.engine.outputs import Alternative, TokenLogprobs
-from servelab.request import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED,
-                              MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason,
+from servelab.request import (MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
+                              FinishReason, bounded,
                               RequestError, SamplingParams, check_num_choices)
 from servelab.jobs.catalog import Catalog, UnknownModel
 
@@ -96,6 +96,17 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     include_obfuscation: bool | None = Field(default=None, description="accepted; chunks are never padded")
+    continuous_usage_stats: bool = Field(default=False, description="vLLM's: every chunk carries the usage so far")
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _per_chunk_usage(cls, value: bool) -> bool:
+        # NOTE: a worker's stream events carry text, not token counts: the usage so far is not known per chunk
+        if value:
+            raise ValueError("per-chunk usage is not built: a stream's text pieces carry no token counts; send "
+                             "include_usage: true for the usage in the last chunk, or leave continuous_usage_stats "
+                             "out")
+        return value
 
 
 class _Body(BaseModel):
@@ -104,16 +115,26 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256, description="a serving config name")
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="not OpenAI; 0 is off")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="choice i samples with seed + i")
+    max_tokens: int | None = bounded("max_new_tokens", None)
+    temperature: float = bounded("temperature", 1.0)
+    top_p: float = bounded("top_p", 1.0)
+    top_k: int = bounded("top_k", 0, description="not OpenAI (vLLM's); 0 is off")
+    seed: int | None = bounded("seed", None, description="choice i samples with seed + i")
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES,
-                          description="choices, decoded in one batch: at most the config's max_batch_size")
+    presence_penalty: float | None = bounded("presence_penalty", None)
+    frequency_penalty: float | None = bounded("frequency_penalty", None)
+    n: int | None = bounded("choices", 1, description="choices, decoded in one batch: at most the config's "
+                                                      "max_batch_size")
+    # vLLM's extra sampling fields (benchmark and evaluation clients send them), as vLLM defines them
+    ignore_eos: bool = Field(default=False, description="vLLM's: EOS does not end the answer (max_tokens does)")
+    min_tokens: int = bounded("min_tokens", 0, description="vLLM's: nothing ends the answer before this many tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM's: token ids that end the answer")
+    repetition_penalty: float = bounded("repetition_penalty", 1.0, description=(
+        "vLLM's: a token seen in the prompt or the answer has its logit divided by it (positive) or multiplied"))
+    min_p: float = bounded("min_p", 0.0, description="vLLM's: keep tokens at least min_p times the likeliest's p")
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM's: the stop string ends the text")
+    skip_special_tokens: bool = Field(default=True, description="vLLM's: special tokens' text left out")
     stream: bool | None = Field(default=False, description="answer as server-sent events, chunk by chunk")
     stream_options: StreamOptions | None = None
 
@@ -148,7 +169,12 @@ class _Body(BaseModel):
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty or 0.0,
-                              frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_top_logprobs)
+                              frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_top_logprobs,
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionBody(_Body):
@@ -196,10 +222,10 @@ class MessageBody(BaseModel):
 
 class ChatCompletionBody(_Body):
     messages: list[MessageBody] = Field(min_length=1, max_length=1_000)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUESTED_TOKENS)
+    max_completion_tokens: int | None = bounded("max_new_tokens", None)
     logprobs: StrictBool | None = Field(default=None, description="each token's log-probability in the answer")
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
-                                           description="alternatives per token; needs logprobs: true")
+    top_logprobs: StrictInt | None = bounded("logprobs", None, description="alternatives per token; needs logprobs: "
+                                                                           "true")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -287,6 +313,10 @@ def find_config(catalog: Catalog, name: str) -> ServingConfig:
 def checked_submission(config: ServingConfig, *, prompt: str | None, messages: list[dict[str, str]] | None,
                        sampling: SamplingParams, max_prompt_chars: int, num_choices: int = 1) -> Submission:
     """A request every edge builds the same way: the prompt's size checked, the sampling against the config."""
+    try:
+        sampling.check(config.decoding)  # NOTE: the engine checks again; here a bad pair (min_tokens) is a 400
+    except RequestError as exc:
+        raise Rejection(str(exc), param=str(exc).split(" ", 1)[0]) from None
     num_chars = len(prompt) if prompt is not None else sum(len(m["content"]) for m in messages or [])
     if num_chars > max_prompt_chars:
         raise Rejection(f"the prompt has {num_chars} characters; at most {max_prompt_chars} are accepted",

@@ -64,8 +64,8 @@ def test_tools_and_response_format_are_refused_with_a_message_that_says_so() -> 
 
 
 def test_an_unknown_field_is_refused_naming_it_and_labels_are_accepted() -> None:
-    unknown = refusal(CompletionBody.model_validate({**PLAIN, "min_p": 0.1}))
-    assert unknown.code == "unknown_parameter" and unknown.param == "min_p" and "'min_p'" in str(unknown)
+    unknown = refusal(CompletionBody.model_validate({**PLAIN, "typical_p": 0.1}))
+    assert unknown.code == "unknown_parameter" and unknown.param == "typical_p" and "'typical_p'" in str(unknown)
     assert refusal(CompletionBody.model_validate({**PLAIN, "user": "u-1", "prompt_cache_key": "k"})) is None
 
 

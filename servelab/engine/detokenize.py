@@ -28,6 +28,8 @@ class Detokenizer:
 
     tokenizer: Decoder
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the text ends after the stop string, not before
+    skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far, complete characters only (until `finish`)
     released: int = 0  # characters of text already handed out
@@ -35,8 +37,9 @@ class Detokenizer:
     _prefix_offset: int = 0  # ids[_prefix_offset:_read_offset] is the context of the next decode
     _read_offset: int = 0
 
-    def push(self, token_id: int) -> bool:
-        """Add a token; -> whether a stop string now ends the text (it is cut before the stop string)."""
+    def push(self, token_id: int, *, can_stop: bool = True) -> bool:
+        """Add a token; -> whether a stop string now ends the text (it is cut before the stop string, or after it
+        with include_stop). can_stop False (min_tokens not reached): stop strings are not looked for."""
         self.ids.append(token_id)
         context = self._decode(self.ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.ids[self._prefix_offset:])
@@ -44,7 +47,7 @@ class Detokenizer:
             searched_from = self._search_start()
             self.text += window[len(context):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-            if self.stop:
+            if self.stop and can_stop:
                 return self._find_stop(searched_from)
         return False
 
@@ -74,7 +77,7 @@ class Detokenizer:
         return self.text if self.stopped_at is None else self.text[:self.stopped_at]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _search_start(self) -> int:
         """Where a stop string ending in text still to come could begin."""
@@ -83,9 +86,10 @@ class Detokenizer:
     def _find_stop(self, searched_from: int) -> bool:
         # NOTE: earlier text held no stop string (the row would have ended), so a new one must end in the new
         # piece; it starts at most len(stop) - 1 characters before it.
-        found = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
+        found = [(i, i + len(s)) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
         if found:
-            self.stopped_at = min(found)
+            start, end = min(found)
+            self.stopped_at = end if self.include_stop else start
         return bool(found)
 
     def _held_for_stop(self) -> int:

@@ -197,7 +197,9 @@ class Engine:
                 rejected.append(failed(request.request_id, str(exc)))
                 continue
             rows.append(_Row(request, list(request.prompt_token_ids), make_generator(request.params, self.device),
-                             Detokenizer(self.tokenizer, request.params.stop)))
+                             Detokenizer(self.tokenizer, request.params.stop,
+                                         include_stop=request.params.include_stop_str_in_output,
+                                         skip_special_tokens=request.params.skip_special_tokens)))
         return rows, rejected
 
     # --- the running batch: add, step, preempt ---
@@ -333,7 +335,8 @@ class Engine:
         # NOTE: fp32 holds bf16 logits exactly; torch's argmax over bf16 is 5x slower than over fp32 on CPU
         logits = logits.float()
         next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows],
-                               [r.token_ids for r in rows])
+                               [r.token_ids for r in rows], [r.prompt_ids for r in rows],
+                               [self._suppressed(r) for r in rows])
         read = self._read_logprobs(logits, next_ids, rows)
         now = time.perf_counter()
         tokens, texts, finished = [], [], []
@@ -387,17 +390,30 @@ class Engine:
         return self._meter
 
     def _append_token(self, row: _Row, token_id: int, now_ms: float) -> bool:
-        """Record a token; returns whether the row goes on decoding."""
+        """Record a token; returns whether the row goes on decoding. As vLLM: nothing but max_new_tokens ends a row
+        before min_tokens; a stop token (EOS unless ignore_eos, stop_token_ids) ends it, its text left out unless
+        include_stop_str_in_output."""
+        params = row.request.params
         row.token_ids.append(token_id)
         row.token_times_ms.append(now_ms)
-        hit_stop_string = row.detok.push(token_id)
-        if token_id in self.eos_token_ids and not row.request.params.ignore_eos:
+        can_stop = len(row.token_ids) >= params.min_tokens
+        is_stop_token = can_stop and ((token_id in self.eos_token_ids and not params.ignore_eos)
+                                      or token_id in params.stop_token_ids)
+        hit_stop_string = (row.detok.push(token_id, can_stop=can_stop)
+                           if not is_stop_token or params.include_stop_str_in_output else False)
+        if is_stop_token or hit_stop_string:
             row.finish_reason = FinishReason.STOP
-        elif hit_stop_string:
-            row.finish_reason = FinishReason.STOP
-        elif len(row.token_ids) >= row.request.params.max_new_tokens:
+        elif len(row.token_ids) >= params.max_new_tokens:
             row.finish_reason = FinishReason.LENGTH
         return row.finish_reason is None
+
+    def _suppressed(self, row: _Row) -> tuple[int, ...]:
+        """The tokens a row may not pick at its next step: before min_tokens, its stop tokens (vLLM's min_tokens)."""
+        params = row.request.params
+        if len(row.token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return (*eos, *params.stop_token_ids)
 
     def _track_cache(self, meter: _Meter) -> None:
         """After a forward, before rows leave: the cache at its fullest for this step."""

@@ -1,8 +1,9 @@
 """Picks the next token of every row from its logits, each row by its own sampling parameters, and reads the
 log-probabilities a row asked for.
 
-Knows greedy, presence and frequency penalties (over the row's own generated tokens), temperature, top-k and
-top-p, and per-row seeded generators, so a row's samples depend only on its seed, its logits and its own
+Knows greedy, vLLM's repetition penalty (over prompt and output), presence and frequency penalties (over the
+row's own generated tokens), tokens a row may not pick yet (min_tokens), temperature, min_p, top-k and top-p,
+and per-row seeded generators, so a row's samples depend only on its seed, its logits and its own
 tokens, never on its batch-mates. Rows that ask for no penalty and no sampling cost one argmax over the batch.
 Log-probabilities are the model's: the raw log-softmax of the logits, before penalties and temperature.
 Does not know the model.
@@ -27,30 +28,46 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample_next(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    generated: Sequence[Sequence[int]],
+    generated: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None,
+    suppressed: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """logits (B, V), each row's generated token ids so far -> next token ids (B,). `logits` is not changed."""
+    """logits (B, V), each row's generated token ids so far (and its prompt's, for repetition_penalty), the token
+    ids a row may not pick now (min_tokens: EOS and stop_token_ids) -> next token ids (B,). `logits` is not
+    changed. vLLM's order: suppressed tokens, penalties (repetition, then frequency and presence), temperature,
+    min_p, top-k, top-p."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
     next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    rows = [i for i, p in enumerate(params) if p.has_penalties or (suppressed is not None and suppressed[i])]
     if rows:
-        penalised_logits = penalised(logits, rows, params, generated)  # (R, V)
-        next_ids[rows] = penalised_logits.argmax(dim=-1)  # the greedy ones' tokens; sampled ones are drawn below
+        adjusted = penalised(logits, rows, params, generated, prompts)  # (R, V)
+        for j, i in enumerate(rows):
+            if suppressed is not None and suppressed[i]:
+                adjusted[j, list(suppressed[i])] = float("-inf")
+        next_ids[rows] = adjusted.argmax(dim=-1)  # the greedy ones' tokens; sampled ones are drawn below
+    where = {i: j for j, i in enumerate(rows)}
     for i, generator in enumerate(generators):
         if generator is not None:
-            row = penalised_logits[rows.index(i)] if params[i].has_penalties else logits[i]  # (V,)
+            row = adjusted[where[i]] if i in where else logits[i]  # (V,)
             next_ids[i] = _sample_row(row.float(), params[i], generator)
     return next_ids
 
 
 def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-              generated: Sequence[Sequence[int]]) -> torch.Tensor:
-    """These rows' logits (R, V) with OpenAI's penalties over each row's own generated tokens:
+              generated: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """These rows' logits (R, V) with vLLM's repetition penalty over each row's prompt and generated tokens
+    (logit / rp where positive, logit * rp where not), then OpenAI's penalties over its generated tokens:
     logits[t] - presence * (count[t] > 0) - frequency * count[t]. A copy: the batch's logits stay raw (the
     log-probabilities read them). One set of operations for all the rows: a copy, and an update at the
     (row, token) pairs they generated."""
     vocab = logits.shape[-1]
     out = logits.index_select(0, torch.tensor(rows, device=logits.device))  # (R, V)
+    for j, i in enumerate(rows):
+        rp = params[i].repetition_penalty
+        if rp != 1.0:
+            seen = torch.tensor(sorted({*generated[i], *(prompts[i] if prompts is not None else ())}),
+                                dtype=torch.long, device=out.device)  # (S,)
+            values = out[j, seen]
+            out[j, seen] = torch.where(values > 0, values / rp, values * rp)
     flat = [j * vocab + t for j, i in enumerate(rows) for t in generated[i]]
     if not flat:
         return out
@@ -64,6 +81,9 @@ def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     logits = logits / p.temperature  # (V,)
+    if p.min_p > 0.0:  # NOTE: vLLM's: keep tokens with p >= min_p * (the likeliest token's p)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from servelab.config import describe_validation_error
 from servelab.protocol import (CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody, Rejection,
                                body_model, to_submission)
 from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
 from servelab.store import files
@@ -38,6 +40,9 @@ CHUNK_BYTES = 1 << 20  # read from the file at a time
 TOO_LONG = None  # stands for a line longer than the line limit in a slice's list of lines
 CATALOG_MAX_AGE_S = 5.0  # ingest_for reloads the serving configs this often: a new config is known this soon
 THROTTLED_WAIT_S = 0.1
+MAX_STEP_TRIES = 5  # a slice that fails this many times in a row fails its job (a lost database, a bug), never stalls it
+STEP_RETRY_WAIT_S = 0.5  # then 1, 2, 4 s: a short outage of PostgreSQL or Redis is waited out
+log = logging.getLogger(__name__)
 
 
 class BatchLine(BaseModel):
@@ -109,11 +114,14 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # NOTE: [[[[... nests past the stack
         return refuse("invalid_json", f"the line is not valid JSON: {exc}")
     custom_id = data.get("custom_id") if isinstance(data, dict) else None
-    custom_id = custom_id if isinstance(custom_id, str) and custom_id else None
+    custom_id = custom_id if isinstance(custom_id, str) and custom_id and find_non_text(custom_id) is None else None
+    non_text = find_non_text(data)
+    if non_text is not None:  # NOTE: before any message could echo it: the error file is UTF-8 text too
+        return refuse("invalid_text", non_text.message, custom_id)
     try:
         line = BatchLine.model_validate(data)
     except ValidationError as exc:
-        return refuse("invalid_line", describe_validation_error(exc), custom_id)
+        return refuse("invalid_line", describe_validation_error(exc, unknown_hint=UNKNOWN_BODY_FIELD), custom_id)
     if line.url != endpoint:
         return refuse("invalid_url", f"url is {line.url!r}; every line of this batch must use {endpoint!r}",
                       custom_id)
@@ -128,7 +136,8 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
                             code="unsupported_parameter", param="n")
         submission = to_submission(body, catalog=catalog, max_prompt_chars=max_prompt_chars)
     except ValidationError as exc:
-        return refuse("invalid_request", "body." + describe_validation_error(exc), custom_id)
+        return refuse("invalid_request", "body." + describe_validation_error(exc, unknown_hint=UNKNOWN_BODY_FIELD),
+                      custom_id)
     except Rejection as exc:
         return refuse(exc.code, str(exc), custom_id)
     return store.NewRequest(line.custom_id, submission.serving_config_name, submission.prompt,
@@ -233,24 +242,52 @@ def _room(session: Session, job: store.StoredJob, limits: IngestLimits) -> int:
 
 
 def ingest_for(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams], job_id: uuid.UUID,
-               configs_dir: Path, worker_live_s: float, limits: IngestLimits, max_s: float) -> int:
-    """Ingest slices for up to max_s seconds, waiting out back-pressure; -> the number of lines read."""
+               configs_dir: Path, worker_live_s: float, limits: IngestLimits, max_s: float,
+               max_tries: int = MAX_STEP_TRIES) -> int:
+    """Ingest slices for up to max_s seconds, waiting out back-pressure; -> the number of lines read. A slice that
+    fails max_tries times in a row fails the job, with the reason in its errors (see fail_ingest)."""
     deadline = time.monotonic() + max_s
-    catalog, catalog_at, num_lines = None, 0.0, 0
+    catalog, catalog_at, num_lines, num_failed = None, 0.0, 0, 0
     while time.monotonic() < deadline:
         now = datetime.now(UTC)
         live_since = now - timedelta(seconds=worker_live_s)
-        if catalog is None or time.monotonic() - catalog_at > CATALOG_MAX_AGE_S:
-            with session_scope(sessions) as session:
-                catalog, catalog_at = load_catalog(session, configs_dir=configs_dir, live_since=live_since), time.monotonic()
-        step = ingest_step(sessions=sessions, streams_for=streams_for, job_id=job_id, configs_dir=configs_dir,
-                           live_since=live_since, limits=limits, now=now, catalog=catalog)
+        try:
+            if catalog is None or time.monotonic() - catalog_at > CATALOG_MAX_AGE_S:
+                with session_scope(sessions) as session:
+                    catalog = load_catalog(session, configs_dir=configs_dir, live_since=live_since)
+                catalog_at = time.monotonic()
+            step = ingest_step(sessions=sessions, streams_for=streams_for, job_id=job_id, configs_dir=configs_dir,
+                               live_since=live_since, limits=limits, now=now, catalog=catalog)
+        except Exception as exc:  # NOTE: whatever it is, the same slice fails again: tries are counted, not kinds
+            num_failed += 1
+            log.warning("ingest of job %s failed (try %d of %d): %r", job_id, num_failed, max_tries, exc)
+            if num_failed >= max_tries:
+                fail_ingest(sessions=sessions, job_id=job_id, reason=exc, num_tries=num_failed, now=now)
+                break
+            time.sleep(min(STEP_RETRY_WAIT_S * 2 ** (num_failed - 1), max(0.0, deadline - time.monotonic())))
+            continue
+        num_failed = 0
         num_lines += step.num_lines
         if step.is_done:
             break
         if step.is_throttled:
             time.sleep(THROTTLED_WAIT_S)
     return num_lines
+
+
+def fail_ingest(*, sessions: sessionmaker[Session], job_id: uuid.UUID, reason: BaseException, num_tries: int,
+                now: datetime) -> bool:
+    """The job fails (a slice of its file could not be ingested), its queued requests are cancelled (started ones
+    finish) and `errors` says why and from which line; -> whether it moved (an ended job stays as it is)."""
+    with session_scope(sessions) as session:
+        job = store.get_job(session, job_id=job_id, for_update=True)
+        if job is None or job.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+            return False
+        message = (f"ingest failed {num_tries} times in a row at line {job.num_lines + 1} of the input file: "
+                   f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else ''}")
+        store.cancel_queued(session, job_id=job.id, reason=f"batch_failed: {message}", now=now)
+        return store.move_job(session, job_id=job.id, from_statuses=(job.status,), to=BatchStatus.FAILED, now=now,
+                              errors=[{"code": "ingest_failed", "message": message, "line": job.num_lines + 1}])
 
 
 def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | None], catalog: Catalog,
@@ -276,11 +313,13 @@ def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | N
                 yield parsed
 
     # NOTE: lines are parsed as the store copies them in: PostgreSQL inserts one line's row while the next is parsed
-    created, taken = store.add_requests(session, job=job, requests=new_requests())
-    errors += [_duplicate(good[custom_id][0], custom_id) for custom_id in taken]
+    added = store.add_requests(session, job=job, requests=new_requests())
+    errors += [_duplicate(good[custom_id][0], custom_id) for custom_id in added.taken]
+    errors += [store.LineError(good[custom_id][0], custom_id, "unstorable_line", why)
+               for custom_id, why in added.unstorable.items()]
     store.add_line_errors(session, job_id=job.id, errors=sorted(errors, key=lambda e: e.line_no))
-    return ([(created[custom_id], r.serving_config_name) for custom_id, (_, r) in good.items() if custom_id in created],
-            len(errors))
+    return ([(added.created[custom_id], r.serving_config_name) for custom_id, (_, r) in good.items()
+             if custom_id in added.created], len(errors))
 
 
 def _duplicate(line_no: int, custom_id: str) -> store.LineError:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from servelab.request import SamplingParams, choice_seed
 from servelab.store.models import StreamKind, TenantQueueRow
+from servelab.store.pgtext import json_to_column, to_column
 
 
 class QueueFull(Exception):
@@ -53,11 +54,13 @@ class NewRequest:
         return (self.id, *(str(uuid.uuid5(uuid.UUID(self.id), str(i))) for i in range(1, self.num_choices)))
 
     def rows(self) -> list[dict[str, Any]]:
-        """The rows' values as JSON can carry them: choice i seeded choice_seed(seed, i), each naming the first."""
+        """The rows' values as JSON can carry them: choice i seeded choice_seed(seed, i), each naming the first.
+        NOTE: the statement below reads them from jsonb, past the column types: their text is kept by hand."""
         first = self.id if self.num_choices > 1 else None
         return [dict(id=request_id, tenant=self.tenant, serving_config_name=self.serving_config_name,
-                     stream=self.stream.value, prompt=self.prompt, messages=self.messages,
-                     sampling=replace(self.sampling, seed=choice_seed(self.sampling.seed, i)).to_stored(),
+                     stream=self.stream.value, prompt=None if self.prompt is None else to_column(self.prompt),
+                     messages=json_to_column(self.messages),
+                     sampling=json_to_column(replace(self.sampling, seed=choice_seed(self.sampling.seed, i)).to_stored()),
                      priority=self.priority, first_choice_id=first, choice_index=i)
                 for i, request_id in enumerate(self.ids)]
 

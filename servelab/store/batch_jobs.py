@@ -30,6 +30,7 @@ from servelab.store.models import (
     ResultRow,
     StreamKind,
 )
+from servelab.store.pgtext import from_column, json_to_column, to_column
 
 ID_PREFIX = "batch_"
 ACTIVE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
@@ -220,36 +221,64 @@ _COPY_REQUESTS = ("COPY requests (id, tenant, serving_config_name, stream, statu
                   "batch_job_id, custom_id) FROM STDIN")
 
 
-def add_requests(session: Session, *, job: StoredJob, requests: Iterable[NewRequest]
-                 ) -> tuple[dict[str, str], list[str]]:
-    """Insert request rows as they come; -> ({custom_id: new request id}, custom_ids already taken by earlier
-    lines). The caller holds the job's row lock (one writer per job), and the requests' custom_ids differ.
+@dataclass(frozen=True)
+class Added:
+    """What add_requests stored of a slice's good lines."""
+
+    created: dict[str, str]  # custom_id -> the new request's id
+    taken: list[str]  # custom_ids that earlier slices' lines hold already
+    unstorable: dict[str, str]  # custom_id -> why its row could not be stored (the line's error)
+
+
+# NOTE: what a row PostgreSQL refuses raises: a psycopg error (a value it cannot take) or, before it is sent, the text
+# psycopg cannot encode. Every text is kept (store/pgtext.py) and the edges refuse what is not text, so this is the
+# net under them: one such row becomes its line's error instead of failing the slice, and its job, for ever.
+UNSTORABLE = (psycopg.DataError, psycopg.IntegrityError, UnicodeEncodeError)
+
+
+def add_requests(session: Session, *, job: StoredJob, requests: Iterable[NewRequest]) -> Added:
+    """Insert request rows as they come. The caller holds the job's row lock (one writer per job), and the
+    requests' custom_ids differ.
 
     NOTE: rows are COPYed straight into the table as the iterable yields them, so PostgreSQL inserts them while
     the caller parses the next lines; psycopg formats COPY rows in C (about 1 us a row, against 30-45 us to bind
-    them as parameters). COPY has no ON CONFLICT: when an earlier slice holds one of the custom_ids, the COPY
-    fails, is rolled back to its savepoint and runs again without the taken ones. A re-run slice (a resumed
-    job) finds none of its own rows: they were rolled back with the offset that would have skipped it.
+    them as parameters). COPY has no ON CONFLICT: when an earlier slice holds one of the custom_ids, or a row is
+    refused, the COPY is rolled back to its savepoint and runs again without the taken ones, then (if a row is
+    still refused) a row at a time. A re-run slice (a resumed job) finds none of its own rows: they were rolled
+    back with the offset that would have skipped it.
     """
     rows = zip(_new_request_ids(), requests)
     added: list[tuple[str, NewRequest]] = []
     cursor = session.connection().connection.driver_connection.cursor()  # in the session's transaction
     with cursor:
-        cursor.execute("SAVEPOINT add_requests")
-        try:
-            _copy_requests(cursor, job, rows, added)
-            cursor.execute("RELEASE SAVEPOINT add_requests")
-            return {r.custom_id: request_id for request_id, r in added}, []
-        except psycopg.errors.UniqueViolation:
-            cursor.execute("ROLLBACK TO SAVEPOINT add_requests")
+        if _copy_in_savepoint(cursor, job, rows, added) is None:
+            return Added({r.custom_id: request_id for request_id, r in added}, [], {})
         added.extend(rows)  # the requests not yet copied when the COPY failed
         cursor.execute("SELECT custom_id FROM requests WHERE batch_job_id = %s AND custom_id = ANY(%s)",
-                       (job.id, [r.custom_id for _, r in added]))
-        taken = {custom_id for custom_id, in cursor.fetchall()}
+                       (job.id, [to_column(r.custom_id) for _, r in added]))
+        taken = {from_column(custom_id) for custom_id, in cursor.fetchall()}
         fresh = [(request_id, r) for request_id, r in added if r.custom_id not in taken]
-        _copy_requests(cursor, job, iter(fresh), [])
-    return {r.custom_id: request_id for request_id, r in fresh}, [r.custom_id for _, r in added
-                                                                   if r.custom_id in taken]
+        unstorable: dict[str, str] = {}
+        if _copy_in_savepoint(cursor, job, iter(fresh), []) is not None:
+            for request_id, r in fresh:
+                refused = _copy_in_savepoint(cursor, job, iter([(request_id, r)]), [])
+                if refused is not None:
+                    unstorable[r.custom_id] = f"the line could not be stored: {str(refused).splitlines()[0]}"
+    return Added({r.custom_id: request_id for request_id, r in fresh if r.custom_id not in unstorable},
+                 [r.custom_id for _, r in added if r.custom_id in taken], unstorable)
+
+
+def _copy_in_savepoint(cursor: psycopg.Cursor, job: StoredJob, rows: Iterator[tuple[str, NewRequest]],
+                       added: list[tuple[str, NewRequest]]) -> Exception | None:
+    """COPY the rows under a savepoint; -> None, or what refused them (everything rolled back to the savepoint)."""
+    cursor.execute("SAVEPOINT add_requests")
+    try:
+        _copy_requests(cursor, job, rows, added)
+    except UNSTORABLE as exc:
+        cursor.execute("ROLLBACK TO SAVEPOINT add_requests")
+        return exc
+    cursor.execute("RELEASE SAVEPOINT add_requests")
+    return None
 
 
 def _new_request_ids(batch: int = 1_024) -> Iterator[str]:
@@ -272,9 +301,20 @@ def _copy_requests(cursor: psycopg.Cursor, job: StoredJob, rows: Iterator[tuple[
             added.append((request_id, r))
             sampling = stored.get(r.sampling)
             if sampling is None:
-                sampling = stored[r.sampling] = json.dumps(r.sampling.to_stored())
-            copy.write_row((request_id, job.tenant, r.serving_config_name, stream, status, r.prompt,
-                            None if r.messages is None else _JSON.encode(r.messages), sampling, job.id, r.custom_id))
+                sampling = stored[r.sampling] = json.dumps(json_to_column(r.sampling.to_stored()))
+            # NOTE: COPY passes the column types by: the client's text is kept by hand (store/pgtext.py)
+            copy.write_row((request_id, job.tenant, r.serving_config_name, stream, status,
+                            None if r.prompt is None else to_column(r.prompt),
+                            None if r.messages is None else _messages_json(r.messages), sampling, job.id,
+                            to_column(r.custom_id)))
+
+
+def _messages_json(messages: list[dict[str, Any]]) -> str:
+    """NOTE: JSON escapes NUL and the mark (ASCII output): only messages whose JSON shows one are walked."""
+    encoded = _JSON.encode(messages)
+    if "\\u0000" in encoded or "\\ufdd0" in encoded:
+        encoded = _JSON.encode(json_to_column(messages))
+    return encoded
 
 
 def add_line_errors(session: Session, *, job_id: uuid.UUID, errors: list[LineError]) -> None:

@@ -2,8 +2,9 @@
 
 Knows the tables, their keys and the indexes the queue, the worker and the dashboard rely on. Does not
 know how rows are written or read (store functions do) and never changes the database itself: the schema
-changes only through migrations/, and a test checks that these models and the migrations agree. Past 400 lines
-as one piece: one schema, read whole by that test and by Alembic's autogenerate.
+changes only through migrations/, and a test checks that these models and the migrations agree. Columns that
+hold a client's text are KeptText / KeptJSONB (store/pgtext.py): any text, NUL included, reads back as written.
+Past 400 lines as one piece: one schema, read whole by that test and by Alembic's autogenerate.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from servelab.request import FinishReason, RequestStatus, StreamKind
+from servelab.store.pgtext import KeptJSONB, KeptText
 
 # NOTE: fixed constraint names, so that migrations can name (and drop) what the models declare.
 NAMING_CONVENTION = {
@@ -98,13 +100,13 @@ class RequestRow(Base):
         REQUEST_STATUS, default=RequestStatus.QUEUED, server_default=RequestStatus.QUEUED.value
     )
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
-    prompt: Mapped[str | None] = mapped_column(Text)
+    prompt: Mapped[str | None] = mapped_column(KeptText)
     # NOTE: none_as_null: Python None must be SQL NULL (the check below), not the JSON value null.
-    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
-    sampling: Mapped[dict[str, Any]] = mapped_column(JSONB, default=dict, server_default=text("'{}'::jsonb"))
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(KeptJSONB(none_as_null=True))
+    sampling: Mapped[dict[str, Any]] = mapped_column(KeptJSONB, default=dict, server_default=text("'{}'::jsonb"))
     # NOTE: no foreign key yet: the batch_jobs table comes with the bulk-job migration.
     batch_job_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
-    custom_id: Mapped[str | None] = mapped_column(Text)
+    custom_id: Mapped[str | None] = mapped_column(KeptText)
     # Started executions, counted by the worker when it claims the row (the stream's counter over-counts).
     num_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     num_preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))  # left a batch unfinished
@@ -113,7 +115,7 @@ class RequestRow(Base):
     first_token_at: Mapped[datetime | None] = mapped_column(Timestamp)
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
     finish_reason: Mapped[FinishReason | None] = mapped_column(FINISH_REASON)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(KeptText)
     # NOTE: an n > 1 completion is n rows decoded together: each names the first (its own id, for the first) and
     # its index; a plain request has none. One request's choices answer together, in choice_index order.
     first_choice_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
@@ -128,7 +130,7 @@ class ResultRow(Base):
     request_id: Mapped[uuid.UUID] = mapped_column(
         UUID(as_uuid=True), ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True
     )
-    text: Mapped[str] = mapped_column(Text)
+    text: Mapped[str] = mapped_column(KeptText)
     num_prompt_tokens: Mapped[int] = mapped_column(Integer)
     num_generated_tokens: Mapped[int] = mapped_column(Integer)
     # NOTE: the generated ids themselves, so a token count can always be checked against the text.
@@ -285,7 +287,7 @@ class FileRow(Base):
     id: Mapped[str] = mapped_column(Text, primary_key=True)  # "file-<hex>", the OpenAI shape
     tenant: Mapped[str] = mapped_column(Text)
     purpose: Mapped[str] = mapped_column(Text)  # "batch" (input) or "batch_output"
-    filename: Mapped[str] = mapped_column(Text)
+    filename: Mapped[str] = mapped_column(KeptText)
     num_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
     # NOTE: a file past expires_at, or deleted, is gone for every read; a deleted file's content is erased and
@@ -320,11 +322,11 @@ class BatchJobRow(Base):
     input_file_id: Mapped[str] = mapped_column(Text, ForeignKey("files.id"))
     completion_window: Mapped[str] = mapped_column(Text)
     # NOTE: "metadata" is reserved on declarative classes, hence the attribute name.
-    job_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB(none_as_null=True))
+    job_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", KeptJSONB(none_as_null=True))
     status: Mapped[BatchStatus] = mapped_column(
         BATCH_STATUS, default=BatchStatus.VALIDATING, server_default=BatchStatus.VALIDATING.value
     )
-    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(KeptJSONB(none_as_null=True))
     # Ingest progress: the byte offset of the first unread line and lines read so far; committed with the
     # rows those lines created, so a re-run ingest resumes exactly where the last commit left off.
     ingest_offset: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
@@ -359,9 +361,9 @@ class BatchLineErrorRow(Base):
         UUID(as_uuid=True), ForeignKey("batch_jobs.id", ondelete="CASCADE"), primary_key=True
     )
     line_no: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1-based, as an editor shows it
-    custom_id: Mapped[str | None] = mapped_column(Text)
+    custom_id: Mapped[str | None] = mapped_column(KeptText)
     code: Mapped[str] = mapped_column(Text)
-    message: Mapped[str] = mapped_column(Text)
+    message: Mapped[str] = mapped_column(KeptText)
 
 
 # NOTE: declared on the existing table from here, so the requests model above stays as migration 0001 wrote it.

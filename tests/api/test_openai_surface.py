@@ -177,7 +177,7 @@ def test_newer_parameters_are_refused_by_name_and_their_neutral_values_accepted(
     stack, served, url = idle
     client = openai_client(stack, url)
     asked = [({"tools": TOOLS}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
-             ({"logit_bias": {"50": 5}}, "logit_bias"), ({"extra_body": {"min_p": 0.1}}, "min_p"),
+             ({"logit_bias": {"50": 5}}, "logit_bias"), ({"extra_body": {"min_p": 1.5}}, "min_p"),
              ({"tools": TOOLS, "stream": True}, "tools"), ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"),
              ({"logprobs": True, "stream": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
              ({"presence_penalty": 2.5}, "presence_penalty")]

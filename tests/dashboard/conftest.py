@@ -124,9 +124,9 @@ def seed_job(runtime, *, config_name: str, reason: str) -> None:
         job = batch_jobs.create_job(session, tenant="default", endpoint="/v1/completions",
                                     input_file_id=stored_file.id, completion_window="24h", metadata=None,
                                     expires_at=now + timedelta(hours=24))
-        created, _ = batch_jobs.add_requests(session, job=job, requests=[
+        created = batch_jobs.add_requests(session, job=job, requests=[
             batch_jobs.NewRequest(f"line-{i}", config_name, "Hello", None, SamplingParams(max_new_tokens=4))
-            for i in range(3)])
+            for i in range(3)]).created
         failed = created["line-0"]
         request_store.claim_requests(session, ids=[failed], now=now)
         request_store.fail_requests(session, ids=[failed], reason=reason, now=now)

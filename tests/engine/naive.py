@@ -1,5 +1,6 @@
 """The slow reference the engine is checked against: one prompt, no cache, no padding, greedy; with OpenAI's
-presence and frequency penalties written out as their definition, and each chosen token's log-softmax."""
+presence and frequency penalties and vLLM's repetition penalty, min_tokens, stop_token_ids and ignore_eos written
+out as their definitions, and each chosen token's log-softmax."""
 
 from __future__ import annotations
 
@@ -9,18 +10,18 @@ import torch
 
 
 @torch.inference_mode()
-def naive_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], *,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[int]:
-    return [token_id for token_id, _ in naive_decode(model, prompt_ids, max_new_tokens, eos_token_ids,
-                                                     presence_penalty=presence_penalty,
-                                                     frequency_penalty=frequency_penalty)]
+def naive_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], **penalties
+                 ) -> list[int]:
+    return [token_id for token_id, _ in naive_decode(model, prompt_ids, max_new_tokens, eos_token_ids, **penalties)]
 
 
 @torch.inference_mode()
 def naive_decode(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], *,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 min_tokens: int = 0, stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False
                  ) -> list[tuple[int, torch.Tensor]]:
     """[(greedy token id, the raw model's log-softmax at its position (V,))]."""
+    stops = {*stop_token_ids, *(() if ignore_eos else eos_token_ids)}
     ids = list(prompt_ids)
     generated: list[tuple[int, torch.Tensor]] = []
     counts: Counter[int] = Counter()
@@ -28,12 +29,18 @@ def naive_decode(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id
         logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits  # (1, T, V)
         raw = logits[0, -1].float()
         penalised = raw.clone()
+        for token_id in set(ids):  # NOTE: vLLM's repetition penalty, over the prompt and the output
+            value = float(penalised[token_id])
+            penalised[token_id] = value / repetition_penalty if value > 0 else value * repetition_penalty
         for token_id, count in counts.items():  # NOTE: the definition, token by token
             penalised[token_id] -= presence_penalty * (count > 0) + frequency_penalty * count
+        if len(generated) < min_tokens:  # vLLM's min_tokens: no stop token until then
+            for token_id in stops:
+                penalised[token_id] = float("-inf")
         token_id = int(penalised.argmax())
         generated.append((token_id, raw.log_softmax(-1).cpu()))
         counts[token_id] += 1
         ids.append(token_id)
-        if token_id in eos_token_ids:
+        if token_id in stops and len(generated) >= min_tokens:
             break
     return generated

@@ -53,7 +53,7 @@ TRICKY = {
     "a refused field at a neutral value": line({"model": "fp32", "messages": MESSAGES, "logprobs": False}),
     "a refused field at 0 where false is neutral": line({"model": "fp32", "messages": MESSAGES, "logprobs": 0}),
     "a refused field asking for something": line({"model": "fp32", "messages": MESSAGES, "tools": [{"x": 1}]}),
-    "an unknown field": line({"model": "fp32", "messages": MESSAGES, "min_p": 0.1}),
+    "an unknown field": line({"model": "fp32", "messages": MESSAGES, "typical_p": 0.1}),
     "n choices (one line, one choice)": line({"model": "fp32", "messages": MESSAGES, "n": 2}),
     "n of 1": line({"model": "fp32", "messages": MESSAGES, "n": 1}),
     "logprobs with alternatives": line({"model": "fp32", "messages": MESSAGES, "logprobs": True, "top_logprobs": 3}),

@@ -7,6 +7,7 @@ serving; the patches hold only while quantising (cpu_search), never while loadin
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,11 @@ def import_gptqmodel():
     # NOTE: gptqmodel 7.6 sizes its CPU worker pool at cpu_count // 2 but asks 2 workers for loading:
     # on a 2-core machine that raises at once unless the pool has at least 2 (GPTQMODEL_CPU_WORKERS).
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(12, max(2, ((os.cpu_count() or 1) + 1) // 2))))
+    # NOTE: gptqmodel logs through logbar's shared logger, which sets itself to INFO when first made: made here
+    # first and kept at ERROR, so its banner, GIL advice, ENV and kernel lines stay out of every worker's output
+    from logbar import LogBar
+
+    LogBar.shared().setLevel(logging.ERROR)
     import gptqmodel
 
     return gptqmodel
