@@ -13,7 +13,7 @@ PROCESS_PACKAGES = ("api", "worker", "dashboard")
 PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/request.py",
                 "servelab/engine/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
                 "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
-                "servelab/lab/roofline.py", "servelab/idempotency.py")
+                "servelab/lab/roofline.py", "servelab/idempotency.py", "servelab/jobs/share.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 
