@@ -36,8 +36,16 @@ class ShareState:
 
 @dataclass(frozen=True)
 class ShareRound:
-    rooms: dict[str, int]  # job -> lines it may read now, in the order to read them; jobs given none left out
+    visits: tuple[tuple[str, int], ...]  # (job, lines given) in the order given: the order lines join a queue
     state: ShareState
+
+    @property
+    def rooms(self) -> dict[str, int]:
+        """Job -> lines it may read now, in the order first visited; jobs given none left out."""
+        rooms: dict[str, int] = {}
+        for job_id, n in self.visits:
+            rooms[job_id] = rooms.get(job_id, 0) + n
+        return rooms
 
 
 def quanta(jobs: Sequence[BulkJob], weights: Mapping[str, float]) -> dict[str, Fraction]:
@@ -67,16 +75,19 @@ def share_round(jobs: Sequence[BulkJob], *, weights: Mapping[str, float], free: 
     quantum, so a job cut short by a full queue is owed one visit's lines at most; the next round starts
     after the last job given lines. Over rounds each job's lines are its quantum's share of what its
     configs freed, to within one quantum: a newcomer's lines wait behind one bound's worth, not a backlog.
+    The visits say in which order the lines join the queues (the feed interleaves the jobs' slices so),
+    so a job given more than it has left (its file ends) never puts another job's lines ahead of its own.
     """
     jobs = [job for job in jobs if job.max_lines > 0]
     if not jobs:
-        return ShareRound({}, ShareState())
+        return ShareRound((), ShareState())
     quantum = quanta(jobs, weights)
     ids = [job.job_id for job in jobs]
     start = ids.index(state.next_job_id) if state.next_job_id in ids else 0
     order = jobs[start:] + jobs[:start]
     deficits = {job.job_id: Fraction(state.deficits.get(job.job_id, 0)) for job in jobs}
     rooms = {job.job_id: 0 for job in order}
+    visits: list[tuple[str, int]] = []
     free = dict(free)
     last_given: str | None = None
 
@@ -100,9 +111,10 @@ def share_round(jobs: Sequence[BulkJob], *, weights: Mapping[str, float], free: 
             else:
                 given = can  # NOTE: its lines name only unbounded configs: nothing to share
             rooms[job.job_id] += given
+            if given:
+                visits.append((job.job_id, given))
             for name in taking(job):
                 free[name] -= given
             last_given = job.job_id if given else last_given
     next_job_id = ids[(ids.index(last_given) + 1) % len(ids)] if last_given is not None else state.next_job_id
-    return ShareRound({job_id: n for job_id, n in rooms.items() if n > 0},
-                      ShareState({job_id: d for job_id, d in deficits.items() if d}, next_job_id))
+    return ShareRound(tuple(visits), ShareState({job_id: d for job_id, d in deficits.items() if d}, next_job_id))

@@ -18,7 +18,7 @@ def job(job_id: str, tenant: str, configs: frozenset[str] = A, max_lines: int = 
 def test_two_tenants_of_equal_weight_split_the_free_room_line_by_line() -> None:
     r = share_round([job("big", "t1"), job("small", "t2")], weights={}, free={"a": 11}, state=ShareState())
     assert r.rooms == {"big": 6, "small": 5}
-    assert list(r.rooms) == ["big", "small"]
+    assert r.visits == (("big", 1), ("small", 1)) * 5 + (("big", 1),)
     assert r.state.next_job_id == "small", "the next round starts after the job given the last line"
     again = share_round([job("big", "t1"), job("small", "t2")], weights={}, free={"a": 3}, state=r.state)
     assert list(again.rooms) == ["small", "big"] and again.rooms == {"small": 2, "big": 1}
@@ -29,6 +29,7 @@ def test_a_heavier_tenant_gets_lines_in_proportion_to_its_weight() -> None:
                     state=ShareState())
     # passes: l 3, s 1 | l 3, s 1 | l gets the 2 left of its 3 and is owed 1
     assert r.rooms == {"l": 8, "s": 2}
+    assert r.visits == (("l", 3), ("s", 1), ("l", 3), ("s", 1), ("l", 2))
     assert r.state.deficits == {"l": Fraction(1)} and r.state.next_job_id == "s"
 
 
