@@ -20,7 +20,7 @@ from servelab.hardware import describe_hardware
 from servelab.jobs.feed import bulk_bounds, free_room, interleaved, read_round
 from servelab.jobs.catalog import Catalog
 from servelab.jobs.lifecycle import cancel_job
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import GROUP
 from servelab.request import SamplingParams
 from servelab.store import batch_jobs as jobs
@@ -34,7 +34,9 @@ NUM_LARGE, NUM_SMALL, QUEUED_BATCHES = 600, 50, 2
 
 
 def job_file(model: str, prefix: str, num_lines: int) -> bytes:
-    return ("\n".join(line(f"{prefix}{i}", model, prompt=f"story {i}") for i in range(num_lines)) + "\n").encode()
+    """One token a line: a line ends in the step that starts it, so lines complete in the order they start."""
+    lines = (line(f"{prefix}{i}", model, prompt=f"story {i}", max_tokens=1) for i in range(num_lines))
+    return ("\n".join(lines) + "\n").encode()
 
 
 def completed_by(stack, job_id: uuid.UUID, moment: datetime) -> int:
@@ -81,7 +83,9 @@ def race(stack, *, num_large: int, queued_batches: float) -> Race:
     round that sees the small job, deficit round robin puts at most weight ratio (here 1) x its lines plus
     one quantum (1 line) of the large job's ahead of the small job's last line (the feed interleaves the
     jobs' slices in the order the share gave their lines); the stream is read in order, so the small
-    job's last line starts after all of those, and at most B - 1 lines read after it finish with it.
+    job's last line starts after all of those, and at most B - 1 lines read after it start with it or
+    before it (the worker holds B lines at most, and orders those it holds by age); a one-token line ends in
+    the step that starts it.
     """
     size = stack.served.worker.policy.max_batch_size
     with control_plane(stack):
