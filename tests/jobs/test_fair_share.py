@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -19,7 +20,7 @@ from servelab.cli import app
 from servelab.hardware import describe_hardware
 from servelab.jobs.feed import bulk_bounds, free_room, interleaved, read_round
 from servelab.jobs.catalog import Catalog
-from servelab.jobs.lifecycle import cancel_job
+from servelab.jobs.lifecycle import NotCancellable, cancel_job
 from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import GROUP
 from servelab.request import SamplingParams
@@ -75,7 +76,7 @@ class Race:
 
 def race(stack, *, num_large: int, queued_batches: float) -> Race:
     """A large job of one tenant, then, once it is being served, a small job of another; the large job is
-    cancelled when the small one has completed.
+    cancelled when the small one has completed (unless it has ended too).
 
     The bound, in lines of the large job completed when the small job's last line completes (counts only):
     at the small job's creation the large job has c0 completed, at most B running (B = max_batch_size) and
@@ -94,7 +95,7 @@ def race(stack, *, num_large: int, queued_batches: float) -> Race:
         small = make_job(stack, job_file(stack.model, "small-", NUM_SMALL), tenant="small-co")
         c0 = counts_now(stack, large.id).completed
         small_done = wait_for_status(stack, small.id, timeout_s=600)
-        with session_scope(stack.runtime.sessions) as session:
+        with session_scope(stack.runtime.sessions) as session, suppress(NotCancellable):  # it may have ended
             assert cancel_job(session, job_id=large.id, tenant="big-co", now=datetime.now(UTC)) is not None
         large_done = wait_for_status(stack, large.id, timeout_s=600)
     with session_scope(stack.runtime.sessions) as session:
