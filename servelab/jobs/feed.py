@@ -3,8 +3,8 @@
 Knows rounds: a round reads which jobs have lines left, how many bulk lines each config's stream holds not
 yet started, the tenants' weights and each config's bound (max_bulk_queued_batches x its max_batch_size),
 asks servelab/jobs/share.py how many lines each job may read now, and runs ingest_step for each, capped at
-that; it waits THROTTLED_WAIT_S when nothing fit. Does not know Celery (worker/jobs.py runs it as one task
-for every job) nor the share's arithmetic.
+that; it waits THROTTLED_WAIT_S between rounds unless a job read a whole slice. Does not know Celery
+(worker/jobs.py runs it as one task for every job) nor the share's arithmetic.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def bulk_bounds(catalog: Catalog, *, max_bulk_queued_batches: float) -> dict[str
     """Each config's bound on bulk lines queued and not started; {} when the bound is off (0).
 
     NOTE: the bound is in the config's own batches. The worker takes at most max_batch_size queued lines into
-    its batch at a time (as rows free up), and the feed tops each queue up every round (THROTTLED_WAIT_S when
-    it is full, plus the round's own few ms), so a worker never finds the stream empty while a job has lines
+    its batch at a time (as rows free up), and the feed tops each queue up every round (THROTTLED_WAIT_S
+    apart, plus the round's own few ms), so a worker never finds the stream empty while a job has lines
     left as long as it serves fewer than (batches - 1) x max_batch_size lines in one round: 3 x 16 lines in
     0.1 s for the served config (480 lines/s), far above what it serves on a CPU. A newcomer's first line
     waits behind at most the bound.
@@ -92,9 +92,8 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
               worker_live_s: float, limits: IngestLimits, max_bulk_queued_batches: float, max_s: float) -> Fed:
     """Rounds for up to max_s seconds, or until no job has lines left.
 
-    NOTE: one loop for every job, not a task per job: a job created now is in the next round (a few ms
-    away, THROTTLED_WAIT_S at most while the queues are full), never behind another job's task; and the
-    round-robin state lives here. Two feeds at once (a lease outlived) would overfill a queue for a round,
+    NOTE: one loop for every job, not a task per job: a job created now is in the next round (THROTTLED_WAIT_S
+    away at most), never behind another job's task; and the round-robin state lives here. Two feeds at once (a lease outlived) would overfill a queue for a round,
     never read a line twice: each ingest step holds its job's row lock and commits its offset.
     """
     deadline = time.monotonic() + max_s
@@ -118,7 +117,7 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
         bulk_jobs = [BulkJob(str(job_id), tenant, frozenset(seen[str(job_id)]), limits.max_lines_per_step)
                      for job_id, tenant in found.jobs]
         planned = share_round(bulk_jobs, weights=found.weights, free=free_room(bounds, found.queued), state=state)
-        state, num_read, created = planned.state, 0, {}
+        state, num_read, created, is_slice_full = planned.state, 0, {}, False
         for job_id, room in planned.rooms.items():
             step = ingest_step(sessions=sessions, streams_for=streams_for, job_id=uuid.UUID(job_id),
                                configs_dir=configs_dir, live_since=live_since, limits=limits, now=now,
@@ -126,8 +125,11 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
             seen[job_id] |= {name for _, name in step.created}
             created[job_id] = step.created
             num_read += step.num_lines
+            is_slice_full |= step.num_lines >= limits.max_lines_per_step
         enqueue_bulk(streams_for, interleaved(planned.visits, created))
         num_lines += num_read
-        if num_read == 0:  # every queue full, or every job at its in-flight limit
+        # NOTE: the queues are full again (or every job is at its in-flight limit): wait for the workers to take
+        # lines rather than spin a round per line they take. Only a job cut short by the slice size goes on.
+        if not is_slice_full:
             time.sleep(THROTTLED_WAIT_S)
     return Fed(num_lines, has_more=True)
