@@ -21,6 +21,7 @@ from servelab.hardware import describe_hardware
 from servelab.jobs.feed import bulk_bounds, free_room, interleaved, read_round
 from servelab.jobs.catalog import Catalog
 from servelab.jobs.lifecycle import NotCancellable, cancel_job
+from servelab.jobs.share import BulkJob, quanta
 from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import GROUP
 from servelab.request import SamplingParams
@@ -74,49 +75,59 @@ class Race:
     large: jobs.StoredJob
 
 
-def race(stack, *, num_large: int, queued_batches: float) -> Race:
-    """A large job of one tenant, then, once it is being served, a small job of another; the large job is
-    cancelled when the small one has completed (unless it has ended too).
+def race(stack, *, num_large: int, queued_batches: float, small_weight: float = 1.0) -> Race:
+    """A large job of one tenant, then, once it is being served, a small job of another (of small_weight
+    against the large job's tenant's 1); the large job is cancelled when the small one has completed (unless
+    it has ended too).
 
     The bound, in lines of the large job completed when the small job's last line completes (counts only):
     at the small job's creation the large job has c0 completed, at most B running (B = max_batch_size) and
     at most Q = queued_batches x B queued, and a round already under way adds none past Q; from the first
-    round that sees the small job, deficit round robin puts at most weight ratio (here 1) x its lines plus
-    one quantum (1 line) of the large job's ahead of the small job's last line (the feed interleaves the
+    round that sees the small job, deficit round robin puts at most the weight ratio x its lines (rounded
+    up) plus two quanta (a visit's lines: 1 here) of the large job's ahead of the small job's last line
+    (one visit first in a round, one for a round cut short; the feed interleaves the
     jobs' slices in the order the share gave their lines); the stream is read in order, so the small
     job's last line starts after all of those, and at most B - 1 lines read after it start with it or
     before it (the worker holds B lines at most, and orders those it holds by age); a one-token line ends in
     the step that starts it.
     """
     size = stack.served.worker.policy.max_batch_size
+    big_co, small_co = f"big-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
+    with session_scope(stack.runtime.sessions) as session:
+        keys.set_tenant_weight(session, tenant=small_co, weight=small_weight)
     with control_plane(stack):
-        large = make_job(stack, job_file(stack.model, "large-", num_large), tenant="big-co")
+        large = make_job(stack, job_file(stack.model, "large-", num_large), tenant=big_co)
         wait_until(lambda: counts_now(stack, large.id).completed >= 1)
-        small = make_job(stack, job_file(stack.model, "small-", NUM_SMALL), tenant="small-co")
+        small = make_job(stack, job_file(stack.model, "small-", NUM_SMALL), tenant=small_co)
         c0 = counts_now(stack, large.id).completed
         small_done = wait_for_status(stack, small.id, timeout_s=600)
         with session_scope(stack.runtime.sessions) as session, suppress(NotCancellable):  # it may have ended
-            assert cancel_job(session, job_id=large.id, tenant="big-co", now=datetime.now(UTC)) is not None
+            assert cancel_job(session, job_id=large.id, tenant=big_co, now=datetime.now(UTC)) is not None
         large_done = wait_for_status(stack, large.id, timeout_s=600)
     with session_scope(stack.runtime.sessions) as session:
         moment = session.scalar(select(func.max(RequestRow.finished_at)).where(RequestRow.batch_job_id == small.id))
+    quantum = quanta([BulkJob("large", big_co, frozenset(), 1), BulkJob("small", small_co, frozenset(), 1)],
+                     {small_co: small_weight})["large"]
+    ahead = math.ceil(NUM_SMALL / small_weight) + 2 * quantum
     return Race(c0, completed_by(stack, large.id, moment), (moment - small.timestamps["created_at"]).total_seconds(),
-                c0 + size + math.ceil(queued_batches * size) + NUM_SMALL * 1 + 1 + (size - 1), small_done, large_done)
+                c0 + size + math.ceil(queued_batches * size) + ahead + (size - 1), small_done, large_done)
 
 
-def test_a_small_job_after_a_large_one_waits_behind_the_bound_not_the_large_job(make_stack, tiny_engine) -> None:
+@pytest.mark.parametrize("small_weight", [1.0, 3.0], ids=["equal-weights", "small-tenant-weighs-3"])
+def test_a_small_job_after_a_large_one_waits_behind_the_bound_not_the_large_job(make_stack, tiny_engine,
+                                                                                small_weight: float) -> None:
     size = tiny_engine.config.batching.max_batch_size
     stack = make_stack(policy=BatchPolicy(max_batch_size=size, max_wait_ms=5, max_batch_tokens=100_000),
                        max_job_in_flight=5_000, max_bulk_queued_batches=QUEUED_BATCHES)
-    r = race(stack, num_large=NUM_LARGE, queued_batches=QUEUED_BATCHES)
+    r = race(stack, num_large=NUM_LARGE, queued_batches=QUEUED_BATCHES, small_weight=small_weight)
     assert r.large_then <= r.bound, f"the large job completed {r.large_then} lines first; the bound is {r.bound}"
     assert r.large_then < NUM_LARGE - QUEUED_BATCHES * size, "the large job was still running: the bound was tested"
     assert r.small.status is BatchStatus.COMPLETED and r.small.request_counts["completed"] == NUM_SMALL
     assert r.large.status is BatchStatus.CANCELLED
-    assert_every_line_answered_once(read_jsonl(stack, r.small.output_file_id, "small-co"),
-                                    read_jsonl(stack, r.small.error_file_id, "small-co"), NUM_SMALL)
-    assert_every_line_answered_once(read_jsonl(stack, r.large.output_file_id, "big-co"),
-                                    read_jsonl(stack, r.large.error_file_id, "big-co"), NUM_LARGE)
+    assert_every_line_answered_once(read_jsonl(stack, r.small.output_file_id, r.small.tenant),
+                                    read_jsonl(stack, r.small.error_file_id, r.small.tenant), NUM_SMALL)
+    assert_every_line_answered_once(read_jsonl(stack, r.large.output_file_id, r.large.tenant),
+                                    read_jsonl(stack, r.large.error_file_id, r.large.tenant), NUM_LARGE)
     assert_served_once(stack, [r.large.id, r.small.id])
 
 
