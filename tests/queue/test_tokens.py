@@ -88,3 +88,41 @@ def test_text_a_redis_error_kept_from_its_step_goes_out_first_at_the_next(make_s
         stored = store.get_request_view(session, request_id=request_id, tenant="default").text
     assert [e["kind"] for e in events][:1] == ["start"] and events[-1]["kind"] == "end"
     assert "".join(e["text"] for e in events if e["kind"] == "text") == stored
+
+
+def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_its_second(make_served,
+                                                                                            monkeypatch) -> None:
+    """The time to the second token is a decode step, not zero: the prefill's token leaves before the step."""
+    from servelab.queue.submit import submit_request
+    from servelab.queue.tokens import decode_event
+    from servelab.request import SamplingParams
+    from servelab.scheduler.policy import BatchPolicy
+
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000))
+    served.streams.ensure_groups()
+    request_id = submit_request(sessions=served.sessions, streams=served.streams, prompt="once upon a time",
+                                sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine, key = served.worker.engine, tokens_key(served.streams.prefix, request_id)
+    prefilled, seen_by_step = [], []
+    real_add, real_step = engine.add, engine.step
+
+    def add(requests):
+        out = real_add(requests)
+        prefilled.extend(t for t in out.new_text if t[0] == request_id)
+        return out
+
+    def step():
+        seen_by_step.append([decode_event(f) for _, f in served.streams.client.xrange(key)])
+        return real_step()
+
+    monkeypatch.setattr(engine, "add", add)
+    monkeypatch.setattr(engine, "step", step)
+    finished = 0
+    for _ in range(20):
+        finished += served.worker.step()
+        if finished:
+            break
+    assert finished == 1 and prefilled, "the prefill released no text: pick another prompt"
+    first_step = seen_by_step[0]
+    assert [e["kind"] for e in first_step] == ["start", "text"]
+    assert (first_step[1]["at"], first_step[1]["text"]) == prefilled[0][1:]

@@ -139,6 +139,10 @@ def _build(cache_dir: Path, isa: Isa) -> BlockedKernel:
     _put_ninja_on_path()
     try:
         with file_lock(build_dir / ".lock"):
+            # NOTE: torch's builder keeps a baton file (`lock`) for the length of its build and waits while one
+            # exists; a process killed mid-build leaves it, and every later start would wait forever. Under this
+            # flock (the kernel releases it when its holder dies) no other process builds here: a baton is stale.
+            (build_dir / "lock").unlink(missing_ok=True)
             module = load(name=f"servelab_{isa.name}_{key}", sources=[str(SOURCE)], build_directory=str(build_dir),
                           extra_cflags=["-O3", *isa.cflags], verbose=False)
     except Exception as exc:  # NOTE: no compiler, no ninja, a broken toolchain: serve with another kernel
