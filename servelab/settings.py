@@ -52,6 +52,12 @@ class ServiceSettings(Settings):
     max_batch_lines: int = Field(default=100_000, ge=1, description="most lines in one batch file")
     max_queued_requests: int = Field(default=1_000, ge=1, description="queued interactive requests per tenant")
     max_job_in_flight: int = Field(default=2_000, ge=1, description="unfinished requests of one job in the queue")
+    # NOTE: 4 batches: the worker takes at most one batch of queued lines at a time, and the feed tops the queue
+    # up every round (about THROTTLED_WAIT_S, 0.1 s): 3 batches left cover 0.1 s of any config served here
+    max_bulk_queued_batches: float = Field(default=4.0, ge=0, description="each config's bulk stream holds at "
+                                           "most this many of its batches (max_batch_size lines each) queued and "
+                                           "not started, shared fairly between batch jobs by their tenants' "
+                                           "weights; 0: no bound, first come first served")
     max_wait_s: float = Field(default=600.0, gt=0, description="longest a completion call or ?wait= waits")
     idempotency_ttl_s: float = Field(default=86_400.0, gt=0, description="how long an Idempotency-Key is kept")
     worker_live_s: float = Field(default=30.0, gt=0, description="a worker heard from this recently is live")

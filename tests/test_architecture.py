@@ -14,7 +14,7 @@ PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/req
                 "servelab/engine/outputs.py", "servelab/scheduler/policy.py", "servelab/scheduler/state.py",
                 "servelab/scheduler/scheduler.py", "servelab/lab/verdict.py",
                 "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
-                "servelab/lab/roofline.py", "servelab/idempotency.py")
+                "servelab/lab/roofline.py", "servelab/idempotency.py", "servelab/jobs/share.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 

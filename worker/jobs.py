@@ -3,8 +3,9 @@
 Thin: `configure` binds the Celery app to a Runtime (broker = the same Redis, keys under the prefix);
 tasks call the core. Every task is idempotent (its work is conditional updates) and carries an id;
 acks are late and a lost worker's task is re-delivered. Beat runs `sweep` every jobs_poll_s: it starts
-ingest for jobs with unread lines and advances the others, each under a short Redis lease so a job
-never has two copies of the same task in flight; `reap` re-adds requests whose stream entry was lost;
+the bulk feed (one task that reads every job's lines, shared fairly) while jobs have unread lines and
+advances the other jobs, each under a short Redis lease so no two copies of a task are in flight; `reap`
+re-adds requests whose stream entry was lost;
 `purge` erases expired files' content and forgets expired idempotency keys (reads ignore both at once already);
 and `prune` deletes finished requests, batch records and files past the retention ages, in small transactions.
 """
@@ -17,7 +18,8 @@ from datetime import UTC, datetime, timedelta
 
 from celery import Celery
 
-from servelab.jobs.ingest import IngestLimits, ingest_for
+from servelab.jobs.feed import feed_bulk as feed_bulk_lines
+from servelab.jobs.ingest import IngestLimits
 from servelab.jobs.lifecycle import advance_job
 from servelab.jobs.reaper import reap_lost
 from servelab.jobs.retention import RetentionPolicy, prune as prune_history
@@ -32,8 +34,8 @@ from servelab.store.models import BatchStatus
 
 log = logging.getLogger(__name__)
 app = Celery("servelab")
-INGEST_TASK_S = 20.0  # one ingest task runs this long at most (many slices), then gives its slot back
-LEASE_MS = 60_000  # NOTE: longer than INGEST_TASK_S: a lease outlives the task that holds it
+FEED_TASK_S = 20.0  # one feed task runs this long at most (many rounds), then hands over to the next
+LEASE_MS = 60_000  # NOTE: longer than FEED_TASK_S: a lease outlives the task that holds it
 VISIBILITY_TIMEOUT_S = 3_600  # NOTE: far above the longest task (an ingest task, a 100k-line finalise)
 PURGE_EVERY_S = 60.0
 PRUNE_EVERY_S = 600.0  # NOTE: one run spends at most RetentionPolicy.budget_s (30 s); a backlog drains run by run
@@ -77,18 +79,31 @@ def _lease_key(settings: ServiceSettings, kind: str, job_id: str) -> str:
     return f"{settings.key_prefix}:lease:{kind}:{job_id}"
 
 
-@app.task(name="servelab.ingest_batch")
-def ingest_batch(job_id: str) -> int:
-    """Ingest a job's lines for up to INGEST_TASK_S, waiting out back-pressure; sweep starts the next task."""
+@app.task(name="servelab.feed_bulk")
+def feed_bulk() -> int:
+    """Read every job's lines into the bulk streams, each job its fair share, for up to FEED_TASK_S; -> lines read.
+
+    NOTE: one task for every job, so a job never waits for another's task to end, and the feed holds one of
+    the worker's slots, leaving the others to sweep, advance, reap. When time is up with lines left, the task
+    sends its successor under the same lease before it ends: the successor queues behind the tasks already
+    waiting (they get this slot first), and the streams are not left unfed until the next sweep.
+    """
     runtime, settings = _runtime()
     limits = IngestLimits(max_prompt_chars=settings.max_prompt_chars, max_job_in_flight=settings.max_job_in_flight,
                           max_line_bytes=settings.max_request_bytes)
+    lease, handed_over = _lease_key(settings, "feed", "bulk"), False
     try:
-        return ingest_for(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
-                          job_id=uuid.UUID(job_id), configs_dir=settings.configs_dir,
-                          worker_live_s=settings.worker_live_s, limits=limits, max_s=INGEST_TASK_S)
+        fed = feed_bulk_lines(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
+                              configs_dir=settings.configs_dir, worker_live_s=settings.worker_live_s, limits=limits,
+                              max_bulk_queued_batches=settings.max_bulk_queued_batches, max_s=FEED_TASK_S)
+        if fed.has_more:
+            runtime.redis.set(lease, "1", px=LEASE_MS)
+            feed_bulk.apply_async(task_id=f"feed-{uuid.uuid4().hex[:8]}")
+            handed_over = True
+        return fed.num_lines
     finally:
-        runtime.redis.delete(_lease_key(settings, "ingest", job_id))
+        if not handed_over:
+            runtime.redis.delete(lease)
 
 
 @app.task(name="servelab.advance_batch")
@@ -104,19 +119,24 @@ def advance_batch(job_id: str) -> str | None:
 
 @app.task(name="servelab.sweep")
 def sweep() -> int:
-    """Start the task each active job needs; a job whose task is still in flight (leased) is skipped."""
+    """Start the feed while jobs have lines to read, and the task each other active job needs; a task still in
+    flight (leased) is not started again."""
     runtime, settings = _runtime()
     with session_scope(runtime.sessions) as session:
         active = [store.get_job(session, job_id=i) for i in store.active_job_ids(session)]
     started = 0
     now = datetime.now(UTC)
+    needs_feed = False
     for job in active:
-        needs_ingest = (not job.is_ingested and now < job.timestamps["expires_at"]
-                        and job.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS))
-        kind, task = ("ingest", ingest_batch) if needs_ingest else ("advance", advance_batch)
-        if runtime.redis.set(_lease_key(settings, kind, str(job.id)), "1", nx=True, px=LEASE_MS):
-            task.apply_async(args=[str(job.id)], task_id=f"{kind}-{job.public_id}-{uuid.uuid4().hex[:8]}")
+        if (not job.is_ingested and now < job.timestamps["expires_at"]
+                and job.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)):
+            needs_feed = True  # NOTE: the one feed reads it
+        elif runtime.redis.set(_lease_key(settings, "advance", str(job.id)), "1", nx=True, px=LEASE_MS):
+            advance_batch.apply_async(args=[str(job.id)], task_id=f"advance-{job.public_id}-{uuid.uuid4().hex[:8]}")
             started += 1
+    if needs_feed and runtime.redis.set(_lease_key(settings, "feed", "bulk"), "1", nx=True, px=LEASE_MS):
+        feed_bulk.apply_async(task_id=f"feed-{uuid.uuid4().hex[:8]}")
+        started += 1
     return started
 
 

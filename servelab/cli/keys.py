@@ -72,3 +72,24 @@ def keys_revoke(
     if not done:
         fail(f"no live key {'with id ' + str(key_id) if key is None else 'like that'}: unknown or already revoked")
     typer.echo(f"revoked {'key ' + str(key_id) if key is None else 'the key'}")
+
+
+@app.command("weight")
+def keys_weight(
+    tenant: Annotated[str, typer.Option(help="the tenant whose weight to set or show")],
+    weight: Annotated[float | None, typer.Argument(help="its new weight (> 0); none: show it")] = None,
+) -> None:
+    """A tenant's weight in the fair share of bulk work: the tenants' batch jobs feeding a config share its bulk
+    queue in proportion to their weights, a tenant's share split among its jobs. Unset: 1."""
+    from servelab.store.db import session_scope
+    from servelab.store.keys import set_tenant_weight, tenant_weights
+
+    if not tenant.strip():
+        fail("--tenant must not be empty")
+    if weight is not None and not (weight > 0 and weight < float("inf")):
+        fail(f"the weight must be a positive number, got {weight}")
+    with connected() as runtime, session_scope(runtime.sessions) as session:
+        if weight is not None:
+            set_tenant_weight(session, tenant=tenant.strip(), weight=weight)
+        now = tenant_weights(session, tenants=[tenant.strip()]).get(tenant.strip(), 1.0)
+    typer.echo(f"tenant {tenant.strip()!r} weighs {now:g} in the fair share of bulk work")

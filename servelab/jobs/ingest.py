@@ -4,7 +4,8 @@ Knows the OpenAI batch line format ({"custom_id", "method": "POST", "url", "body
 refused (each becomes an error-file line), and back-pressure: a slice holds at most as many lines as the job
 may still have unfinished requests, so a 100,000-line file never floods Redis or memory. A slice's rows,
 bad lines and file offset commit together, so a re-run slice (a crashed task) resumes exactly there.
-Does not know Celery: worker/jobs.py runs ingest_for, which calls ingest_step until the file is read.
+Does not know Celery or the fair share: servelab/jobs/feed.py runs ingest_step for every job, each slice capped
+by the job's share; ingest_for reads one job alone until its file is read (the ingest bench).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class IngestStep:
     num_bad_lines: int = 0
     is_done: bool = False  # the whole file is read, or the job no longer takes lines
     is_throttled: bool = False  # the job has max_job_in_flight unfinished requests: try again later
+    created: tuple[tuple[str, str], ...] = ()  # (request id, config) in file order: what was (or is to be) enqueued
 
 
 def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
@@ -183,14 +185,18 @@ def read_lines(session: Session, *, file: files.StoredFile, offset: int, max_lin
 
 def ingest_step(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams],
                 job_id: uuid.UUID, configs_dir: Path, live_since: datetime, limits: IngestLimits,
-                now: datetime, catalog: Catalog | None = None) -> IngestStep:
+                now: datetime, catalog: Catalog | None = None, max_lines: int | None = None,
+                enqueue: bool = True) -> IngestStep:
     """Read, validate and create one slice of lines, commit, then enqueue what was created. catalog: the
-    serving configs lines may name; None loads them now."""
+    serving configs lines may name; None loads them now. max_lines: the job's fair share of its configs'
+    bulk queues this round (servelab/jobs/feed.py), a cap on the slice; None: no cap but the limits.
+    enqueue False: the caller enqueues step.created (the feed interleaves the jobs' slices); a crash before
+    it does leaves committed rows without an entry, which the reaper adds."""
     with session_scope(sessions) as session:
         job = store.get_job(session, job_id=job_id, for_update=True)  # NOTE: one ingest step per job at a time
         if job is None or job.is_ingested or job.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
             return IngestStep(is_done=True)
-        room = _room(session, job, limits)
+        room = _room(session, job, limits, max_lines)
         if room <= 0:
             return IngestStep(is_throttled=True)
         file = files.get_file(session, file_id=job.input_file_id, tenant=job.tenant)
@@ -209,8 +215,9 @@ def ingest_step(*, sessions: sessionmaker[Session], streams_for: Callable[[str],
         if job.status is BatchStatus.VALIDATING:
             store.move_job(session, job_id=job.id, from_statuses=(BatchStatus.VALIDATING,),
                            to=BatchStatus.IN_PROGRESS, now=now)
-    enqueue_bulk(streams_for, created)
-    return IngestStep(len(raw_lines), len(created), bad, is_done=is_ingested)
+    if enqueue:
+        enqueue_bulk(streams_for, created)
+    return IngestStep(len(raw_lines), len(created), bad, is_done=is_ingested, created=tuple(created))
 
 
 @contextmanager
@@ -232,13 +239,15 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _room(session: Session, job: store.StoredJob, limits: IngestLimits) -> int:
-    """Lines this slice may read: a slice, or fewer when the job is near its in-flight limit."""
+def _room(session: Session, job: store.StoredJob, limits: IngestLimits, max_lines: int | None = None) -> int:
+    """Lines this slice may read: a slice (or the job's share, max_lines), or fewer when the job is near its
+    in-flight limit."""
+    cap = limits.max_lines_per_step if max_lines is None else min(max_lines, limits.max_lines_per_step)
     # NOTE: a job cannot have more unfinished requests than lines read, so while that stays a slice below the
     # limit the count (a scan of the job's rows) is skipped.
-    if job.num_lines + limits.max_lines_per_step <= limits.max_job_in_flight:
-        return limits.max_lines_per_step
-    return min(limits.max_lines_per_step, limits.max_job_in_flight - store.num_unfinished(session, job_id=job.id))
+    if job.num_lines + cap <= limits.max_job_in_flight:
+        return cap
+    return min(cap, limits.max_job_in_flight - store.num_unfinished(session, job_id=job.id))
 
 
 def ingest_for(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams], job_id: uuid.UUID,

@@ -201,6 +201,29 @@ def active_job_ids(session: Session) -> list[uuid.UUID]:
                                 .order_by(BatchJobRow.created_at)))
 
 
+def ingesting_jobs(session: Session, *, now: datetime) -> list[tuple[uuid.UUID, str]]:
+    """Jobs with lines left to read and time left in their window, oldest first: (id, tenant)."""
+    return [(job_id, tenant) for job_id, tenant in session.execute(
+        select(BatchJobRow.id, BatchJobRow.tenant)
+        .where(BatchJobRow.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
+               BatchJobRow.is_ingested.is_(False), BatchJobRow.expires_at > now)
+        .order_by(BatchJobRow.created_at, BatchJobRow.id))]
+
+
+def queued_bulk(session: Session) -> dict[tuple[str, uuid.UUID | None], int]:
+    """Bulk requests no worker has started, by (serving config, batch job; None for the lab's own): what each
+    config's bulk stream holds ahead of a line enqueued now.
+
+    NOTE: read through ix_requests_status_serving_config_name, so its cost is the queued rows', which the fair
+    share bounds, not the table's.
+    """
+    rows = session.execute(
+        select(RequestRow.serving_config_name, RequestRow.batch_job_id, func.count())
+        .where(RequestRow.status == RequestStatus.QUEUED, RequestRow.stream == StreamKind.BULK)
+        .group_by(RequestRow.serving_config_name, RequestRow.batch_job_id))
+    return {(name, job_id): int(n) for name, job_id, n in rows}
+
+
 def move_job(session: Session, *, job_id: uuid.UUID, from_statuses: tuple[BatchStatus, ...], to: BatchStatus,
              now: datetime, **values: Any) -> bool:
     """Move the job to `to` if it is in one of from_statuses, stamping `<to>_at`; True if it moved."""

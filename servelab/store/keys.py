@@ -1,5 +1,6 @@
 """API keys and tenants: create, look up and revoke keys; serialise a tenant's uses of idempotency keys;
-count a tenant's queued requests the slow way (what the counter of store/admission.py must always equal).
+count a tenant's queued requests the slow way (what the counter of store/admission.py must always equal);
+set and read tenants' weights in the fair share of bulk work.
 
 Knows that only a key's sha256 is stored, so a key is shown once, when created. Does not know HTTP:
 the API turns "no tenant" into 401. Store functions take a session and never commit.
@@ -12,9 +13,10 @@ import secrets
 from datetime import datetime
 
 from sqlalchemy import delete, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus, TenantQueueRow
+from servelab.store.models import ApiKeyRow, RequestRow, RequestStatus, TenantQueueRow, TenantWeightRow
 
 KEY_PREFIX = "sl-"
 
@@ -62,6 +64,22 @@ def list_keys(session: Session, *, tenant: str | None = None) -> list[ApiKeyRow]
     if tenant is not None:
         query = query.where(ApiKeyRow.tenant == tenant)
     return list(session.scalars(query))
+
+
+def set_tenant_weight(session: Session, *, tenant: str, weight: float) -> None:
+    """A tenant's weight in the fair share of bulk work (1 when never set)."""
+    assert weight > 0, f"a tenant's weight must be positive, got {weight}"
+    statement = insert(TenantWeightRow).values(tenant=tenant, weight=weight)
+    session.execute(statement.on_conflict_do_update(index_elements=["tenant"],
+                                                    set_={"weight": weight, "updated_at": func.now()}))
+
+
+def tenant_weights(session: Session, *, tenants: list[str] | None = None) -> dict[str, float]:
+    """Tenants' weights as set (None: every tenant with one); a tenant left out weighs 1."""
+    query = select(TenantWeightRow.tenant, TenantWeightRow.weight)
+    if tenants is not None:
+        query = query.where(TenantWeightRow.tenant.in_(tenants))
+    return {tenant: weight for tenant, weight in session.execute(query.order_by(TenantWeightRow.tenant))}
 
 
 def lock_tenant(session: Session, tenant: str) -> None:

@@ -262,6 +262,17 @@ class TenantQueueRow(Base):
     num_queued: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
+class TenantWeightRow(Base):
+    """A tenant's weight in the fair share of bulk work (migration 0011); a tenant without a row weighs 1."""
+
+    __tablename__ = "tenant_weights"
+    __table_args__ = (CheckConstraint("weight > 0", name="weight_positive"),)
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True)
+    weight: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+
+
 class ApiKeyRow(Base):
     """An API key of one tenant. Only the key's sha256 is stored: a leaked table leaks no key."""
 
