@@ -352,7 +352,7 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
     read_view = partial(view, state, tenant, submitted.request_id)
     if body.stream:
         writer = ChunkWriter(endpoint, submitted.request_id, submission.serving_config_name, int(arrived_s),
-                             body.include_usage)
+                             body.include_usage, body.continuous_usage)
         return openai_stream(http, state, writer=writer, arrived_s=arrived_s, read_view=read_view,
                              cancel_on_leave=submitted.cancel_on_leave, headers=submitted.headers)
     wait_s = wait_limit_s(state.settings.max_wait_s, http.headers.get(READ_TIMEOUT_HEADER))

@@ -101,7 +101,7 @@ def _ending(stored: store.RequestView, shown: str) -> list[RelayItem]:
     items: list[RelayItem] = []
     text = stored.text or ""
     if len(text) > len(shown) and text.startswith(shown):
-        items.append(Shown(text[len(shown):]))
+        items.append(Shown(text[len(shown):], stored.num_prompt_tokens, stored.num_generated_tokens))
     return [*items, Ended(stored.status.value, stored.finish_reason.value if stored.finish_reason else None,
                           stored.num_prompt_tokens, stored.num_generated_tokens, stored.error)]
 
@@ -158,7 +158,7 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
     """One relay item as OpenAI chunks (or an SSE comment, which clients skip)."""
     if isinstance(item, Shown):
         clock.mark(time.time())
-        return [sse(writer.text(item.text))]
+        return [sse(writer.text(item.text, usage(item.prompt_tokens, item.completion_tokens)))]
     if isinstance(item, Restarted):
         return [(f": restarted: the worker serving this request stopped; attempt {item.attempt} generates it "
                  "again and the stream goes on after the text already sent\n\n").encode()]
@@ -166,9 +166,14 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
         return [sse(_error(_diverged(writer.request_id), code="stream_diverged", kind="server_error"))]
     if item.status != "succeeded":
         return [sse(_error(item.error or f"the request ended {item.status}", code=f"request_{item.status}"))]
-    prompt, completion = item.prompt_tokens or 0, item.completion_tokens or 0
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage)]
+    return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"),
+                                                     usage(item.prompt_tokens, item.completion_tokens))]
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
+    """OpenAI's usage object; a count the worker did not send (an older worker's events) counts 0."""
+    prompt, completion = prompt_tokens or 0, completion_tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool,

@@ -96,17 +96,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     include_obfuscation: bool | None = Field(default=None, description="accepted; chunks are never padded")
+    # NOTE: as vLLM reads it: with include_usage, every chunk carries the usage so far, not only the last one
     continuous_usage_stats: bool = Field(default=False, description="vLLM's: every chunk carries the usage so far")
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _per_chunk_usage(cls, value: bool) -> bool:
-        # NOTE: a worker's stream events carry text, not token counts: the usage so far is not known per chunk
-        if value:
-            raise ValueError("per-chunk usage is not built: a stream's text pieces carry no token counts; send "
-                             "include_usage: true for the usage in the last chunk, or leave continuous_usage_stats "
-                             "out")
-        return value
 
 
 class _Body(BaseModel):
@@ -147,6 +138,10 @@ class _Body(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @field_validator("stop")
     @classmethod
@@ -432,13 +427,15 @@ def chat_completion_object(answer: Answer) -> dict[str, Any]:
 class ChunkWriter:
     """The chunks of one streamed answer, as OpenAI sends them: chat opens with the assistant's role, every
     text piece is a chunk, the last choice chunk carries the finish reason, and with include_usage every
-    chunk has `usage: null` and a last chunk with no choices carries the usage."""
+    chunk has `usage: null` and a last chunk with no choices carries the usage; with continuous_usage (vLLM's
+    continuous_usage_stats) every chunk carries the usage so far instead of null."""
 
     endpoint: str
     request_id: str
     model: str
     created: int
     include_usage: bool = False
+    continuous_usage: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -447,11 +444,16 @@ class ChunkWriter:
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""})] if self.is_chat else []
 
-    def text(self, piece: str) -> dict[str, Any]:
-        return self._chunk({"content": piece} if self.is_chat else piece)
+    def text(self, piece: str, usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk = self._chunk({"content": piece} if self.is_chat else piece)
+        if self.continuous_usage:
+            chunk["usage"] = usage
+        return chunk
 
     def closing(self, finish_reason: FinishReason, usage: dict[str, int] | None) -> list[dict[str, Any]]:
         last = self._chunk({} if self.is_chat else "", finish_reason=_finish_reason(finish_reason))
+        if self.continuous_usage:
+            last["usage"] = usage
         if not self.include_usage:
             return [last]
         return [last, {**self._chunk(None), "choices": [], "usage": usage}]

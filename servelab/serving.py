@@ -139,6 +139,8 @@ class ServingWorker:
         if plan.preempted:
             self._preempt(list(plan.preempted))
         started = self._claim(list(plan.prefill))
+        for r in started:
+            r.num_generated_tokens = 0  # NOTE: a preempted row starts over from its prompt
         finished: list[Completion] = []
         outputs: list[StepOutput] = []
         if started:
@@ -154,6 +156,9 @@ class ServingWorker:
 
     def _after(self, out: StepOutput, *, started: list[ScheduledRequest], ended: list[Completion]) -> list[Completion]:
         """A prefill's or a step's rows that ended, and the rows cancelled when its text was published."""
+        running = {r.request_id: r for r in self.running}
+        for request_id, _token_id in out.new_tokens:
+            running[request_id].num_generated_tokens += 1
         done = [*out.finished]
         done += self._publish(started, out, ended={c.request_id for c in [*ended, *done]})
         return done
@@ -166,13 +171,16 @@ class ServingWorker:
 
     def _publish(self, started: list[ScheduledRequest], out: StepOutput, *, ended: set[str]) -> list[Completion]:
         """The text streamed rows released and their cancel flags, one round trip; -> the rows cancelled now."""
-        streamed = {r.request_id for r in self.running if self._is_streamed(r)}
+        streamed = {r.request_id: r for r in self.running if self._is_streamed(r)}
         if not streamed and self._unpublished.is_empty:
             return []
         late = self._unpublished
         events = StepEvents(
-            started=late.started + tuple((r.request_id, r.num_attempts) for r in started if r.request_id in streamed),
-            texts=late.texts + tuple(t for t in out.new_text if t[0] in streamed),
+            started=late.started + tuple((r.request_id, r.num_attempts, r.num_prompt_tokens) for r in started
+                                         if r.request_id in streamed),
+            # NOTE: a piece carries the tokens made so far, so a client can be shown its usage as it grows
+            texts=late.texts + tuple((rid, at, piece, streamed[rid].num_generated_tokens)
+                                     for rid, at, piece in out.new_text if rid in streamed),
             watched=tuple(rid for rid in streamed if rid not in ended),
         )
         started_s = time.perf_counter()

@@ -41,8 +41,9 @@ def cancel_key(prefix: str, request_id: str) -> str:
 class StepEvents:
     """What one worker step publishes: rows that started, the text rows released; and whose cancel flags to read."""
 
-    started: tuple[tuple[str, int], ...] = ()  # (request id, attempt: the row's started executions)
-    texts: tuple[tuple[str, int, str], ...] = ()  # (request id, where the piece begins in its generation, piece)
+    started: tuple[tuple[str, int, int], ...] = ()  # (request id, attempt: the row's started executions, prompt tokens)
+    # (request id, where the piece begins in its generation, piece, tokens its generation has made so far)
+    texts: tuple[tuple[str, int, str, int], ...] = ()
     watched: tuple[str, ...] = ()  # request ids whose client may cancel them
 
     @property
@@ -56,11 +57,11 @@ def publish_step(client: redis.Redis, *, prefix: str, events: StepEvents) -> lis
         return []
     pipe = client.pipeline(transaction=False)
     touched: set[str] = set()
-    for request_id, attempt in events.started:
-        _add(pipe, prefix, request_id, {"kind": "start", "attempt": attempt})
+    for request_id, attempt, num_prompt_tokens in events.started:
+        _add(pipe, prefix, request_id, {"kind": "start", "attempt": attempt, "prompt_tokens": num_prompt_tokens})
         touched.add(request_id)
-    for request_id, at, piece in events.texts:
-        _add(pipe, prefix, request_id, {"kind": "text", "text": piece, "at": at})
+    for request_id, at, piece, num_tokens in events.texts:
+        _add(pipe, prefix, request_id, {"kind": "text", "text": piece, "at": at, "tokens": num_tokens})
         touched.add(request_id)
     for request_id in touched:
         pipe.expire(tokens_key(prefix, request_id), TOKENS_TTL_S)
@@ -114,6 +115,8 @@ def read_to_end(client: redis.Redis, *, prefix: str, request_id: str) -> tuple[f
 @dataclass(frozen=True)
 class Shown:
     text: str  # new text to show
+    prompt_tokens: int | None = None  # the usage so far, where the worker sent it (vLLM's continuous usage)
+    completion_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class Relay:
     shown: str = ""
     _generation: str = ""  # the current generation's text
     _starts: int = 0
+    _prompt_tokens: int | None = None
     done: bool = False
 
     def feed(self, events: Iterable[dict[str, Any]]) -> list[RelayItem]:
@@ -160,6 +164,7 @@ class Relay:
         if kind == "start":
             self._starts += 1
             self._generation = ""
+            self._prompt_tokens = event.get("prompt_tokens")
             return [Restarted(int(event.get("attempt", 0)))] if self._starts > 1 else []
         if kind == "text":
             at, piece = int(event.get("at", len(self._generation))), event["text"]
@@ -174,7 +179,7 @@ class Relay:
                     return []
             elif self._generation.startswith(self.shown):
                 piece, self.shown = self._generation[len(self.shown):], self._generation
-                return [Shown(piece)]
+                return [Shown(piece, self._prompt_tokens, event.get("tokens"))]
             self.done = True
             return [Diverged()]
         if kind == "end":

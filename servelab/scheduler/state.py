@@ -34,6 +34,7 @@ class ScheduledRequest:
     is_claimed: bool = False  # running in the store under this worker (claimed; a preempted row stays claimed)
     num_attempts: int = 0  # started executions, as the claim counted them
     num_preemptions: int = 0
+    num_generated_tokens: int = 0  # tokens its current run has made (from 0 again when it starts over)
     status: ScheduledStatus = ScheduledStatus.WAITING
 
     def __post_init__(self) -> None:

@@ -46,7 +46,7 @@ def test_one_round_trip_publishes_a_step_and_reads_the_cancel_flags(redis_client
     ids = ["a", "b", "c"]
     redis_client.set(f"{key_prefix}:cancel:b", "1")
     cancelled = publish_step(redis_client, prefix=key_prefix, events=StepEvents(
-        started=(("a", 1),), texts=(("a", 0, "hi"), ("c", 0, "yo")), watched=tuple(ids)))
+        started=(("a", 1, 3),), texts=(("a", 0, "hi", 1), ("c", 0, "yo", 2)), watched=tuple(ids)))
     assert cancelled == ["b"]
     assert redis_client.xlen(tokens_key(key_prefix, "a")) == 2 and redis_client.xlen(tokens_key(key_prefix, "c")) == 1
     assert 0 < redis_client.ttl(tokens_key(key_prefix, "a")) <= 600
@@ -95,7 +95,7 @@ def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_
     """The time to the second token is a decode step, not zero: the prefill's token leaves before the step."""
     from servelab.queue.submit import submit_request
     from servelab.queue.tokens import decode_event
-    from servelab.request import SamplingParams
+    from servelab.request import GenerationRequest, SamplingParams
     from servelab.scheduler.policy import BatchPolicy
 
     served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000))
@@ -126,3 +126,6 @@ def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_
     first_step = seen_by_step[0]
     assert [e["kind"] for e in first_step] == ["start", "text"]
     assert (first_step[1]["at"], first_step[1]["text"]) == prefilled[0][1:]
+    # the usage so far rides along (vLLM's continuous usage): the prompt at the start, one token made
+    prompt_ids = engine.tokenize(GenerationRequest(request_id, prompt="once upon a time")).prompt_token_ids
+    assert first_step[0]["prompt_tokens"] == len(prompt_ids) and first_step[1]["tokens"] == 1
