@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 
 from celery import Celery
 
-from servelab.jobs.feed import feed_bulk as feed_bulk_lines
+from servelab.jobs.feed import StepTries, feed_bulk as feed_bulk_lines
 from servelab.jobs.ingest import IngestLimits
 from servelab.jobs.lifecycle import advance_job
 from servelab.jobs.reaper import reap_lost
@@ -95,7 +95,8 @@ def feed_bulk() -> int:
     try:
         fed = feed_bulk_lines(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
                               configs_dir=settings.configs_dir, worker_live_s=settings.worker_live_s, limits=limits,
-                              max_bulk_queued_batches=settings.max_bulk_queued_batches, max_s=FEED_TASK_S)
+                              max_bulk_queued_batches=settings.max_bulk_queued_batches, max_s=FEED_TASK_S,
+                              tries=StepTries(runtime.redis, f"{settings.key_prefix}:feed:step_tries"))
         if fed.has_more:
             runtime.redis.set(lease, "1", px=LEASE_MS)
             feed_bulk.apply_async(task_id=f"feed-{uuid.uuid4().hex[:8]}")

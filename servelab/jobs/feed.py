@@ -3,12 +3,15 @@
 Knows rounds: a round reads which jobs have lines left, how many bulk lines each config's stream holds not
 yet started, the tenants' weights and each config's bound (max_bulk_queued_batches x its max_batch_size),
 asks servelab/jobs/share.py how many lines each job may read now, and runs ingest_step for each, capped at
-that; it waits THROTTLED_WAIT_S between rounds unless a job read a whole slice. Does not know Celery
-(worker/jobs.py runs it as one task for every job) nor the share's arithmetic.
+that; it waits THROTTLED_WAIT_S between rounds unless a job read a whole slice. A job whose slice raises is
+retried in later rounds (its tries counted in Redis, so they outlive the task) and failed at MAX_STEP_TRIES;
+the other jobs go on. Does not know Celery (worker/jobs.py runs it as one task for every job) nor the share's
+arithmetic.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -17,21 +20,50 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.jobs.catalog import Catalog, load_catalog
-from servelab.jobs.ingest import CATALOG_MAX_AGE_S, THROTTLED_WAIT_S, IngestLimits, enqueue_bulk, ingest_step
+from servelab.jobs.ingest import (CATALOG_MAX_AGE_S, MAX_STEP_TRIES, STEP_RETRY_WAIT_S, THROTTLED_WAIT_S, IngestLimits,
+                                  enqueue_bulk, fail_ingest, ingest_step)
 from servelab.jobs.share import BulkJob, ShareState, share_round
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
 from servelab.store import keys
 from servelab.store.db import session_scope
 
+STEP_TRIES_TTL_MS = 86_400_000  # NOTE: a day: the count of a job that ended while failing is forgotten then
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Fed:
     num_lines: int  # lines read, over every job
     has_more: bool  # jobs still had lines to read when the time ran out
+
+
+@dataclass(frozen=True)
+class StepTries:
+    """Each job's failed slices in a row, in a Redis hash, so the count outlives the feed task that made it (a
+    task hands over every FEED_TASK_S; a job that raised at every task's first round must still fail)."""
+
+    redis: Redis
+    key: str  # under the service's key prefix
+
+    def failed(self, job_id: str) -> int:
+        """One more failure in a row -> how many now."""
+        with self.redis.pipeline() as pipe:
+            pipe.hincrby(self.key, job_id, 1)
+            pipe.pexpire(self.key, STEP_TRIES_TTL_MS)
+            num_failed, _ = pipe.execute()
+        return int(num_failed)
+
+    def succeeded(self, job_id: str) -> None:
+        self.redis.hdel(self.key, job_id)
+
+    def counted(self) -> set[str]:
+        """The jobs with a failure counted (their next success clears it)."""
+        return {job_id.decode() if isinstance(job_id, bytes) else job_id for job_id in self.redis.hkeys(self.key)}
 
 
 @dataclass(frozen=True)
@@ -89,17 +121,25 @@ def read_round(session: Session, *, now: datetime) -> FeedRound:
 
 
 def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams], configs_dir: Path,
-              worker_live_s: float, limits: IngestLimits, max_bulk_queued_batches: float, max_s: float) -> Fed:
-    """Rounds for up to max_s seconds, or until no job has lines left.
+              worker_live_s: float, limits: IngestLimits, max_bulk_queued_batches: float, max_s: float,
+              tries: StepTries, is_mine: Callable[[], bool] = lambda: True) -> Fed:
+    """Rounds for up to max_s seconds, or until no job has lines left, or until is_mine() (asked before each
+    round: does this feed still hold its lease?) says no.
 
     NOTE: one loop for every job, not a task per job: a job created now is in the next round (THROTTLED_WAIT_S
-    away at most), never behind another job's task; and the round-robin state lives here. Two feeds at once (a lease outlived) would overfill a queue for a round,
-    never read a line twice: each ingest step holds its job's row lock and commits its offset.
+    away at most), never behind another job's task; and the round-robin state lives here. Two feeds at once
+    (a lease outlived) would overfill a queue for a round, never read a line twice: each ingest step holds
+    its job's row lock and commits its offset.
+    A slice that raises (a bug, a bad row) costs its job that round only: the other jobs read on, what the
+    round created goes out, and the job is tried again STEP_RETRY_WAIT_S later (doubling), failing with the
+    reason in its errors at MAX_STEP_TRIES in a row, so one broken job never stalls the jobs after it.
     """
     deadline = time.monotonic() + max_s
     catalog, catalog_at, num_lines = None, 0.0, 0
     state, seen = ShareState(), {}  # seen: job -> configs its lines joined (a job whose lines all started)
-    while time.monotonic() < deadline:
+    retry_at: dict[str, float] = {}  # a job whose slice raised: not before then (monotonic)
+    counted = tries.counted()
+    while time.monotonic() < deadline and is_mine():
         now = datetime.now(UTC)
         live_since = now - timedelta(seconds=worker_live_s)
         with session_scope(sessions) as session:
@@ -114,19 +154,40 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
         for name, job_id in found.queued:
             if job_id is not None and str(job_id) in seen:
                 seen[str(job_id)].add(name)
+        waiting = {job_id for job_id, at in retry_at.items() if at > time.monotonic()}
         bulk_jobs = [BulkJob(str(job_id), tenant, frozenset(seen[str(job_id)]), limits.max_lines_per_step)
-                     for job_id, tenant in found.jobs]
+                     for job_id, tenant in found.jobs if str(job_id) not in waiting]
         planned = share_round(bulk_jobs, weights=found.weights, free=free_room(bounds, found.queued), state=state)
         state, num_read, created, is_slice_full = planned.state, 0, {}, False
-        for job_id, room in planned.rooms.items():
-            step = ingest_step(sessions=sessions, streams_for=streams_for, job_id=uuid.UUID(job_id),
-                               configs_dir=configs_dir, live_since=live_since, limits=limits, now=now,
-                               catalog=catalog, max_lines=room, enqueue=False)
-            seen[job_id] |= {name for _, name in step.created}
-            created[job_id] = step.created
-            num_read += step.num_lines
-            is_slice_full |= step.num_lines >= limits.max_lines_per_step
-        enqueue_bulk(streams_for, interleaved(planned.visits, created))
+        try:
+            for job_id, room in planned.rooms.items():
+                try:
+                    step = ingest_step(sessions=sessions, streams_for=streams_for, job_id=uuid.UUID(job_id),
+                                       configs_dir=configs_dir, live_since=live_since, limits=limits, now=now,
+                                       catalog=catalog, max_lines=room, enqueue=False)
+                except Exception as exc:  # NOTE: the same slice fails again: tries are counted, not kinds
+                    num_failed = tries.failed(job_id)
+                    counted.add(job_id)
+                    log.warning("ingest of job %s failed (try %d of %d)", job_id, num_failed, MAX_STEP_TRIES,
+                                exc_info=True)
+                    if num_failed >= MAX_STEP_TRIES:
+                        fail_ingest(sessions=sessions, job_id=uuid.UUID(job_id), reason=exc, num_tries=num_failed,
+                                    now=now)
+                        tries.succeeded(job_id)  # NOTE: it ended: nothing left to count
+                        counted.discard(job_id)
+                    else:
+                        retry_at[job_id] = time.monotonic() + STEP_RETRY_WAIT_S * 2 ** (num_failed - 1)
+                    continue
+                retry_at.pop(job_id, None)
+                if job_id in counted:
+                    tries.succeeded(job_id)
+                    counted.discard(job_id)
+                seen[job_id] |= {name for _, name in step.created}
+                created[job_id] = step.created
+                num_read += step.num_lines
+                is_slice_full |= step.num_lines >= limits.max_lines_per_step
+        finally:  # NOTE: the slices committed before anything raised go out now, not when the reaper finds them
+            enqueue_bulk(streams_for, interleaved(planned.visits, created))
         num_lines += num_read
         # NOTE: the queues are full again (or every job is at its in-flight limit): wait for the workers to take
         # lines rather than spin a round per line they take. Only a job cut short by the slice size goes on.
