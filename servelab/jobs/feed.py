@@ -83,12 +83,13 @@ def bulk_bounds(catalog: Catalog, *, max_bulk_queued_batches: float) -> dict[str
     apart, plus the round's own few ms), so a worker never finds the stream empty while a job has lines
     left as long as it serves fewer than (batches - 1) x max_batch_size lines in one round: 3 x 16 lines in
     0.1 s for the served config (480 lines/s), far above what it serves on a CPU. A newcomer's first line
-    waits behind at most the bound.
+    waits behind at most the bound. A config with no live worker is unbounded: nothing takes its lines, so
+    there is nothing to share, and a dead worker's full queue must not hold back the jobs of other configs.
     """
     if max_bulk_queued_batches <= 0:
         return {}
     return {name: max(1, math.ceil(max_bulk_queued_batches * config.batching.max_batch_size))
-            for name, config in catalog.configs.items()}
+            for name, config in catalog.configs.items() if name in catalog.live_names}
 
 
 def free_room(bounds: Mapping[str, int], queued: Mapping[tuple[str, uuid.UUID | None], int]) -> dict[str, int]:
@@ -147,10 +148,14 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
                 catalog = load_catalog(session, configs_dir=configs_dir, live_since=live_since)
                 catalog_at = time.monotonic()
             found = read_round(session, now=now)
+            # NOTE: a job new to this task: the configs its stored lines named (lines that all started are not
+            # queued, so the queue alone would leave it naming none after a handover)
+            new = [job_id for job_id, _ in found.jobs if str(job_id) not in seen]
+            stored = store.job_config_names(session, job_ids=new) if new else {}
         if not found.jobs:
             return Fed(num_lines, has_more=False)
         bounds = bulk_bounds(catalog, max_bulk_queued_batches=max_bulk_queued_batches)
-        seen = {str(job_id): seen.get(str(job_id), set()) for job_id, _ in found.jobs}
+        seen = {str(job_id): seen.get(str(job_id)) or set(stored.get(job_id, ())) for job_id, _ in found.jobs}
         for name, job_id in found.queued:
             if job_id is not None and str(job_id) in seen:
                 seen[str(job_id)].add(name)

@@ -22,7 +22,7 @@ class BulkJob:
 
     job_id: str
     tenant: str
-    config_names: frozenset[str]  # configs its lines named so far; empty: none yet, so its next may name any
+    config_names: frozenset[str]  # configs its lines named so far; empty: none yet (see share_round: a probe)
     max_lines: int  # the most it may read this round whatever its share (a slice, its in-flight limit)
 
 
@@ -66,8 +66,10 @@ def share_round(jobs: Sequence[BulkJob], *, weights: Mapping[str, float], free: 
 
     Deficit round robin (Shreedhar and Varghese), one line a packet. `free` is each bounded config's room:
     its bound on queued-but-not-started bulk lines less those queued now; a config not named is unbounded.
-    A job's lines may go to any config it named (to any bounded config, before its first line), so a line
-    given to it takes room in each of them. Jobs are visited in pass after pass, from state.next_job_id on
+    A job's lines may go to any config it named, so a line given to it takes room in each of them. A job
+    that named none yet takes room in each bounded config that has room left (its slice is a probe: one
+    full config, a slow worker at its bound, must not hold back every new job); its names are known after
+    that slice, so it may overfill a full config once, by the others' room at most. Jobs are visited in pass after pass, from state.next_job_id on
     (jobs that ended are dropped). A visit to a job with room adds its quantum (its tenant's weight over
     the tenant's jobs here: a tenant's share is split among its jobs) to its deficit and gives it the whole
     lines of the deficit that fit; a job without room is passed over and banks nothing, so credit never
@@ -93,10 +95,13 @@ def share_round(jobs: Sequence[BulkJob], *, weights: Mapping[str, float], free: 
 
     def taking(job: BulkJob) -> list[str]:
         """The bounded configs a line of this job takes room in."""
-        named = job.config_names & free.keys() if job.config_names else free.keys()
-        return sorted(named)
+        if job.config_names:
+            return sorted(job.config_names & free.keys())
+        return sorted(name for name, n in free.items() if n > 0)
 
     def room(job: BulkJob) -> int:
+        if not job.config_names and free and not any(n > 0 for n in free.values()):
+            return 0  # NOTE: a probe waits while every bounded config is full; with none bounded it is free
         return min([free[name] for name in taking(job)] + [job.max_lines - rooms[job.job_id]])
 
     while any(room(job) > 0 for job in order):

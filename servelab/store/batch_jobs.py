@@ -2,7 +2,8 @@
 
 Knows the job row, its requests (by batch_job_id) and its bad lines. Status moves are conditional
 updates, so a task that runs twice moves a job once. Does not know the file format (servelab/jobs/)
-or Celery. Every function takes a session and never commits.
+or Celery. Every function takes a session and never commits. Past 400 lines: one piece, the job row and the
+rows that hang off it, which the jobs' conditional moves and counts read together.
 """
 
 from __future__ import annotations
@@ -222,6 +223,16 @@ def queued_bulk(session: Session) -> dict[tuple[str, uuid.UUID | None], int]:
         .where(RequestRow.status == RequestStatus.QUEUED, RequestRow.stream == StreamKind.BULK)
         .group_by(RequestRow.serving_config_name, RequestRow.batch_job_id))
     return {(name, job_id): int(n) for name, job_id, n in rows}
+
+
+def job_config_names(session: Session, *, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, set[str]]:
+    """The serving configs each job's stored requests name, queued or not (a scan of the jobs' rows through
+    ix_requests_batch_job_id: the feed asks once per job a task)."""
+    names: dict[uuid.UUID, set[str]] = {}
+    for job_id, name in session.execute(select(RequestRow.batch_job_id, RequestRow.serving_config_name).distinct()
+                                        .where(RequestRow.batch_job_id.in_(list(job_ids)))):
+        names.setdefault(job_id, set()).add(name)
+    return names
 
 
 def move_job(session: Session, *, job_id: uuid.UUID, from_statuses: tuple[BatchStatus, ...], to: BatchStatus,

@@ -174,11 +174,11 @@ def test_a_round_reads_jobs_with_lines_left_what_waits_queued_and_the_tenants_we
         assert keys.tenant_weights(session, tenants=[first.tenant, second.tenant]) == {second.tenant: 2.5}
 
 
-def test_bounds_are_the_configs_batches_and_off_at_zero(tiny_engine) -> None:
+def test_bounds_are_the_live_configs_batches_and_off_at_zero(tiny_engine) -> None:
     config = tiny_engine.config
-    catalog = Catalog({"c": config}, frozenset())
+    catalog = Catalog({"c": config, "dead": config}, frozenset({"c"}))
     size = config.batching.max_batch_size
-    assert bulk_bounds(catalog, max_bulk_queued_batches=2.5) == {"c": -(-5 * size // 2)}
+    assert bulk_bounds(catalog, max_bulk_queued_batches=2.5) == {"c": -(-5 * size // 2)}, "no live worker: unbounded"
     assert bulk_bounds(catalog, max_bulk_queued_batches=0) == {}
     assert free_room({"c": 10, "d": 4}, {("c", uuid.uuid4()): 7, ("c", None): 2, ("d", None): 9}) == {"c": 1, "d": 0}
 

@@ -4,16 +4,20 @@ and the feed lease (a task runs rounds only while the lease holds its token)."""
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import update
 
+from servelab.config import ServingConfig
 from servelab.jobs.feed import StepTries, feed_bulk
 from servelab.jobs.ingest import MAX_STEP_TRIES, IngestLimits
 from servelab.queue.streams import RequestStreams, stream_key
+from servelab.request import RequestStatus, SamplingParams
 from servelab.store import batch_jobs as jobs
+from servelab.store import requests as request_store
 from servelab.store.db import session_scope
-from servelab.store.models import BatchStatus, FileRow, StreamKind
-from tests.jobs.conftest import make_job
+from servelab.store.models import BatchStatus, FileRow, RequestRow, StreamKind, WorkerRow
+from tests.jobs.conftest import REPO, make_job
 from tests.jobs.test_fair_share import job_file
 
 LIMITS = IngestLimits(max_prompt_chars=2_000, max_job_in_flight=200, max_line_bytes=64_000)
@@ -54,3 +58,52 @@ def test_a_job_whose_slice_raises_fails_after_its_tries_across_tasks_and_never_s
     assert "AssertionError" in failed.errors[0]["message"] and failed.errors[0]["line"] == 1
     assert read.is_ingested and read.status is BatchStatus.IN_PROGRESS
     assert not stack.runtime.redis.hexists(f"{stack.settings.key_prefix}:feed:step_tries", str(broken.id))
+
+
+def live_config(stack, *, max_batch_size: int, is_live: bool = True) -> str:
+    """A serving config of its own, registered with a worker (live, or with its last heartbeat long ago)."""
+    base = ServingConfig.from_yaml(REPO / "configs" / "fp32.yaml")
+    config = base.model_copy(update={"name": f"c-{uuid.uuid4().hex[:8]}", "batching": base.batching.model_copy(
+        update={"max_batch_size": max_batch_size})})
+    worker = f"w-{uuid.uuid4().hex[:8]}"
+    with session_scope(stack.runtime.sessions) as session:
+        request_store.save_serving_config(session, config=config)
+        request_store.register_worker(session, name=worker, serving_config_name=config.name,
+                                      config_hash=config.config_hash, hardware={}, software={})
+        if not is_live:
+            session.execute(update(WorkerRow).where(WorkerRow.name == worker)
+                            .values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1)))
+    return config.name
+
+
+def fill(stack, config: str, num_lines: int, *, status: RequestStatus = RequestStatus.QUEUED) -> uuid.UUID:
+    """A job whose num_lines stored lines name config (and one more line, unread), in that status."""
+    job = make_job(stack, job_file(config, "f-", num_lines + 1), tenant=f"f-{uuid.uuid4().hex[:6]}")
+    with session_scope(stack.runtime.sessions) as session:
+        jobs.add_requests(session, job=job, requests=[jobs.NewRequest(f"f-{i}", config, "p", None, SamplingParams())
+                                                      for i in range(num_lines)])
+        jobs.update_job(session, job_id=job.id, num_lines=num_lines,
+                        ingest_offset=len(job_file(config, "f-", num_lines)))
+        session.execute(update(RequestRow).where(RequestRow.batch_job_id == job.id).values(status=status))
+    return job.id
+
+
+def lines_read(stack, job_id: uuid.UUID) -> int:
+    with session_scope(stack.runtime.sessions) as session:
+        return jobs.get_job(session, job_id=job_id).num_lines
+
+
+def test_a_full_queue_holds_back_only_the_jobs_that_named_its_config_across_tasks(make_stack) -> None:
+    stack = make_stack(with_worker=False)
+    slow, dead, free = (live_config(stack, max_batch_size=1), live_config(stack, max_batch_size=1, is_live=False),
+                        live_config(stack, max_batch_size=8))
+    fill(stack, slow, 4)  # at its bound (4 batches of 1), a live worker that takes nothing
+    on_dead = fill(stack, dead, 9)  # past its bound, and no live worker
+    started = fill(stack, slow, 2, status=RequestStatus.RUNNING)  # its lines named slow and all started
+    newcomer = make_job(stack, job_file(free, "n-", 3), tenant=f"n-{uuid.uuid4().hex[:6]}")
+    to_dead = make_job(stack, job_file(dead, "d-", 3), tenant=f"d-{uuid.uuid4().hex[:6]}")
+    feed_once(stack)  # NOTE: a task of its own: nothing known but what the store holds
+    assert lines_read(stack, newcomer.id) == 3, "a full queue must not hold back a job that named no config yet"
+    assert lines_read(stack, to_dead.id) == 3
+    assert lines_read(stack, on_dead) == 10, "a config no live worker serves is not bounded"
+    assert lines_read(stack, started) == 2, "a job whose stored lines named the full config waits for its room"

@@ -71,11 +71,23 @@ def test_long_run_shares_stay_within_one_quantum_of_the_weights_when_rounds_are_
 
 def test_a_line_takes_room_in_every_config_its_job_may_name() -> None:
     jobs = [job("on-a", "t1", frozenset({"a"})), job("on-b", "t2", frozenset({"b"})),
-            job("new", "t3", frozenset())]  # nothing read yet: its first line may name either config
+            job("new", "t3", frozenset())]  # nothing read yet: its lines take room in each config with room
     r = share_round(jobs, weights={}, free={"a": 3, "b": 6}, state=ShareState())
-    # pass 1: on-a 1 (a 2), on-b 1 (b 5), new 1 (a 1, b 4); pass 2: on-a 1 (a 0), on-b 1 (b 3), new passed over;
-    # then only on-b has room: it takes the 3 left in b
-    assert r.rooms == {"on-a": 2, "on-b": 5, "new": 1}
+    # pass 1: on-a 1 (a 2), on-b 1 (b 5), new 1 (a 1, b 4); pass 2: on-a 1 (a 0), on-b 1 (b 3), new 1 in b only
+    # (b 2); pass 3: on-a has no room, on-b 1 (b 1), new 1 (b 0)
+    assert r.rooms == {"on-a": 2, "on-b": 3, "new": 3}
+
+
+def test_a_full_config_never_holds_back_a_job_that_named_no_config_yet() -> None:
+    r = share_round([job("y", "t", frozenset(), max_lines=256)], weights={}, free={"a": 0, "b": 64},
+                    state=ShareState())
+    assert r.rooms == {"y": 64}, "its probe takes room only in the configs that have some"
+    assert share_round([job("y", "t", frozenset())], weights={}, free={"a": 0, "b": 0}, state=ShareState()).rooms == {}
+    assert share_round([job("y", "t", frozenset(), max_lines=9)], weights={}, free={}, state=ShareState()).rooms == \
+        {"y": 9}, "nothing bounded: nothing to share"
+    r = share_round([job("on-a", "t1"), job("y", "t2", frozenset())], weights={}, free={"a": 0, "b": 2},
+                    state=ShareState())
+    assert r.rooms == {"y": 2}, "a job that named a full config waits; the probe does not"
 
 
 def test_max_lines_caps_a_job_and_its_room_goes_to_the_others() -> None:
