@@ -4,7 +4,8 @@ Thin: `configure` binds the Celery app to a Runtime (broker = the same Redis, ke
 tasks call the core. Every task is idempotent (its work is conditional updates) and carries an id;
 acks are late and a lost worker's task is re-delivered. Beat runs `sweep` every jobs_poll_s: it starts
 the bulk feed (one task that reads every job's lines, shared fairly) while jobs have unread lines and
-advances the other jobs, each under a short Redis lease so no two copies of a task are in flight; `reap`
+advances the other jobs, each under a short Redis lease so no two copies of a task are in flight (the feed's
+holds a token that passes from task to successor: only its holder extends or deletes it); `reap`
 re-adds requests whose stream entry was lost;
 `purge` erases expired files' content and forgets expired idempotency keys (reads ignore both at once already);
 and `prune` deletes finished requests, batch records and files past the retention ages, in small transactions.
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from celery import Celery
+from redis import Redis
 
 from servelab.jobs.feed import StepTries, feed_bulk as feed_bulk_lines
 from servelab.jobs.ingest import IngestLimits
@@ -79,32 +82,65 @@ def _lease_key(settings: ServiceSettings, kind: str, job_id: str) -> str:
     return f"{settings.key_prefix}:lease:{kind}:{job_id}"
 
 
+# NOTE: the feed lease's value is its holder's token: only the holder extends or deletes it (compare-and-set)
+HOLD_LEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0"""
+RELEASE_LEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0"""
+
+
+@dataclass(frozen=True)
+class FeedLease:
+    """The one feed's lease, held under a token that the task passes on to its successor."""
+
+    redis: Redis
+    key: str
+    token: str
+
+    def take(self) -> bool:
+        return bool(self.redis.set(self.key, self.token, nx=True, px=LEASE_MS))
+
+    def hold(self) -> bool:
+        """Still ours? Then it runs LEASE_MS from now."""
+        return bool(self.redis.register_script(HOLD_LEASE)(keys=[self.key], args=[self.token, LEASE_MS]))
+
+    def release(self) -> bool:
+        """Delete it if it is still ours (a lease that expired and was taken by another feed stays theirs)."""
+        return bool(self.redis.register_script(RELEASE_LEASE)(keys=[self.key], args=[self.token]))
+
+
 @app.task(name="servelab.feed_bulk")
-def feed_bulk() -> int:
+def feed_bulk(token: str | None = None) -> int:
     """Read every job's lines into the bulk streams, each job its fair share, for up to FEED_TASK_S; -> lines read.
 
     NOTE: one task for every job, so a job never waits for another's task to end, and the feed holds one of
-    the worker's slots, leaving the others to sweep, advance, reap. When time is up with lines left, the task
-    sends its successor under the same lease before it ends: the successor queues behind the tasks already
-    waiting (they get this slot first), and the streams are not left unfed until the next sweep.
+    the worker's slots, leaving the others to sweep, advance, reap. token: the feed lease's value when the
+    sweep (or the predecessor) sent this task; the task runs a round only while the lease still holds it,
+    extending it each round, so a successor that waited in the queue past the lease, after the sweep started
+    another feed, ends at once. When time is up with lines left, the task sends its successor the same token
+    before it ends: the successor queues behind the tasks already waiting (they get this slot first), and the
+    streams are not left unfed until the next sweep. None (a task sent before tokens): it takes the lease.
     """
     runtime, settings = _runtime()
     limits = IngestLimits(max_prompt_chars=settings.max_prompt_chars, max_job_in_flight=settings.max_job_in_flight,
                           max_line_bytes=settings.max_request_bytes)
-    lease, handed_over = _lease_key(settings, "feed", "bulk"), False
+    lease = FeedLease(runtime.redis, _lease_key(settings, "feed", "bulk"), token or uuid.uuid4().hex)
+    if token is None and not lease.take():
+        return 0
+    handed_over = False
     try:
         fed = feed_bulk_lines(sessions=runtime.sessions, streams_for=_streams_for(runtime, settings),
                               configs_dir=settings.configs_dir, worker_live_s=settings.worker_live_s, limits=limits,
                               max_bulk_queued_batches=settings.max_bulk_queued_batches, max_s=FEED_TASK_S,
-                              tries=StepTries(runtime.redis, f"{settings.key_prefix}:feed:step_tries"))
-        if fed.has_more:
-            runtime.redis.set(lease, "1", px=LEASE_MS)
-            feed_bulk.apply_async(task_id=f"feed-{uuid.uuid4().hex[:8]}")
+                              tries=StepTries(runtime.redis, f"{settings.key_prefix}:feed:step_tries"),
+                              is_mine=lease.hold)
+        if fed.has_more and lease.hold():
+            feed_bulk.apply_async(kwargs={"token": lease.token}, task_id=f"feed-{uuid.uuid4().hex[:8]}")
             handed_over = True
         return fed.num_lines
     finally:
         if not handed_over:
-            runtime.redis.delete(lease)
+            lease.release()
 
 
 @app.task(name="servelab.advance_batch")
@@ -135,8 +171,9 @@ def sweep() -> int:
         elif runtime.redis.set(_lease_key(settings, "advance", str(job.id)), "1", nx=True, px=LEASE_MS):
             advance_batch.apply_async(args=[str(job.id)], task_id=f"advance-{job.public_id}-{uuid.uuid4().hex[:8]}")
             started += 1
-    if needs_feed and runtime.redis.set(_lease_key(settings, "feed", "bulk"), "1", nx=True, px=LEASE_MS):
-        feed_bulk.apply_async(task_id=f"feed-{uuid.uuid4().hex[:8]}")
+    lease = FeedLease(runtime.redis, _lease_key(settings, "feed", "bulk"), uuid.uuid4().hex)
+    if needs_feed and lease.take():
+        feed_bulk.apply_async(kwargs={"token": lease.token}, task_id=f"feed-{uuid.uuid4().hex[:8]}")
         started += 1
     return started
 

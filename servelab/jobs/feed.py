@@ -129,8 +129,9 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
 
     NOTE: one loop for every job, not a task per job: a job created now is in the next round (THROTTLED_WAIT_S
     away at most), never behind another job's task; and the round-robin state lives here. Two feeds at once
-    (a lease outlived) would overfill a queue for a round, never read a line twice: each ingest step holds
-    its job's row lock and commits its offset.
+    (a round that outlived the lease; is_mine ends the other after it) would overfill a queue for a round,
+    never read a line twice: each ingest step holds its job's row lock and commits its offset.
+    Fed.has_more is True too when is_mine() said no: lines may be left, for the lease's holder.
     A slice that raises (a bug, a bad row) costs its job that round only: the other jobs read on, what the
     round created goes out, and the job is tried again STEP_RETRY_WAIT_S later (doubling), failing with the
     reason in its errors at MAX_STEP_TRIES in a row, so one broken job never stalls the jobs after it.

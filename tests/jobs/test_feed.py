@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import update
 
 from servelab.config import ServingConfig
@@ -107,3 +108,35 @@ def test_a_full_queue_holds_back_only_the_jobs_that_named_its_config_across_task
     assert lines_read(stack, to_dead.id) == 3
     assert lines_read(stack, on_dead) == 10, "a config no live worker serves is not bounded"
     assert lines_read(stack, started) == 2, "a job whose stored lines named the full config waits for its room"
+
+
+@pytest.fixture
+def bound_worker(make_stack):
+    """The jobs-worker's tasks bound to a stack in this process, called directly (no broker: nothing here hands
+    over, so nothing is sent)."""
+    from worker import jobs as worker_jobs
+
+    stack = make_stack(with_worker=False)
+    before = dict(worker_jobs._bound)
+    worker_jobs._bound.update(runtime=stack.runtime, settings=stack.settings)
+    yield stack, worker_jobs
+    worker_jobs._bound.clear()
+    worker_jobs._bound.update(before)
+
+
+def test_only_the_feed_leases_holder_runs_rounds_and_a_stale_holder_never_deletes_anothers_lease(
+        bound_worker) -> None:
+    stack, worker_jobs = bound_worker
+    redis, key = stack.runtime.redis, f"{stack.settings.key_prefix}:lease:feed:bulk"
+    job = make_job(stack, job_file("fp32", "l-", 3), tenant=f"l-{uuid.uuid4().hex[:6]}")
+    redis.set(key, "new-holder", px=worker_jobs.LEASE_MS)  # NOTE: the sweep started another feed meanwhile
+    assert worker_jobs.feed_bulk(token="stale-holder") == 0, "a successor whose lease is gone runs no round"
+    assert lines_read(stack, job.id) == 0
+    assert redis.get(key) in (b"new-holder", "new-holder"), "and its end leaves the new holder's lease"
+    assert worker_jobs.feed_bulk(token="new-holder") == 3, "the holder reads"
+    assert lines_read(stack, job.id) == 3
+    assert redis.get(key) is None, "its lease ends with it (no lines left, no successor)"
+    assert worker_jobs.FeedLease(redis, key, "a").take() and not worker_jobs.FeedLease(redis, key, "b").take()
+    assert not worker_jobs.FeedLease(redis, key, "b").hold() and not worker_jobs.FeedLease(redis, key, "b").release()
+    assert worker_jobs.FeedLease(redis, key, "a").hold() and worker_jobs.FeedLease(redis, key, "a").release()
+    assert redis.get(key) is None
