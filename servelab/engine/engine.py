@@ -186,6 +186,11 @@ class Engine:
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
         request.params.check(self.config.decoding)
         check_prompt_length(len(ids), request.params, self.config.decoding)
+        vocab_size = self.loaded.shape.vocab_size
+        if past := [t for t in request.params.stop_token_ids if t >= vocab_size]:
+            # NOTE: checked here, where the vocabulary is known: an id past it would index past the logits
+            raise RequestError(f"stop_token_ids holds {past}, past this model's vocabulary ({vocab_size} tokens: "
+                               f"ids 0 to {vocab_size - 1})")
         return ids
 
     def _admit(self, requests: Sequence[GenerationRequest]) -> tuple[list[_Row], list[Completion]]:
