@@ -19,7 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from servelab.config import ServingConfig
-from servelab.engine.outputs import Alternative, TokenLogprobs
+from servelab.outputs import Alternative, TokenLogprobs
 from servelab.request import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED,
                               MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason,
                               RequestError, SamplingParams, check_num_choices)

@@ -10,8 +10,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_PACKAGES = ("api", "worker", "dashboard")
 # NOTE: policy modules take time as an argument and import no I/O or tensor library.
-PURE_MODULES = ("servelab/config.py", "servelab/engine/memory.py", "servelab/request.py",
-                "servelab/engine/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
+PURE_MODULES = ("servelab/config.py", "servelab/memory.py", "servelab/request.py",
+                "servelab/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
                 "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
                 "servelab/lab/roofline.py", "servelab/idempotency.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
@@ -91,7 +91,8 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 
 # The floors, lowest first: a module imports only from its own floor or below (lazy imports included).
 FLOORS = (
-    ("servelab.config", "servelab.settings", "servelab.request", "servelab.idempotency"),  # the contract
+    ("servelab.config", "servelab.settings", "servelab.request", "servelab.outputs", "servelab.memory",
+     "servelab.idempotency"),  # the contract: what is served, where, a request, what comes back, memory arithmetic
     ("servelab.store", "servelab.engine", "servelab.hardware", "servelab.embedded",
      "servelab.telemetry", "servelab.resident"),  # rows; the model; the host; Prometheus counts; this process's memory
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
@@ -148,6 +149,16 @@ def test_the_import_graph_has_no_circles() -> None:
     graph = import_graph()
     circles = [m for m in graph if m in reachable(graph, m)]
     assert circles == []
+
+
+def test_the_contract_floor_reaches_no_torch_redis_or_sqlalchemy() -> None:
+    # NOTE: every room imports the contract (a request, its outputs, the memory arithmetic); were it to reach a
+    # heavy library, the API and the dashboard would load it too.
+    graph = import_graph()
+    contract = [m for m in graph if floor_of(m) == 0]
+    assert contract, "the contract floor holds modules"
+    for module in contract:
+        assert not reachable(graph, module) & set(HEAVY), module
 
 
 def test_the_store_reaches_no_lab_queue_redis_or_torch() -> None:

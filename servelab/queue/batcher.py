@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 from servelab.config import BatchingConfig
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 
 AdmissionPolicy = Literal["window", "continuous"]
 

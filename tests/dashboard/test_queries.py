@@ -10,7 +10,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.lab import runsets
 from servelab.queue.streams import stream_depths
 from servelab.store import queries

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from servelab.config import BatchingConfig
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.queue.batcher import BatchPolicy, Candidate
 
 
