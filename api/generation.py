@@ -30,7 +30,7 @@ from api.deps import ApiState, IdempotencyKey, State, Tenant
 from api.errors import ApiError
 from api.streaming import openai_stream, request_event_stream
 from servelab.idempotency import HEADER, Fingerprint, KeyReused
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.request import (MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE,
                               MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason, SamplingParams)
 from servelab.protocol import (

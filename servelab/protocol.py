@@ -23,7 +23,7 @@ from servelab.outputs import Alternative, TokenLogprobs
 from servelab.request import (MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_PENALTY, MAX_REQUESTED_TOKENS, MAX_SEED,
                               MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, FinishReason,
                               RequestError, SamplingParams, check_num_choices)
-from servelab.jobs.catalog import Catalog, UnknownModel
+from servelab.catalog import Catalog, UnknownModel
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from servelab.config import ServingConfig
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.jobs.ingest import parse_line
 from pydantic import ValidationError
 
