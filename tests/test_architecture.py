@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 PROCESS_PACKAGES = ("api", "worker", "dashboard")
 # NOTE: policy modules take time as an argument and import no I/O or tensor library.
 PURE_MODULES = ("servelab/config.py", "servelab/memory.py", "servelab/request.py",
-                "servelab/outputs.py", "servelab/queue/batcher.py", "servelab/lab/verdict.py",
-                "servelab/lab/metrics.py", "servelab/lab/stats.py", "servelab/lab/workload.py",
-                "servelab/lab/roofline.py", "servelab/idempotency.py")
+                "servelab/outputs.py", "servelab/queue/batcher.py", "servelab/analysis/verdict.py",
+                "servelab/analysis/metrics.py", "servelab/analysis/stats.py", "servelab/analysis/workload.py",
+                "servelab/analysis/roofline.py", "servelab/idempotency.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 
@@ -93,7 +93,7 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 FLOORS = (
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.outputs", "servelab.memory",
      "servelab.idempotency"),  # the contract: what is served, where, a request, what comes back, memory arithmetic
-    ("servelab.store", "servelab.catalog", "servelab.engine", "servelab.hardware", "servelab.embedded",
+    ("servelab.store", "servelab.catalog", "servelab.analysis", "servelab.engine", "servelab.hardware", "servelab.embedded",
      "servelab.telemetry", "servelab.resident"),  # rows; the configs one may name; the model; the host; Prometheus counts; this process's memory
     ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
     ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack
@@ -182,6 +182,19 @@ def test_the_contract_floor_reaches_no_torch_redis_or_sqlalchemy() -> None:
     assert contract, "the contract floor holds modules"
     for module in contract:
         assert not reachable(graph, module) & set(HEAVY), module
+
+
+def test_the_analysis_room_reaches_no_io_tensor_process_or_clock() -> None:
+    # NOTE: the lab's arithmetic, plans and workloads are checked on hand-made figures; what drives workers
+    # (subprocesses, the queue, the store) and reads the clock is servelab/lab's.
+    graph = import_graph()
+    analysis = [m for m in graph if m == "servelab.analysis" or m.startswith("servelab.analysis.")]
+    assert len(analysis) > 1, "servelab/analysis holds modules"
+    for module in analysis:
+        reached = reachable(graph, module)
+        assert not reached & {*HEAVY, "subprocess", "multiprocessing", "time"}, module
+        assert not {m for m in reached if floor_of(m) is not None and floor_of(m) > 0
+                    and not m.startswith("servelab.analysis")}, module
 
 
 def test_the_store_reaches_no_lab_queue_redis_or_torch() -> None:
