@@ -89,16 +89,20 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
     assert not {m for m in imported if m == "servelab.engine.loader" or m.startswith("servelab.engine.awq")}, module
 
 
-# The floors, lowest first: a module imports only from its own floor or below (lazy imports included).
+# The floors, lowest first: a module imports only from its own floor or below (lazy imports included). Each
+# entry is a room: a package or a module of its own.
 FLOORS = (
+    # 0, the contract: what is served, where things are, a request, what comes back, memory arithmetic, retries
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.outputs", "servelab.memory",
-     "servelab.idempotency"),  # the contract: what is served, where, a request, what comes back, memory arithmetic
-    ("servelab.store", "servelab.catalog", "servelab.analysis", "servelab.engine", "servelab.hardware", "servelab.embedded",
-     "servelab.telemetry", "servelab.resident"),  # rows; the configs one may name; the model; the host; Prometheus counts; this process's memory
-    ("servelab.queue", "servelab.runtime"),  # Redis streams, connections
-    ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # control plane, OpenAI protocol, worker, stack
-    ("servelab.lab",),  # runs, comparisons, benches
-    ("servelab.cli", "api", "dashboard", "worker"),  # entry points
+     "servelab.idempotency"),
+    # 1: rows; the configs a request may name; the lab's pure arithmetic; the model; the host; embedded servers;
+    # Prometheus counts; this process's memory
+    ("servelab.store", "servelab.catalog", "servelab.analysis", "servelab.engine", "servelab.hardware",
+     "servelab.embedded", "servelab.telemetry", "servelab.resident"),
+    ("servelab.queue", "servelab.runtime"),  # 2: Redis streams and admission; connections
+    ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # 3: control plane, OpenAI, worker, stack
+    ("servelab.lab",),  # 4: the runners: runs, comparisons, calibration, quality, sweeps, benches
+    ("servelab.cli", "api", "dashboard", "worker", "bench"),  # 5: entry points
 )
 
 
@@ -110,7 +114,7 @@ def module_name(path: Path) -> str:
 def import_graph() -> dict[str, set[str]]:
     """module -> the project's modules it imports (each import resolved to the longest module it names) and the
     root names of the libraries it imports."""
-    paths = {module_name(p): p for folder in ("servelab", *PROCESS_PACKAGES) for p in python_files(folder)}
+    paths = {module_name(p): p for folder in ("servelab", *PROCESS_PACKAGES, "bench") for p in python_files(folder)}
     graph = {}
     for module, path in paths.items():
         targets = set()
@@ -143,6 +147,14 @@ def test_every_module_stands_on_a_floor_and_imports_none_above_it() -> None:
     upward = [(m, t) for m, targets in graph.items() for t in targets
               if t in graph and m != "servelab" and floor_of(t) > floor_of(m)]
     assert upward == []
+
+
+def test_the_floors_name_every_room_of_the_folders_and_no_other() -> None:
+    rooms = [room for floor in FLOORS for room in floor]
+    folders = {f"servelab.{p.stem}" for p in (REPO / "servelab").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert len(rooms) == len(set(rooms)), "a room stands on one floor"
+    assert set(rooms) == folders | {*PROCESS_PACKAGES, "bench"}
 
 
 def test_the_import_graph_has_no_circles() -> None:
