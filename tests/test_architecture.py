@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,8 @@ def test_shared_loading_pieces_import_neither_loader(module: str) -> None:
 
 
 # The floors, lowest first: a module imports only from its own floor or below (lazy imports included). Each
-# entry is a room: a package or a module of its own.
+# entry is a room: a package or a module of its own. The map (docs, the table headed | room | what it holds |
+# floor |) says the same thing, room by room.
 FLOORS = (
     # 0, the contract: what is served, where things are, a request, what comes back, memory arithmetic, retries
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.outputs", "servelab.memory",
@@ -155,6 +157,26 @@ def test_the_floors_name_every_room_of_the_folders_and_no_other() -> None:
                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     assert len(rooms) == len(set(rooms)), "a room stands on one floor"
     assert set(rooms) == folders | {*PROCESS_PACKAGES, "bench"}
+
+
+def map_rows() -> dict[str, set[int]]:
+    """room -> the floors the docs' map gives it: every table headed | room | what it holds | floor | in the README
+    and docs/, its rooms written as paths (`servelab/store/`, `servelab/config.py`, `api/`)."""
+    rows: dict[str, set[int]] = {}
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        lines = path.read_text().splitlines() if path.exists() else []
+        for k, line in enumerate(lines):
+            if [c.strip() for c in line.strip().strip("|").split("|")] != ["room", "what it holds", "floor"]:
+                continue
+            for row in itertools.takewhile(lambda r: r.startswith("|"), lines[k + 2:]):
+                cells = [c.strip() for c in row.strip().strip("|").split("|")]
+                room = cells[0].strip("`").removesuffix("/").removesuffix(".py").replace("/", ".")
+                rows.setdefault(room, set()).add(int(cells[-1]))
+    return rows
+
+
+def test_the_map_in_the_docs_says_what_the_floors_say() -> None:
+    assert map_rows() == {room: {floor} for floor, rooms in enumerate(FLOORS) for room in rooms}
 
 
 def test_the_import_graph_has_no_circles() -> None:
