@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements-nodeps.txt $(LOCK)
 	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
 	# torch==2.13.0 is pinned: on these machines pip takes the CPU wheel already on disk.
 	$(PY) -m pip install --quiet -c $(LOCK) -e ".[$(EXTRAS)]"
-	# Packages whose declared dependencies are wrong for this stack (see README, "Dependencies").
+	# Packages whose declared dependencies are wrong for this stack (see docs/development.md, "Dependencies").
 	$(PY) -m pip install --quiet --no-deps -c $(LOCK) -r requirements-nodeps.txt
 	touch $(STAMP)
 
@@ -51,7 +51,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# The engine's speed steps side by side (README, "Performance"); the peer engines: bench/peers/README.md.
+# The engine's speed steps side by side (docs/performance.md, "Performance"); the peer engines: bench/peers/README.md.
 bench: $(STAMP)
 	$(SL) bench steps --config configs/fp32.yaml --threads 1
 	$(SL) bench steps --config configs/bf16.yaml --threads 1

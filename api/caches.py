@@ -1,12 +1,12 @@
 """What the api process remembers between requests, and for how long: the tenant of each API key it has seen,
 and the catalog of serving configs.
 
-Knows the bounds on staleness, which the README states: a revoked key is refused within key_cache_s of its
-revocation (a key's tenant is looked up again once its entry is that old); a config changed on disk or by a
-newly registered worker is seen within catalog_cache_s, and a name the cached catalog lacks reloads it (at
-most once per MIN_RELOAD_S), so a new worker's config is accepted within MIN_RELOAD_S of its registration. Unknown
-and revoked keys are never remembered: each such call asks PostgreSQL. Does not know HTTP or SQL: it is handed
-the look-ups. Thread-safe: sync routes read it from the thread pool.
+Knows the bounds on staleness, which docs/api.md states ("Submissions at a front end's rate"): a revoked key is
+refused within key_cache_s of its revocation (a key's tenant is looked up again once its entry is that old); a
+config changed on disk or by a newly registered worker is seen within catalog_cache_s, and a name the cached
+catalog lacks reloads it (at most once per MIN_RELOAD_S), so a new worker's config is accepted within MIN_RELOAD_S
+of its registration. Unknown and revoked keys are never remembered: each such call asks PostgreSQL. Does not know
+HTTP or SQL: it is handed the look-ups. Thread-safe: sync routes read it from the thread pool.
 """
 
 from __future__ import annotations

@@ -146,9 +146,16 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    # NOTE: set once, when a worker admits the request (Engine.tokenize: chat template applied, bounds checked);
+    # a preempted or re-added request keeps them, so a prompt is tokenised once per worker that serves it
+    prompt_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert (self.prompt is None) != (self.messages is None), "give exactly one of prompt or messages"
+
+    @property
+    def is_tokenized(self) -> bool:
+        return self.prompt_token_ids is not None
 
 
 def check_num_choices(n: int, *, max_batch_size: int) -> None:

@@ -1,16 +1,16 @@
-"""The GPU worker's serving loop: stream entries -> admission -> engine steps -> store -> notify -> ack.
+"""The GPU worker's serving loop: the shell around the scheduler. Stream entries -> requests (tokenised once)
+-> the scheduler's plan -> the engine -> store -> notify -> ack.
 
-Serves at token granularity: each turn admits what the policy lets in (a whole window-formed batch when
-idle; under `continuous`, newcomers at every step boundary, preempting a bulk row for an interactive
-request), runs one engine step, publishes the text its streamed rows released and reads their cancel flags
-(one round trip), drops cancelled rows, and finishes every row that ended in it at once.
-Knows the order that makes redelivery harmless (claim rows, serve, write a finished row's result and
-metrics in one transaction, notify, then acknowledge), takes back its own pending entries on start, takes over
-entries a dead worker left idle, renews the claim on everything it holds, fails a request that
-has crashed its worker `max_attempts` times, and re-adds ids whose stream entry was lost.
-Does not know HTTP or Celery; the engine and the batching policy are handed in.
+Each turn reads what the scheduler asks for, hands it the requests, and runs its plan: preempted rows leave the
+engine, newcomers are claimed and prefilled (their first tokens published at once), every running row takes a
+decode step (its text published, and the streamed rows' cancel flags read, one round trip each), and every row
+that ended in the turn is recorded at once. Knows the order that makes redelivery harmless (claim rows, serve,
+write a finished row's result and metrics in one transaction, notify, then acknowledge), takes back its own
+pending entries on start, takes over entries a dead worker left idle, renews the claim on everything it holds,
+fails a request that has crashed its worker `max_attempts` times, and re-adds ids whose stream entry was lost.
+Does not know HTTP or Celery, nor which rows run when (the scheduler decides); the engine is handed in.
+Past 400 lines as one piece: the claim keeper and the loop share what the worker holds and its fault order.
 """
-
 from __future__ import annotations
 
 import logging
@@ -36,8 +36,10 @@ from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import file_lock
 from servelab.outputs import BatchResult, Completion, StepOutput
 from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
-from servelab.queue.batcher import BatchPolicy, Candidate
 from servelab.queue.reaper import reenqueue_lost
+from servelab.scheduler.policy import BatchPolicy
+from servelab.scheduler.scheduler import Scheduler, SchedulerOutput
+from servelab.scheduler.state import ScheduledRequest
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import Entry, RequestStreams, end_event, notify_done
 from servelab.queue.tokens import StepEvents, publish_step
@@ -68,15 +70,11 @@ class FaultPolicy:
 
 @dataclass
 class _Held:
-    """Entries this worker holds (read, not yet acknowledged) and the candidates built from them."""
+    """The stream entries this worker holds (read, not yet acknowledged): the claim keeper renews them all."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    entries: dict[str, Entry] = field(default_factory=dict)  # by Entry.key
+    lock: threading.Lock = field(default_factory=threading.Lock)  # NOTE: also guards the scheduler (the keeper adds)
+    entries: dict[str, Entry] = field(default_factory=dict)  # by Entry.key: scheduled requests' entries
     arriving: dict[str, Entry] = field(default_factory=dict)  # read, their rows being looked up: renewed too
-    waiting: list[Candidate] = field(default_factory=list)
-    requests: dict[str, GenerationRequest] = field(default_factory=dict)  # by request id
-    enqueued_at: dict[str, datetime] = field(default_factory=dict)
-    attempts: dict[str, int] = field(default_factory=dict)  # by request id: started executions, from the claim
 
 
 STREAMED_KINDS = frozenset({StreamKind.INTERACTIVE})  # NOTE: bulk rows publish only their end: nobody watches them
@@ -88,16 +86,20 @@ class ServingWorker:
                  streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.policy, self.faults, self.clock = policy, faults, clock
+        self.scheduler = Scheduler(policy)
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
         self.num_publishes = 0
         self.held = _Held()
-        self.running: dict[str, Candidate] = {}  # rows in the engine, by request id, in order of admission
         self.meter = WorkerMeter(streams.config_name)
         self.stop = threading.Event()
 
-    # --- the loop ---
+    @property
+    def running(self) -> list[ScheduledRequest]:
+        return self.scheduler.running
+
+    # --- the loop: the scheduler decides, the engine computes, the worker carries ---
 
     def run(self) -> None:
         self.streams.ensure_groups()
@@ -111,46 +113,66 @@ class ServingWorker:
                 raise RuntimeError(f"worker {self.name}: the claim keeper stopped; stopping the worker")
             self.step()
         while self.running:  # NOTE: a clean stop admits nothing more and finishes the rows in hand
-            self._advance([])
+            assert self.engine.num_live, "the scheduler runs rows the engine does not hold"
+            with self.held.lock:
+                plan = self.scheduler.schedule(self.clock(), admit=False)
+            self._run(plan)
 
     def step(self) -> int:
-        """One turn: admit, one engine step, publish, finish the rows that ended; -> how many requests ended."""
-        started: list[Candidate] = []
-        if not self.running:
-            started = self._claim(self._collect())
-        elif self.policy.is_continuous:
-            self._poll()
-            started = self._claim(self._join())
-        return self._advance(started)
+        """One turn: read until the scheduler has a plan, run it; -> how many requests ended."""
+        while not self.stop.is_set():
+            with self.held.lock:
+                read = self.scheduler.next_read(self.clock())
+            if read is not None:
+                self._admit(self.streams.read_new(
+                    self.name, count=read.count, interactive_only=read.is_interactive_only,
+                    block_ms=None if read.block_s is None else max(1, int(read.block_s * 1e3))))
+            with self.held.lock:
+                plan = self.scheduler.schedule(self.clock())
+            if not plan.is_empty:
+                return self._run(plan)
+        return 0
 
-    def _advance(self, started: list[Candidate]) -> int:
-        outputs = [self._start(started)] if started else []
-        num_step_rows = len(self.running)
-        if self.running:
+    def _run(self, plan: SchedulerOutput) -> int:
+        """A plan on the engine: preempt, prefill (its first tokens published at once), one decode step
+        (published), then the rows that ended are recorded, notified and acknowledged together."""
+        if plan.preempted:
+            self._preempt(list(plan.preempted))
+        started = self._claim(list(plan.prefill))
+        finished: list[Completion] = []
+        outputs: list[StepOutput] = []
+        if started:
+            outputs.append(self.engine.add([r.request for r in started]))
+            finished += self._after(outputs[-1], started=started, ended=finished)
+        num_step_rows = self.engine.num_live
+        if num_step_rows:
             outputs.append(self.engine.step())
-        finished = [c for out in outputs for c in out.finished]
-        finished += self._publish(started, outputs, ended={c.request_id for c in finished})
+            finished += self._after(outputs[-1], started=[], ended=finished)
         self._finish(finished)
         self._observe_turn(started, outputs, num_step_rows)
         return len(finished)
 
-    def _observe_turn(self, started: list[Candidate], outputs: list[StepOutput], num_step_rows: int) -> None:
-        running = list(self.running.values())
-        self.meter.turn(num_prompt_tokens=sum(c.num_prompt_tokens for c in started),
-                        num_generated_tokens=sum(len(out.new_tokens) for out in outputs),
-                        num_step_rows=num_step_rows, num_running=len(running), num_waiting=len(self.held.waiting),
-                        kv_cache_usage=self.policy.batch_tokens(running) / self.policy.max_batch_tokens)
+    def _after(self, out: StepOutput, *, started: list[ScheduledRequest], ended: list[Completion]) -> list[Completion]:
+        """A prefill's or a step's rows that ended, and the rows cancelled when its text was published."""
+        done = [*out.finished]
+        done += self._publish(started, out, ended={c.request_id for c in [*ended, *done]})
+        return done
 
-    def _publish(self, started: list[Candidate], outputs: list[StepOutput], *, ended: set[str]) -> list[Completion]:
-        """The step's text for streamed rows and their cancel flags, one round trip; -> the rows cancelled now."""
-        streamed = {rid for rid, c in self.running.items() if self._is_streamed(c)}
+    def _observe_turn(self, started: list[ScheduledRequest], outputs: list[StepOutput], num_step_rows: int) -> None:
+        self.meter.turn(num_prompt_tokens=sum(r.num_prompt_tokens for r in started),
+                        num_generated_tokens=sum(len(out.new_tokens) for out in outputs),
+                        num_step_rows=num_step_rows, num_running=len(self.running),
+                        num_waiting=len(self.scheduler.waiting), kv_cache_usage=self.scheduler.kv_cache_usage)
+
+    def _publish(self, started: list[ScheduledRequest], out: StepOutput, *, ended: set[str]) -> list[Completion]:
+        """The text streamed rows released and their cancel flags, one round trip; -> the rows cancelled now."""
+        streamed = {r.request_id for r in self.running if self._is_streamed(r)}
         if not streamed and self._unpublished.is_empty:
             return []
         late = self._unpublished
         events = StepEvents(
-            started=late.started + tuple((c.request_id, self.held.attempts.get(c.request_id, 0)) for c in started
-                                         if c.request_id in streamed),
-            texts=late.texts + tuple(t for out in outputs for t in out.new_text if t[0] in streamed),
+            started=late.started + tuple((r.request_id, r.num_attempts) for r in started if r.request_id in streamed),
+            texts=late.texts + tuple(t for t in out.new_text if t[0] in streamed),
             watched=tuple(rid for rid in streamed if rid not in ended),
         )
         started_s = time.perf_counter()
@@ -169,77 +191,21 @@ class ServingWorker:
         log.info("dropped %d row(s) whose client left", len(cancelled))
         return self.engine.cancel(cancelled)
 
-    def _is_streamed(self, c: Candidate) -> bool:
-        return (StreamKind.INTERACTIVE if c.is_interactive else StreamKind.BULK) in self.streamed
+    def _is_streamed(self, r: ScheduledRequest) -> bool:
+        return (StreamKind.INTERACTIVE if r.is_interactive else StreamKind.BULK) in self.streamed
 
-    # --- forming a batch ---
+    # --- requests in, claims, preemptions ---
 
-    def _collect(self) -> list[Candidate]:
-        first_seen = None
-        while not self.stop.is_set():
-            with self.held.lock:
-                batch, rest = self.policy.select(self.held.waiting)
-            now = self.clock()
-            if batch and first_seen is None:
-                first_seen = now
-            if batch and self.policy.is_closed(batch, rest, first_seen_s=first_seen, now_s=now):
-                break
-            wait_s = self.policy.wait_left_s(first_seen_s=first_seen, now_s=now) if batch else 1.0
-            count = self.policy.max_batch_size - len(batch)
-            self._admit(self.streams.read_new(self.name, count=count, block_ms=max(1, int(wait_s * 1e3))))
-        else:
-            return []
-        return self._take(batch)
-
-    def _poll(self) -> None:
-        """Between steps, without blocking: new entries for the free rows, or an interactive one when none is free."""
-        with self.held.lock:
-            num_waiting = len(self.held.waiting)
-            interactive_waiting = any(c.is_interactive for c in self.held.waiting)
-        free = self.policy.max_batch_size - len(self.running) - num_waiting
-        if free > 0:
-            self._admit(self.streams.read_new(self.name, count=free, block_ms=None))
-        elif not interactive_waiting:  # NOTE: full: only an interactive request can get in (by preemption)
-            self._admit(self.streams.read_new(self.name, count=1, block_ms=None, interactive_only=True))
-
-    def _join(self) -> list[Candidate]:
-        """Continuous: the waiting requests that join the running rows now, after preempting for the head."""
-        with self.held.lock:
-            victims = self.policy.victims(self.held.waiting, list(self.running.values()))
-        if victims:
-            self._preempt(victims)
-        with self.held.lock:
-            joining, _rest = self.policy.select(self.held.waiting, list(self.running.values()))
-        return self._take(joining)
-
-    def _take(self, batch: list[Candidate]) -> list[Candidate]:
-        """These candidates stop waiting: they are about to start."""
-        with self.held.lock:
-            taken = {c.entry_id for c in batch}
-            self.held.waiting = [c for c in self.held.waiting if c.entry_id not in taken]
-        return batch
-
-    def _preempt(self, victims: list[Candidate]) -> None:
-        """Bulk rows leave the batch unfinished and wait again, still claimed: they start over later."""
-        requests = self.engine.preempt([c.request_id for c in victims])
-        self._store(lambda session: store.count_preemptions(session, ids=[c.request_id for c in victims]))
-        with self.held.lock:
-            for request in requests:  # NOTE: the engine's copy carries the seed it drew: the same answer again
-                self.held.requests[request.request_id] = request
-            for c in victims:
-                del self.running[c.request_id]
-                self.held.waiting.append(c.preempted())
+    def _preempt(self, victims: list[ScheduledRequest]) -> None:
+        """Bulk rows left the batch unfinished and wait again, still claimed: they start over later (their
+        request keeps its token ids and seed: the same answer again)."""
+        self.engine.preempt([r.request_id for r in victims])
+        self._store(lambda session: store.count_preemptions(session, ids=[r.request_id for r in victims]))
         self.meter.preempted(len(victims))
         log.info("preempted %d bulk row(s) for an interactive request", len(victims))
 
-    def _start(self, candidates: list[Candidate]) -> StepOutput:
-        """Prefill claimed candidates into the batch; -> their first tokens, and the ones that finished at once."""
-        for c in candidates:
-            self.running[c.request_id] = c
-        return self.engine.add([self.held.requests[c.request_id] for c in candidates])
-
     def _admit(self, entries: list[Entry], *, wait_out: bool = True) -> None:
-        """Turn entries into candidates; entries of finished, missing or poison requests end here.
+        """Turn entries into scheduled requests; entries of finished, missing or poison requests end here.
         wait_out: wait out a PostgreSQL outage (the main loop) or raise at once (the claim keeper)."""
         with self.held.lock:
             entries = [e for e in entries if e.key not in self.held.entries and e.key not in self.held.arriving]
@@ -278,28 +244,31 @@ class ServingWorker:
             self._fail(bad, reason, wait_out=wait_out)
 
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
-        request = to_generation_request(row)
-        num_prompt_tokens = len(self.engine.encode(request))
-        candidate = Candidate(entry.key, row.id, num_prompt_tokens, request.params.max_new_tokens,
-                              entry.is_interactive, is_retry=row.num_attempts > 0, priority=row.priority,
-                              enqueued_s=row.enqueued_at.timestamp())
+        """The stored request, tokenised once here (its limits checked), waits in the scheduler."""
+        request = self.engine.tokenize(to_generation_request(row))
+        scheduled = ScheduledRequest(request, entry.key, entry.is_interactive, row.enqueued_at, priority=row.priority,
+                                     is_retry=row.num_attempts > 0)
         with self.held.lock:
             self.held.entries[entry.key] = entry
-            self.held.requests[row.id] = request
-            self.held.enqueued_at[row.id] = row.enqueued_at
-            self.held.waiting.append(candidate)
+            self.scheduler.add([scheduled])
 
-    def _claim(self, batch: list[Candidate]) -> list[Candidate]:
-        fresh = [c for c in batch if not c.is_claimed]  # NOTE: a preempted row is still claimed by this worker
+    def _claim(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Claim the plan's newcomers in the store; -> those this worker runs (a request finished meanwhile,
+        cancelled or served by another worker, leaves the scheduler and its entry is acknowledged)."""
+        fresh = [r for r in batch if not r.is_claimed]  # NOTE: a preempted row is still claimed by this worker
         if not fresh:
             return batch
-        claimed = self._store(lambda session: store.claim_requests(session, ids=[c.request_id for c in fresh],
+        claimed = self._store(lambda session: store.claim_requests(session, ids=[r.request_id for r in fresh],
                                                                    now=datetime.now(UTC)))
-        skipped = [c for c in fresh if c.request_id not in claimed]
-        self._release(skipped, ack=True)  # finished meanwhile (cancelled, or served by another worker)
-        with self.held.lock:
-            self.held.attempts.update(claimed)
-        return [c for c in batch if c.is_claimed or c.request_id in claimed]
+        for r in fresh:
+            if r.request_id in claimed:
+                r.is_claimed, r.num_attempts = True, claimed[r.request_id]
+        skipped = [r for r in fresh if not r.is_claimed]
+        if skipped:
+            with self.held.lock:
+                self.scheduler.finish([r.request_id for r in skipped])
+            self._release(skipped)
+        return [r for r in batch if r.is_claimed]
 
     # --- after the engine ---
 
@@ -312,17 +281,19 @@ class ServingWorker:
             publish_step(self.streams.client, prefix=self.streams.prefix, events=self._unpublished)
             self._unpublished = StepEvents()
         timings, memory = self.engine.take_stats()
-        batch = [self.running.pop(c.request_id) for c in completions]
+        with self.held.lock:
+            ended = self.scheduler.finish([c.request_id for c in completions])
+        assert len(ended) == len(completions), "a row ended that the scheduler was not running"
         batch_id = uuid.uuid4()  # NOTE: the same id on every try, so a retried commit records the batch once
         result = BatchResult(completions=tuple(completions), timings=timings, memory=memory)
-        enqueued_at = {c.request_id: self.held.enqueued_at[c.request_id] for c in batch}
+        enqueued_at = {r.request_id: r.enqueued_at for r in ended}
         recorded = self._store(lambda session: store.record_batch(
             session, batch_id=batch_id, worker_name=self.name, serving_config_name=self.streams.config_name,
             config_hash=self.engine.config.config_hash, result=result, enqueued_at=enqueued_at))
         # NOTE: counted once committed (a failed commit is served again elsewhere), before the callers wake
-        self.meter.finished([c for c in completions if c.request_id in recorded], enqueued_at=self.held.enqueued_at)
+        self.meter.finished([c for c in completions if c.request_id in recorded], enqueued_at=enqueued_at)
         notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
-        self._release(batch, ack=True)
+        self._release(ended)
 
     def _fail(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
         failed = self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries],
@@ -364,15 +335,11 @@ class ServingWorker:
                 self.stop.wait(delay_s)
                 delay_s = min(2 * delay_s, MAX_OUTAGE_WAIT_S)
 
-    def _release(self, batch: list[Candidate], *, ack: bool) -> None:
+    def _release(self, ended: list[ScheduledRequest]) -> None:
+        """Acknowledge the entries of requests this worker is done with."""
         with self.held.lock:
-            entries = [self.held.entries.pop(c.entry_id) for c in batch]
-            for c in batch:
-                self.held.requests.pop(c.request_id, None)
-                self.held.enqueued_at.pop(c.request_id, None)
-                self.held.attempts.pop(c.request_id, None)
-        if ack:
-            self.streams.ack(entries)
+            entries = [self.held.entries.pop(r.entry_key) for r in ended]
+        self.streams.ack(entries)
 
     # --- in the background: claims, take-overs, lost entries, heartbeat ---
 

@@ -18,7 +18,7 @@ from servelab.analysis.workload import Workload, load_workload
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
 
 
-# NOTE: chosen from `servelab calibrate` on the 2-core machines this project runs on (README, "Calibration"):
+# NOTE: chosen from `servelab calibrate` on the 2-core machines this project runs on (docs/lab.md, "Calibration"):
 # one paired round of the smoke workload spreads by about 0.09 on the log scale there (quiet), so six rounds
 # give a +-10 % interval (t with 5 degrees of freedom), enough to decide the x1.1-x1.2 limits plans set; an
 # even number completes the order's blocks of two; fewer leave most criteria unsure.

@@ -9,7 +9,8 @@ runs not interleaved). Refuses to compare runs of different workloads. No databa
 NOTE: the unit of evidence for serving figures is the run. A figure is computed per run (tokens/s, or p95
 TTFT over that run's requests), runs of the two sides measured in the same round are paired, and the
 interval is a Student-t one over the per-round log ratios: it carries the variation between runs, which on
-a shared machine is larger than the variation between the requests of one run.
+a shared machine is larger than the variation between the requests of one run. Past 400 lines as one piece:
+every criterion is judged by the same pairing, intervals and bounds.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def bench_head_of_line(
     serving = load_config(config)
 
     from servelab.lab.hol import HolWorkload, format_head_of_line, run_head_of_line, time_join_cost
-    from servelab.queue.batcher import BatchPolicy
+    from servelab.scheduler.policy import BatchPolicy
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in ("window", "continuous")]

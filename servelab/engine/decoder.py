@@ -1,7 +1,8 @@
 """The model's forward pass for the engine: servelab's own Llama decoder, or transformers' forward.
 
 Both map (token ids, padding mask, positions, KV cache) to the last position's logits; engine.py
-drives them the same way and never sees which one runs.
+drives them the same way and never sees which one runs. Past 400 lines as one piece: the block's operations, its
+cache layouts and the kernel each operation dispatches to change together.
 
 `LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
 grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and gate/up are one matmul

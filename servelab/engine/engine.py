@@ -160,9 +160,22 @@ class Engine:
         check_configured_kernel(config, settings)
         return cls(load_model(config, settings), config, cache_dir=settings.cache_dir, settings=settings)
 
-    # --- admission: text -> token ids, every limit checked per request ---
+    # --- admission: text -> token ids, every limit checked per request, once ---
+
+    def tokenize(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as a worker admits it: its prompt tokenised (the chat template applied), every limit
+        checked, and a sampled request's seed drawn, so that it gives the same answer however often it is
+        started (a preemption, a re-add). A request already tokenised comes back as it is: checked once."""
+        if request.is_tokenized:
+            return request
+        prompt_ids = self.encode(request)
+        params = request.params
+        if not params.is_greedy and params.seed is None:
+            params = replace(params, seed=random.getrandbits(63))
+        return replace(request, prompt_token_ids=tuple(prompt_ids), params=params)
 
     def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids, the request's limits checked (RequestError names the one that fails)."""
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("messages is empty: give at least one message")
@@ -179,13 +192,11 @@ class Engine:
         rows, rejected = [], []
         for request in requests:
             try:
-                prompt_ids = self.encode(request)
+                request = self.tokenize(request)
             except RequestError as exc:
                 rejected.append(failed(request.request_id, str(exc)))
                 continue
-            if not request.params.is_greedy and request.params.seed is None:
-                request = replace(request, params=replace(request.params, seed=random.getrandbits(63)))
-            rows.append(_Row(request, prompt_ids, make_generator(request.params, self.device),
+            rows.append(_Row(request, list(request.prompt_token_ids), make_generator(request.params, self.device),
                              Detokenizer(self.tokenizer, request.params.stop)))
         return rows, rejected
 

@@ -11,7 +11,8 @@ a decode step reads (a few seconds; see `measured_shapes`: a set that fits in th
 the cache, not the memory), keeps the result in the cache per CPU, threads, dtype and shapes, and serves
 each batch with the kernel that won at its size among the kernels that share one layout of the weights
 (one copy per process: `one_layout_winners`). A kernel named explicitly that cannot run here is refused
-with the reason, before any model is loaded (`linear_kernel_reason`). Does not know models.
+with the reason, before any model is loaded (`linear_kernel_reason`). Does not know models. Past 400 lines as
+one piece: `auto` measures exactly the layouts it would then serve, so the choice and the layouts change together.
 """
 
 from __future__ import annotations

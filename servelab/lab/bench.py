@@ -122,7 +122,7 @@ def format_engine_table(rows: list[EngineBenchRow], *, bandwidth_gbs: float, ker
 
 
 # Each step of the engine's speed work, as settings of one serving config; `servelab bench steps` measures
-# them side by side so the README's gains come from one run (servelab/engine/decoder.py, linear.py).
+# them side by side so docs/performance.md's gains come from one run (servelab/engine/decoder.py, linear.py).
 STEPS: tuple[tuple[str, dict[str, str]], ...] = (
     ("transformers forward, dynamic cache", {"decoder": "transformers"}),
     ("servelab decoder, torch F.linear", {"decoder": "auto", "linear_kernel": "torch"}),

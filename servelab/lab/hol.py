@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from servelab.engine.engine import Engine
 from servelab.lab.relays import read_all
 from servelab.lab.bench import bench_requests, nearest_rank as percentile
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.tokens import read_to_end
 from servelab.queue.submit import submit_request

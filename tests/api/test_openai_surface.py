@@ -19,7 +19,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 from servelab.store import batch_jobs
 from servelab.store.db import session_scope

@@ -15,7 +15,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.store.db import session_scope
 from servelab.store.models import RequestRow, RequestStatus, ResultRow, StreamMetricsRow
 from tests.api.conftest import api_process

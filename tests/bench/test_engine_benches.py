@@ -1,5 +1,6 @@
 """bench.int4_activations and bench.huge_pages: their command lines refuse bad values by name, and agreement counts
-leading tokens. (What they measure needs the bundled model and minutes: they are run by hand, see README.)"""
+leading tokens. (What they measure needs the bundled model and minutes: they are run by hand, see
+docs/performance.md.)"""
 
 from __future__ import annotations
 

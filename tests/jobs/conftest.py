@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.runtime import Runtime, connect
 from servelab.serving import FaultPolicy
 from servelab.settings import ServiceSettings

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import update
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.serving import FaultPolicy, ServingWorker
 from servelab.store import batch_jobs as jobs
 from servelab.store import files

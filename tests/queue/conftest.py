@@ -12,7 +12,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.engine.engine import Engine
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import RequestStreams
 from servelab.serving import FaultPolicy, ServingWorker
 from servelab.store.db import session_factory

@@ -21,7 +21,7 @@ import redis
 from sqlalchemy import func, select
 
 from servelab.engine.engine import Engine
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import GROUP, RequestStreams
 from servelab.queue.submit import submit_request
 from servelab.request import SamplingParams

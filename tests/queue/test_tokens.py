@@ -57,7 +57,7 @@ def test_text_a_redis_error_kept_from_its_step_goes_out_first_at_the_next(make_s
     import redis
 
     from servelab import serving
-    from servelab.queue.batcher import BatchPolicy
+    from servelab.scheduler.policy import BatchPolicy
     from servelab.queue.submit import submit_request
     from servelab.queue.tokens import decode_event
     from servelab.request import SamplingParams

@@ -12,7 +12,7 @@ from sqlalchemy.exc import OperationalError
 
 import servelab.serving as serving
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import wait_done
 from servelab.queue.submit import submit_request
 from servelab.request import SamplingParams

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from sqlalchemy import func, select
 
-from servelab.queue.batcher import BatchPolicy
+from servelab.scheduler.policy import BatchPolicy
 from servelab.request import SamplingParams
 from servelab.store.db import session_scope
 from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, ResultRow, StreamKind

@@ -1,4 +1,5 @@
-"""The admission policy: which waiting requests join the batch, when, and which running row makes room.
+"""The admission rules the scheduler applies: which waiting requests join the batch, when, and which running
+row makes room.
 
 Pure policy: no Redis, no clock of its own (time is an argument), no torch. Two policies share the same
 limits (max_batch_size, and the KV-cache token budget counted as the room the batch's cache holds:
@@ -13,40 +14,19 @@ Order of service: interactive before bulk, then higher `priority`, then age. Bul
 by two rules: while bulk work waits, bulk keeps at least `min_bulk_rows` rows of the batch (its next
 request goes first when it holds fewer, and preemption never takes it below), and a row is preempted at
 most once.
-Does not know where candidates come from or how they are served.
+Does not know where requests come from, what runs them, or what a step does (the Scheduler decides that).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from servelab.config import BatchingConfig
 from servelab.memory import ModelShape
+from servelab.scheduler.state import ScheduledRequest
 
 AdmissionPolicy = Literal["window", "continuous"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    entry_id: str  # unique among the config's streams (Entry.key)
-    request_id: str
-    num_prompt_tokens: int
-    max_new_tokens: int
-    is_interactive: bool
-    is_retry: bool = False  # started before and not finished: maybe it crashed its worker
-    priority: int = 0
-    enqueued_s: float = 0.0  # Unix time it was enqueued: its age
-    num_preemptions: int = 0
-    is_claimed: bool = False  # already running in the store (a preempted row going back in)
-
-    @property
-    def num_columns(self) -> int:
-        """KV-cache columns the row may hold by its end."""
-        return self.num_prompt_tokens + self.max_new_tokens
-
-    def preempted(self) -> Candidate:
-        return replace(self, num_preemptions=self.num_preemptions + 1, is_claimed=True)
 
 
 @dataclass(frozen=True)
@@ -77,23 +57,23 @@ class BatchPolicy:
         """Rows bulk keeps while it has work; never the whole batch, so interactive always gets in."""
         return max(0, min(self.min_bulk_rows, self.max_batch_size - 1))
 
-    def batch_tokens(self, rows: Sequence[Candidate]) -> int:
+    def batch_tokens(self, rows: Sequence[ScheduledRequest]) -> int:
         """The room the rows' cache holds: every row as long as the longest prompt + max_new_tokens."""
         return len(rows) * max((c.num_columns for c in rows), default=0)
 
-    def fits(self, rows: Sequence[Candidate], candidate: Candidate) -> bool:
+    def fits(self, rows: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:
         if not rows:
             return True  # NOTE: a lone request is always served, even past the budget, so nothing starves
         if len(rows) >= self.max_batch_size or candidate.is_retry or any(c.is_retry for c in rows):
             return False  # NOTE: a retried request runs alone, so a poison request cannot take batch-mates down
         return self.batch_tokens([*rows, candidate]) <= self.max_batch_tokens
 
-    def order(self, waiting: Sequence[Candidate]) -> list[Candidate]:
+    def order(self, waiting: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         """Interactive first, then higher priority, then older."""
         return sorted(waiting, key=lambda c: (not c.is_interactive, -c.priority, c.enqueued_s))
 
-    def select(self, waiting: Sequence[Candidate], running: Sequence[Candidate] = ()
-               ) -> tuple[list[Candidate], list[Candidate]]:
+    def select(self, waiting: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest] = ()
+               ) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
         """-> (what joins now, the rest), in order of service; stops at the first that does not fit. While
         bulk holds fewer rows than its share, bulk's next request goes first if it fits."""
         ordered = self.order(waiting)
@@ -112,7 +92,7 @@ class BatchPolicy:
             joining.append(candidate)
         return joining, []
 
-    def prefill_fits(self, joining: Sequence[Candidate], candidate: Candidate) -> bool:
+    def prefill_fits(self, joining: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:
         """Continuous: the newcomers of one step are prefilled together (padded to the longest prompt)
         between two decode steps; their tokens stay within max_prefill_tokens (one newcomer always joins)."""
         if not self.is_continuous or not joining:
@@ -120,12 +100,13 @@ class BatchPolicy:
         group = [*joining, candidate]
         return len(group) * max(c.num_prompt_tokens for c in group) <= self.max_prefill_tokens
 
-    def bulk_waits(self, rows: Sequence[Candidate], candidate: Candidate) -> bool:
+    def bulk_waits(self, rows: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:
         """Continuous: a bulk newcomer waits while an interactive row decodes, since its prefill runs between
         that row's tokens (bulk's share is exempt, see select)."""
         return self.is_continuous and not candidate.is_interactive and any(c.is_interactive for c in rows)
 
-    def victims(self, waiting: Sequence[Candidate], running: Sequence[Candidate]) -> list[Candidate]:
+    def victims(self, waiting: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest]
+                ) -> list[ScheduledRequest]:
         """Continuous only: the running bulk rows to preempt so that the interactive request at the head
         fits (the newest first, each row at most once, bulk keeping its share); [] when none would do."""
         ordered = self.order(waiting)
@@ -147,7 +128,8 @@ class BatchPolicy:
             bulk_left -= 1
         return victims if self.fits(rows, head) else []
 
-    def is_closed(self, batch: list[Candidate], rest: list[Candidate], *, first_seen_s: float, now_s: float) -> bool:
+    def is_closed(self, batch: list[ScheduledRequest], rest: list[ScheduledRequest], *, first_seen_s: float,
+                  now_s: float) -> bool:
         """Window: closed when full, when something waiting does not fit, or when the window after the
         first ran out. Continuous: at once (later arrivals join at the next step)."""
         return (self.is_continuous or len(batch) >= self.max_batch_size or bool(rest)

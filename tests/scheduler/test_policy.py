@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 
 from servelab.config import BatchingConfig
 from servelab.memory import ModelShape
-from servelab.queue.batcher import BatchPolicy, Candidate
+from servelab.request import GenerationRequest, SamplingParams
+from servelab.scheduler.policy import BatchPolicy
+from servelab.scheduler.state import ScheduledRequest
 
 
 def cand(i: int, prompt: int = 10, new: int = 10, interactive: bool = True, retry: bool = False,
-         priority: int = 0, preemptions: int = 0) -> Candidate:
-    return Candidate(f"e{i}", f"r{i}", prompt, new, interactive, retry, priority=priority, enqueued_s=float(i),
-                     num_preemptions=preemptions)
+         priority: int = 0, preemptions: int = 0) -> ScheduledRequest:
+    """Request i, enqueued at second i, with a prompt of `prompt` tokens that may make `new` more."""
+    request = GenerationRequest(f"r{i}", prompt="x", params=SamplingParams(max_new_tokens=new),
+                                prompt_token_ids=(1,) * prompt)
+    return ScheduledRequest(request, f"e{i}", interactive, datetime.fromtimestamp(i, UTC), priority=priority,
+                            is_retry=retry, num_preemptions=preemptions)
 
 
 POLICY = BatchPolicy(max_batch_size=4, max_wait_ms=50, max_batch_tokens=10_000)
@@ -20,8 +26,8 @@ POLICY = BatchPolicy(max_batch_size=4, max_wait_ms=50, max_batch_tokens=10_000)
 
 def test_burst_larger_than_max_batch_size_fills_a_batch_and_leaves_the_rest() -> None:
     batch, rest = POLICY.select([cand(i) for i in range(6)])
-    assert [c.entry_id for c in batch] == ["e0", "e1", "e2", "e3"]
-    assert [c.entry_id for c in rest] == ["e4", "e5"]
+    assert [c.entry_key for c in batch] == ["e0", "e1", "e2", "e3"]
+    assert [c.entry_key for c in rest] == ["e4", "e5"]
     assert POLICY.is_closed(batch, rest, first_seen_s=100.0, now_s=100.0)  # full: no waiting
 
 
@@ -50,26 +56,26 @@ def test_budget_counts_padding_to_the_longest_prompt() -> None:
 def test_a_lone_request_over_the_budget_is_still_served() -> None:
     policy = BatchPolicy(max_batch_size=16, max_wait_ms=50, max_batch_tokens=100)
     batch, rest = policy.select([cand(0, prompt=500, new=100), cand(1)])
-    assert [c.entry_id for c in batch] == ["e0"] and [c.entry_id for c in rest] == ["e1"]
+    assert [c.entry_key for c in batch] == ["e0"] and [c.entry_key for c in rest] == ["e1"]
 
 
 def test_interactive_requests_go_before_bulk_and_bulk_keeps_its_share() -> None:
     waiting = [cand(0, interactive=False), cand(1, interactive=False), cand(2), cand(3, interactive=False), cand(4)]
     policy = BatchPolicy(max_batch_size=3, max_wait_ms=0, max_batch_tokens=10_000, min_bulk_rows=0)
     batch, rest = policy.select(waiting)
-    assert [c.entry_id for c in batch] == ["e2", "e4", "e0"]
-    assert [c.entry_id for c in rest] == ["e1", "e3"]
+    assert [c.entry_key for c in batch] == ["e2", "e4", "e0"]
+    assert [c.entry_key for c in rest] == ["e1", "e3"]
     # with a bulk share of one row, interactive traffic alone cannot fill the batch
     flood = [cand(i) for i in range(10, 16)]
     batch, rest = replace(policy, min_bulk_rows=1).select([*flood, cand(0, interactive=False)])
-    assert [c.entry_id for c in batch] == ["e0", "e10", "e11"]
+    assert [c.entry_key for c in batch] == ["e0", "e10", "e11"]
     batch, _ = replace(policy, min_bulk_rows=1).select(flood, running=[cand(0, interactive=False)])
-    assert [c.entry_id for c in batch] == ["e10", "e11"]  # bulk already holds its share
+    assert [c.entry_key for c in batch] == ["e10", "e11"]  # bulk already holds its share
 
 
 def test_priority_then_age_orders_each_class() -> None:
     waiting = [cand(5, interactive=False, priority=9), cand(3, priority=-1), cand(4, priority=2), cand(1), cand(2, priority=2)]
-    assert [c.entry_id for c in POLICY.order(waiting)] == ["e2", "e4", "e1", "e3", "e5"]
+    assert [c.entry_key for c in POLICY.order(waiting)] == ["e2", "e4", "e1", "e3", "e5"]
 
 
 CONTINUOUS = BatchPolicy(max_batch_size=3, max_wait_ms=50, max_batch_tokens=10_000, policy="continuous")
@@ -78,7 +84,7 @@ CONTINUOUS = BatchPolicy(max_batch_size=3, max_wait_ms=50, max_batch_tokens=10_0
 def test_continuous_admits_into_a_running_batch_up_to_its_limits() -> None:
     running = [cand(0, interactive=False), cand(1, interactive=False)]
     batch, rest = CONTINUOUS.select([cand(2, interactive=False), cand(3, interactive=False)], running=running)
-    assert [c.entry_id for c in batch] == ["e2"] and [c.entry_id for c in rest] == ["e3"]
+    assert [c.entry_key for c in batch] == ["e2"] and [c.entry_key for c in rest] == ["e3"]
     tight = replace(CONTINUOUS, max_batch_tokens=3 * 20)
     batch, _ = tight.select([cand(2, prompt=40, interactive=False)], running=running)
     assert batch == []  # the room the cache would hold: 3 rows x 50 columns > 60
@@ -88,13 +94,13 @@ def test_continuous_admits_into_a_running_batch_up_to_its_limits() -> None:
 def test_under_continuous_bulk_newcomers_wait_while_an_interactive_row_decodes() -> None:
     running = [cand(0), cand(1, interactive=False)]
     batch, rest = CONTINUOUS.select([cand(2, interactive=False)], running=running)
-    assert batch == [] and [c.entry_id for c in rest] == ["e2"]
+    assert batch == [] and [c.entry_key for c in rest] == ["e2"]
     batch, _ = CONTINUOUS.select([cand(3), cand(2, interactive=False)], running=running[1:])
-    assert [c.entry_id for c in batch] == ["e3"]  # an interactive newcomer joins; bulk waits behind it
+    assert [c.entry_key for c in batch] == ["e3"]  # an interactive newcomer joins; bulk waits behind it
     batch, _ = CONTINUOUS.select([cand(2, interactive=False)], running=[cand(0)])
-    assert [c.entry_id for c in batch] == ["e2"]  # unless bulk holds less than its share
+    assert [c.entry_key for c in batch] == ["e2"]  # unless bulk holds less than its share
     window = replace(CONTINUOUS, policy="window")
-    assert [c.entry_id for c in window.select([cand(2, interactive=False)], running=running)[0]] == ["e2"]
+    assert [c.entry_key for c in window.select([cand(2, interactive=False)], running=running)[0]] == ["e2"]
 
 
 def test_under_continuous_one_steps_newcomers_stay_within_the_prefill_budget() -> None:
@@ -111,10 +117,10 @@ def test_under_continuous_one_steps_newcomers_stay_within_the_prefill_budget() -
 
 def test_an_interactive_request_preempts_the_newest_bulk_row_once() -> None:
     running = [cand(0, interactive=False), cand(1, interactive=False), cand(2, interactive=False)]
-    assert [c.entry_id for c in CONTINUOUS.victims([cand(9)], running)] == ["e2"]
+    assert [c.entry_key for c in CONTINUOUS.victims([cand(9)], running)] == ["e2"]
     assert CONTINUOUS.victims([cand(9, interactive=False)], running) == []  # bulk never preempts
     twice = [cand(0, interactive=False), cand(1, interactive=False), cand(2, interactive=False, preemptions=1)]
-    assert [c.entry_id for c in CONTINUOUS.victims([cand(9)], twice)] == ["e1"]
+    assert [c.entry_key for c in CONTINUOUS.victims([cand(9)], twice)] == ["e1"]
     full_of_interactive = [cand(0), cand(1), cand(2, interactive=False)]
     assert CONTINUOUS.victims([cand(9)], full_of_interactive) == []  # bulk keeps its one row
     assert replace(CONTINUOUS, min_bulk_rows=0).victims([cand(9)], full_of_interactive) == [full_of_interactive[2]]
@@ -125,9 +131,9 @@ def test_an_interactive_request_preempts_the_newest_bulk_row_once() -> None:
 
 def test_a_retried_request_runs_alone() -> None:
     batch, rest = POLICY.select([cand(0, retry=True), cand(1), cand(2)])
-    assert [c.entry_id for c in batch] == ["e0"]
+    assert [c.entry_key for c in batch] == ["e0"]
     batch, rest = POLICY.select([cand(1), cand(2, retry=True), cand(3)])
-    assert [c.entry_id for c in batch] == ["e1"]  # stops at the retry: it waits for a batch of its own
+    assert [c.entry_key for c in batch] == ["e1"]  # stops at the retry: it waits for a batch of its own
 
 
 def test_kv_byte_budget_from_model_shape_and_cache_dtype() -> None:
