@@ -160,24 +160,29 @@ def test_the_floors_name_every_room_of_the_folders_and_no_other() -> None:
     assert set(rooms) == folders | {*PROCESS_PACKAGES, "bench"}
 
 
-def map_rows() -> dict[str, set[int]]:
-    """room -> the floors the docs' map gives it: every table headed | room | what it holds | floor | in the README
-    and docs/, its rooms written as paths (`servelab/store/`, `servelab/config.py`, `api/`)."""
-    rows: dict[str, set[int]] = {}
+def map_tables() -> dict[str, dict[str, int]]:
+    """Each map in the README and docs/ (a table headed | room | what it holds | floor |, its rooms written as
+    paths: `servelab/store/`, `servelab/config.py`, `api/`), as room -> floor, by file and line."""
+    tables = {}
     for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         lines = path.read_text().splitlines() if path.exists() else []
         for k, line in enumerate(lines):
             if [c.strip() for c in line.strip().strip("|").split("|")] != ["room", "what it holds", "floor"]:
                 continue
+            table = tables[f"{path.relative_to(REPO)}:{k + 1}"] = {}
             for row in itertools.takewhile(lambda r: r.startswith("|"), lines[k + 2:]):
                 cells = [c.strip() for c in row.strip().strip("|").split("|")]
                 room = cells[0].strip("`").removesuffix("/").removesuffix(".py").replace("/", ".")
-                rows.setdefault(room, set()).add(int(cells[-1]))
-    return rows
+                assert room not in table, f"{path.name}: {room} has two rows"
+                table[room] = int(cells[-1])
+    return tables
 
 
-def test_the_map_in_the_docs_says_what_the_floors_say() -> None:
-    assert map_rows() == {room: {floor} for floor, rooms in enumerate(FLOORS) for room in rooms}
+def test_every_map_in_the_docs_says_what_the_floors_say() -> None:
+    tables = map_tables()
+    assert tables, "the README or docs/ hold the map"
+    floors = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
+    assert {where: table for where, table in tables.items() if table != floors} == {}
 
 
 def test_the_import_graph_has_no_circles() -> None:
