@@ -34,7 +34,7 @@ from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import file_lock
-from servelab.engine.outputs import BatchResult, Completion, StepOutput
+from servelab.outputs import BatchResult, Completion, StepOutput
 from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
 from servelab.queue.reaper import reenqueue_lost
 from servelab.scheduler.policy import BatchPolicy

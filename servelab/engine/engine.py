@@ -31,9 +31,9 @@ from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
-from servelab.engine.memory import MemoryBreakdown
-from servelab.engine.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
-                                     TokenLogprobs, failed)
+from servelab.memory import MemoryBreakdown
+from servelab.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
+                              TokenLogprobs, failed)
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, read_logprobs, sample_next

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.jobs.ingest import CATALOG_MAX_AGE_S, THROTTLED_WAIT_S, IngestLimits, enqueue_bulk, ingest_step
 from servelab.jobs.share import BulkJob, ShareState, share_round
 from servelab.queue.streams import RequestStreams

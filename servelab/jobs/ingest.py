@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from servelab.config import describe_validation_error
 from servelab.protocol import (CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody, Rejection,
                                body_model, to_submission)
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store

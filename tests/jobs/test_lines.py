@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab.config import ServingConfig
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.jobs.ingest import TOO_LONG, parse_line, parse_line_reference
 
 REPO = Path(__file__).resolve().parents[2]

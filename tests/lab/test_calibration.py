@@ -7,7 +7,7 @@ import uuid
 
 from servelab.config import ServingConfig
 from servelab.lab.calibrate import calibrate, format_calibration
-from servelab.lab.workload import load_workload
+from servelab.analysis.workload import load_workload
 from tests.lab.test_runs import runtime, tiny_config  # noqa: F401 (a fixture)
 
 
