@@ -19,6 +19,7 @@ from servelab.request import SamplingParams
 from servelab.serving import FaultPolicy
 from servelab.store.db import session_scope
 from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
+from tests.queue.exactly_once import assert_each_ran_to_one_end, read_ledger, reference_token_ids
 
 GREEDY = SamplingParams(max_new_tokens=6)
 
@@ -36,7 +37,8 @@ def wait_all(served, ids: list[str], timeout_s: float = 60.0) -> dict[str, Reque
                   timeout_s=max(0.1, deadline - time.monotonic()))
     with session_scope(served.sessions) as session:
         rows = session.scalars(select(RequestRow).where(RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
-        return {str(r.id): r for r in rows}
+    assert {str(r.id) for r in rows} == set(ids), "a submitted request has no row"  # NOTE: no all() over nothing
+    return {str(r.id): r for r in rows}
 
 
 def batches_of(served) -> list[BatchRow]:
@@ -103,20 +105,22 @@ def test_metrics_are_ordered_and_token_counts_match_the_text(make_served, tiny_e
         assert row.num_attempts == 1
 
 
-def test_redelivered_finished_request_is_acknowledged_not_served_again(make_served) -> None:
+def test_redelivered_finished_request_is_acknowledged_not_served_again(make_served, tiny_engine) -> None:
     served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000))
     served.start()
     ids = submit(served, 1)
     wait_all(served, ids)
-    served.streams.client.delete(f"{served.streams.prefix}:done:{ids[0]}")
     served.streams.enqueue(ids[0], StreamKind.INTERACTIVE)  # a duplicate entry for a finished request
     probe = submit(served, 1)  # served after the duplicate: the duplicate has been handled by then
     wait_all(served, probe)
-    with session_scope(served.sessions) as session:
-        row = session.get(RequestRow, uuid.UUID(ids[0]))
-        assert row.num_attempts == 1
-        assert session.query(ResultRow).filter(ResultRow.request_id == uuid.UUID(ids[0])).count() == 1
-    assert served.streams.depth() == {"interactive": 0, "bulk": 0}
+    deadline = time.monotonic() + 60
+    while (ledger := read_ledger(sessions=served.sessions, streams=served.streams, ids=ids + probe)).num_pending:
+        assert time.monotonic() < deadline, "the probe was never acknowledged"  # NOTE: its ack follows its notice
+        time.sleep(0.02)
+    assert_each_ran_to_one_end(ledger, ids + probe, succeeded={*ids, *probe})  # notified once: not run again
+    assert ledger.attempts == dict.fromkeys(ids + probe, 1)
+    assert ledger.token_ids == reference_token_ids(tiny_engine, {ids[0]: "the cat sat 0", probe[0]: "the cat sat 0"},
+                                                   max_new_tokens=GREEDY.max_new_tokens)
 
 
 def test_a_bad_request_fails_alone_with_its_reason(make_served) -> None:
