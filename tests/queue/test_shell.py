@@ -12,6 +12,7 @@ from servelab.request import SamplingParams
 from servelab.scheduler.policy import BatchPolicy
 from servelab.store.db import session_scope
 from servelab.store.models import RequestRow, RequestStatus, StreamKind
+from tests.queue.conftest import step_until_one_finishes
 
 POLICY = BatchPolicy(max_batch_size=4, max_wait_ms=0, max_batch_tokens=100_000, policy="continuous")
 
@@ -44,11 +45,7 @@ def test_a_second_entry_of_a_held_request_is_acknowledged_not_served_twice(make_
     served.worker.step()  # read, claimed, prefilled, one step: it is running
     assert [r.request_id for r in served.worker.running] == [request_id]
     served.streams.enqueue(request_id, StreamKind.INTERACTIVE)  # what the reaper does when Redis lost the entry
-    finished = 0
-    for _ in range(20):
-        finished += served.worker.step()
-        if finished:
-            break
+    finished = step_until_one_finishes(served.worker, max_steps=20)
     assert finished == 1
     assert [r.request_id for r in served.worker.scheduler.waiting] == []  # the second entry never waited
     client, key = served.streams.client, stream_key(served.streams.prefix, served.streams.config_name,
