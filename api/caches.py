@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 
 MAX_KEYS = 100_000  # NOTE: a bound on memory; past it the oldest entries go first
 MIN_RELOAD_S = 1.0  # a name missing from the catalog reloads it at most this often (a flood of bad names)

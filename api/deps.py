@@ -21,7 +21,7 @@ from api.caches import CatalogCache, KeyCache
 from api.collector import Collector
 from api.errors import ApiError
 from servelab.idempotency import HEADER, KEY_PATTERN, MAX_KEY_CHARS
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.queue.streams import RequestStreams
 from servelab.queue.submit import Outcome, Posted, submit_group
 from servelab.runtime import Runtime

@@ -30,7 +30,7 @@ from api.deps import ApiState, IdempotencyKey, State, Tenant
 from api.errors import ApiError, TextCheckedRoute
 from api.streaming import openai_stream, request_event_stream
 from servelab.idempotency import HEADER, Fingerprint, KeyReused
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.request import (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, FinishReason, SamplingParams,
                               bounded)
 from servelab.protocol import (

@@ -56,7 +56,7 @@ def _prompt_sets(new_tokens: int) -> dict[str, list[list[GenerationRequest]]]:
     from servelab.lab.quality import lambada_passages
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    chat = [json.loads(line)["prompt"] for line in (REPO / "servelab/lab/prompts/chat.jsonl").read_text().splitlines()]
+    chat = [json.loads(line)["prompt"] for line in (REPO / "servelab/analysis/prompts/chat.jsonl").read_text().splitlines()]
     chat_requests = [GenerationRequest(f"chat-{i}", messages=(ChatMessage(role="user", content=p),), params=params)
                      for i, p in enumerate(chat[:32])]
     lambada = [[GenerationRequest(f"lambada-{p.index}", prompt=p.context, params=params)]

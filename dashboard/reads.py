@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.embedded import resolve_urls
-from servelab.lab.verdict import ComparisonRefused, Limits, RunSet, Verdict, compare
+from servelab.analysis.verdict import ComparisonRefused, Limits, RunSet, Verdict, compare
 from servelab.settings import Settings
 from servelab.lab import runsets
 from servelab.queue import streams

@@ -19,11 +19,11 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from servelab.config import ServingConfig
-from servelab.engine.outputs import Alternative, TokenLogprobs
+from servelab.outputs import Alternative, TokenLogprobs
 from servelab.request import (MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
                               FinishReason, bounded,
                               RequestError, SamplingParams, check_num_choices)
-from servelab.jobs.catalog import Catalog, UnknownModel
+from servelab.catalog import Catalog, UnknownModel
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

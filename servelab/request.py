@@ -176,8 +176,12 @@ class SamplingParams:
                                "min_tokens or raise max_tokens")
 
     def to_stored(self) -> dict[str, Any]:
-        """As the request row keeps it (JSON)."""
-        return {**asdict(self), "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+        """As the request row keeps it (JSON). A field at its default is left out (it reads back as that default),
+        so a worker of the release before a field existed still serves every request that does not use it: the
+        API can be upgraded before the workers of a rolling deploy."""
+        defaults = SamplingParams()
+        return {f.name: list(value) if isinstance(value, tuple) else value
+                for f in fields(self) if (value := getattr(self, f.name)) != getattr(defaults, f.name)}
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, Any]) -> SamplingParams:

@@ -34,7 +34,7 @@ from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import file_lock
-from servelab.engine.outputs import BatchResult, Completion, StepOutput
+from servelab.outputs import BatchResult, Completion, StepOutput
 from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
 from servelab.queue.reaper import reenqueue_lost
 from servelab.scheduler.policy import BatchPolicy
@@ -127,8 +127,8 @@ class ServingWorker:
                 self._admit(self.streams.read_new(
                     self.name, count=read.count, interactive_only=read.is_interactive_only,
                     block_ms=None if read.block_s is None else max(1, int(read.block_s * 1e3))))
-            with self.held.lock:
-                plan = self.scheduler.schedule(self.clock())
+            with self.held.lock:  # NOTE: a stop that came during the read admits nothing (no claim, no attempt)
+                plan = self.scheduler.schedule(self.clock(), admit=not self.stop.is_set())
             if not plan.is_empty:
                 return self._run(plan)
         return 0
@@ -145,7 +145,9 @@ class ServingWorker:
         outputs: list[StepOutput] = []
         if started:
             outputs.append(self.engine.add([r.request for r in started]))
-            finished += self._after(outputs[-1], started=started, ended=finished)
+            # NOTE: published now only when a newcomer streams: otherwise the step's round trip carries it all
+            finished += self._after(outputs[-1], started=started, ended=finished,
+                                    publish=any(self._is_streamed(r) for r in started))
         num_step_rows = self.engine.num_live
         if num_step_rows:
             outputs.append(self.engine.step())
@@ -154,13 +156,15 @@ class ServingWorker:
         self._observe_turn(started, outputs, num_step_rows)
         return len(finished)
 
-    def _after(self, out: StepOutput, *, started: list[ScheduledRequest], ended: list[Completion]) -> list[Completion]:
+    def _after(self, out: StepOutput, *, started: list[ScheduledRequest], ended: list[Completion],
+               publish: bool = True) -> list[Completion]:
         """A prefill's or a step's rows that ended, and the rows cancelled when its text was published."""
         running = {r.request_id: r for r in self.running}
         for request_id, _token_id in out.new_tokens:
             running[request_id].num_generated_tokens += 1
         done = [*out.finished]
-        done += self._publish(started, out, ended={c.request_id for c in [*ended, *done]})
+        if publish:
+            done += self._publish(started, out, ended={c.request_id for c in [*ended, *done]})
         return done
 
     def _observe_turn(self, started: list[ScheduledRequest], outputs: list[StepOutput], num_step_rows: int) -> None:
@@ -237,8 +241,8 @@ class ServingWorker:
         rejected: dict[str, list[Entry]] = {}
         for e in valid:
             row = rows.get(e.request_id)
-            if row is None or row.status.is_terminal:
-                done.append(e)
+            if row is None or row.status.is_terminal or self._holds(e.request_id):
+                done.append(e)  # NOTE: held already: an entry the reaper re-added while the first is served here
             elif row.num_attempts >= self.faults.max_attempts:
                 poison.append(e)
             else:
@@ -250,6 +254,10 @@ class ServingWorker:
         self._dead_letter(poison, f"crashed its worker {self.faults.max_attempts} times; not retried", wait_out=wait_out)
         for reason, bad in rejected.items():
             self._fail(bad, reason, wait_out=wait_out)
+
+    def _holds(self, request_id: str) -> bool:
+        with self.held.lock:
+            return any(r.request_id == request_id for r in [*self.scheduler.running, *self.scheduler.waiting])
 
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
         """The stored request, tokenised once here (its limits checked), waits in the scheduler."""

@@ -21,7 +21,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                generate_latest, start_http_server, values)
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from servelab.engine.outputs import Completion
+from servelab.outputs import Completion
 from servelab.request import FinishReason
 
 log = logging.getLogger(__name__)

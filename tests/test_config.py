@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from servelab.config import ConfigError, ServingConfig
@@ -57,8 +58,10 @@ def test_config_is_frozen_and_hash_ignores_the_name(tmp_path: Path) -> None:
     b = ServingConfig.from_dict({"name": "b", "weights": "bf16"})
     c = ServingConfig.from_dict({"name": "a", "weights": "fp32"})
     assert a.config_hash == b.config_hash != c.config_hash
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="Instance is frozen") as raised:
         a.weights = "fp32"  # type: ignore[misc]
+    assert [(e["type"], e["loc"]) for e in raised.value.errors()] == [("frozen_instance", ("weights",))]
+    assert a.weights == "bf16"
 
 
 def test_awq_weights_get_default_awq_settings() -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from servelab.config import ServingConfig
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.jobs.ingest import parse_line
 from pydantic import ValidationError
 
-from servelab.engine.outputs import Alternative, TokenLogprobs
+from servelab.outputs import Alternative, TokenLogprobs
 from servelab.protocol import (NO_EFFECT, NOT_HONOURED, Answer, ChatCompletionBody, Choice, CompletionBody, Rejection,
                                chat_completion_object, completion_object, refuse_unhonoured, to_submission)
 from servelab.request import FinishReason

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client import generate_latest
 
-from servelab.engine.outputs import Completion
+from servelab.outputs import Completion
 from servelab.request import FinishReason
 from servelab.telemetry import (QUEUE_DEPTH, REGISTRY, SPECS, RequestTimes, WorkerMeter, count_submission,
                                 observe_streamed_ttft)

@@ -83,7 +83,7 @@ class Rooflines:
 
 def rooflines(decode_cost: dict, compute_dtype: str, *, bandwidth_gbs: float, peak_flops_per_s: float,
               batch_sizes: Sequence[int], prompt_tokens: int, new_tokens: int) -> Rooflines:
-    from servelab.lab.roofline import DecodeCost, Machine, bandwidth_roofline, compute_roofline, mean_decode_context
+    from servelab.analysis.roofline import DecodeCost, Machine, bandwidth_roofline, compute_roofline, mean_decode_context
 
     cost = DecodeCost(**decode_cost)
     machine = Machine(bandwidth_gbs, peak_flops_per_s)

@@ -24,7 +24,7 @@ from bench.peers.peers import LOGS, PEERS, ROOT, Unavailable
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request
 from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
-from servelab.lab.stats import common_prefix_length
+from servelab.analysis.stats import common_prefix_length
 
 LOAD_TIMEOUT_S = 1200  # vLLM compiles its model on load: minutes on a busy 2-core machine
 CALL_TIMEOUT_S = 900

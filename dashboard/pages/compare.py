@@ -2,7 +2,7 @@
 
 The selection lives in the URL (?baseline=<run ids>&candidates=<run ids>), so a review is a link. Limits come
 from the stored comparison that holds these runs, else from defaults shown (and editable) in the sidebar,
-never written back. The judging is servelab.lab.verdict's; this page selects, reads and draws.
+never written back. The judging is servelab.analysis.verdict's; this page selects, reads and draws.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, hints, reads
-from servelab.lab.metrics import latency_values
-from servelab.lab.stats import Estimate, mean_interval
-from servelab.lab.verdict import THROUGHPUT_METRICS, GainGoal, GAIN_METRICS, LatencyLimit, Limits, RunSet, Verdict
+from servelab.analysis.metrics import latency_values
+from servelab.analysis.stats import Estimate, mean_interval
+from servelab.analysis.verdict import THROUGHPUT_METRICS, GainGoal, GAIN_METRICS, LatencyLimit, Limits, RunSet, Verdict
 from servelab.store.queries import RunListing
 
 GroupKey = tuple[str, str, str]  # (workload fingerprint, config name, config hash): the repeats of one config

@@ -49,7 +49,7 @@ def _config_and_workload(config: Path, workload: Path):
     """The serving config and the workload, or one line naming what is wrong with either (exit 2)."""
     serving = load_config(config)
 
-    from servelab.lab.workload import WorkloadError, load_workload
+    from servelab.analysis.workload import WorkloadError, load_workload
 
     try:
         return serving, load_workload(workload)
@@ -85,7 +85,9 @@ def compare(
 
     Exit status: 0 every candidate accepted, 1 one rejected, 3 none rejected but one inconclusive, 2 an error.
     """
-    from servelab.lab.compare import PlanError, decision_of, format_verdicts, load_plan, run_plan
+    from servelab.analysis.plan import PlanError, load_plan
+    from servelab.analysis.report import decision_of, format_verdicts
+    from servelab.lab.compare import run_plan
     from servelab.lab.runner import RunError
 
     try:

@@ -31,9 +31,9 @@ from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
-from servelab.engine.memory import MemoryBreakdown
-from servelab.engine.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
-                                     TokenLogprobs, failed)
+from servelab.memory import MemoryBreakdown
+from servelab.outputs import (Alternative, BatchResult, BatchTimings, Completion, FinishReason, StepOutput,
+                              TokenLogprobs, failed)
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.sampling import make_generator, read_logprobs, sample_next
@@ -186,6 +186,11 @@ class Engine:
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
         request.params.check(self.config.decoding)
         check_prompt_length(len(ids), request.params, self.config.decoding)
+        vocab_size = self.loaded.shape.vocab_size
+        if past := [t for t in request.params.stop_token_ids if t >= vocab_size]:
+            # NOTE: checked here, where the vocabulary is known: an id past it would index past the logits
+            raise RequestError(f"stop_token_ids holds {past}, past this model's vocabulary ({vocab_size} tokens: "
+                               f"ids 0 to {vocab_size - 1})")
         return ids
 
     def _admit(self, requests: Sequence[GenerationRequest]) -> tuple[list[_Row], list[Completion]]:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.engine.model_files import ModelLoadError
 
 

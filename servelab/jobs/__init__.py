@@ -1,4 +1,4 @@
-"""The control plane's logic: OpenAI request bodies, batch-file ingest, and a bulk job's lifecycle.
+"""The control plane's logic: batch-file ingest, a bulk job's lifecycle, the reaper and retention.
 
 Plain functions over sessions and streams, testable without Celery or HTTP; worker/jobs.py and api/ wire them.
 """

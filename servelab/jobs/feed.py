@@ -23,7 +23,7 @@ from pathlib import Path
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.jobs.ingest import (CATALOG_MAX_AGE_S, MAX_STEP_TRIES, STEP_RETRY_WAIT_S, THROTTLED_WAIT_S, IngestLimits,
                                   enqueue_bulk, fail_ingest, ingest_step)
 from servelab.jobs.share import BulkJob, ShareState, share_round

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from servelab.config import describe_validation_error
 from servelab.protocol import (CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody, Rejection,
                                body_model, to_submission)
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
@@ -90,17 +90,29 @@ class IngestStep:
 def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
                max_line_bytes: int) -> store.NewRequest | store.LineError:
     """One line -> a request to create, or the reason it is refused (exactly parse_line_reference's answer)."""
-    if raw is not TOO_LONG:
-        try:
-            line = TYPED_LINES[endpoint].model_validate_json(raw)
-            if line.url == endpoint and not line.body.stream and line.body.num_choices == 1:
-                submission = to_submission(line.body, catalog=catalog, max_prompt_chars=max_prompt_chars)
-                return store.NewRequest(line.custom_id, submission.serving_config_name, submission.prompt,
-                                        submission.messages, submission.sampling)
-        except (ValidationError, Rejection):
-            pass  # NOTE: refused lines are rare: the reference says why, in the words it always has
+    accepted = parse_line_fast(raw, endpoint=endpoint, catalog=catalog, max_prompt_chars=max_prompt_chars)
+    if accepted is not None:
+        return accepted
+    # NOTE: refused lines are rare: the reference says why, in the words it always has
     return parse_line_reference(raw, line_no=line_no, endpoint=endpoint, catalog=catalog,
                                 max_prompt_chars=max_prompt_chars, max_line_bytes=max_line_bytes)
+
+
+def parse_line_fast(raw: bytes | None, *, endpoint: str, catalog: Catalog,
+                    max_prompt_chars: int) -> store.NewRequest | None:
+    """A good line -> its request, from one pydantic pass over its bytes; None: not taken here (a refused line,
+    or one of the few good ones this pass cannot read), so parse_line_reference answers it."""
+    if raw is TOO_LONG:
+        return None
+    try:
+        line = TYPED_LINES[endpoint].model_validate_json(raw)
+        if line.url == endpoint and not line.body.stream and line.body.num_choices == 1:
+            submission = to_submission(line.body, catalog=catalog, max_prompt_chars=max_prompt_chars)
+            return store.NewRequest(line.custom_id, submission.serving_config_name, submission.prompt,
+                                    submission.messages, submission.sampling)
+    except (ValidationError, Rejection):
+        pass
+    return None
 
 
 def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,

@@ -18,8 +18,8 @@ import torch
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
-from servelab.lab.roofline import weights_roofline
-from servelab.lab.stats import interleaved_medians
+from servelab.analysis.roofline import weights_roofline
+from servelab.analysis.stats import interleaved_medians
 from servelab.lab.bursts import FILLER, send_burst
 from servelab.lab.scaling import private_workers
 from servelab.queue.streams import RequestStreams

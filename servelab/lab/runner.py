@@ -25,8 +25,8 @@ from sqlalchemy import select
 from servelab.config import ServingConfig
 from servelab.hardware import software_versions
 from servelab.lab import runsets
-from servelab.lab.metrics import RunSummary, summarise_run
-from servelab.lab.workload import Workload, WorkloadItem
+from servelab.analysis.metrics import RunSummary, summarise_run
+from servelab.analysis.workload import Workload, WorkloadItem
 from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.submit import submit_request
 from servelab.runtime import Runtime

@@ -3,7 +3,7 @@ limits a comparison was stored with (or the defaults a page starts from), and th
 becomes a RequestSample.
 
 Read-only SQL over the store's tables, torch-free (the dashboard uses it too). Does not know how runs are
-made (runner.py) nor how a verdict is reached (verdict.py).
+made (runner.py) nor how a verdict is reached (servelab/analysis/verdict.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from servelab.lab.metrics import BatchSample, RequestSample
-from servelab.lab.verdict import GainGoal, LatencyLimit, Limits, QualityOutcome, RunSet
+from servelab.analysis.metrics import BatchSample, RequestSample
+from servelab.analysis.verdict import GainGoal, LatencyLimit, Limits, QualityOutcome, RunSet
 from servelab.request import RequestStatus
 from servelab.store import queries
 from servelab.store.models import BatchRow, ComparisonRow, RequestMetricsRow, RequestRow, ResultRow, RunRequestRow, RunRow

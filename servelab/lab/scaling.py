@@ -20,7 +20,7 @@ import yaml
 from servelab.config import ServingConfig
 from servelab.lab.bursts import BurstOutcome, filler_prompt, send_burst
 from servelab.lab.runner import WorkerProcess, start_together
-from servelab.lab.stats import percentile
+from servelab.analysis.stats import percentile
 from servelab.queue.streams import RequestStreams
 from servelab.request import SamplingParams
 from servelab.runtime import Runtime

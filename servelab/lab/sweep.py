@@ -2,7 +2,7 @@
 
 Knows how to measure the machine (memory bandwidth, matmul peak in a config's compute dtype), a model's
 decode cost (bytes from storage, FLOPs from logical weight shapes), and how to time every (config, batch)
-pair in interleaved rounds on a shared, noisy machine (medians). The arithmetic is servelab/lab/roofline.py.
+pair in interleaved rounds on a shared, noisy machine (medians). The arithmetic is servelab/analysis/roofline.py.
 Does not store sweeps or know queues: it calls the engine directly.
 """
 
@@ -18,8 +18,8 @@ from servelab.engine.engine import Engine
 from servelab.engine.loader import DTYPES
 from servelab.lab.bench import bench_requests
 from servelab.hardware import measure_bandwidth_gbs
-from servelab.lab.stats import interleaved_medians
-from servelab.lab.roofline import (
+from servelab.analysis.stats import interleaved_medians
+from servelab.analysis.roofline import (
     DecodeCost,
     Machine,
     SweepPoint,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from servelab.config import BatchingConfig
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.scheduler.state import ScheduledRequest
 
 AdmissionPolicy = Literal["window", "continuous"]

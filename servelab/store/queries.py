@@ -286,7 +286,7 @@ def list_sweeps(session: Session, *, limit: int = 50) -> list[SweepListing]:
 
 
 def sweep_points(report: dict[str, Any]) -> list[StoredSweepPoint]:
-    """The report's points (servelab/lab/roofline.py's SweepReport.as_dict()); a figure a point lacks is None."""
+    """The report's points (servelab/analysis/roofline.py's SweepReport.as_dict()); a figure a point lacks is None."""
     points = [StoredSweepPoint(
         config=str(p.get("config") or "?"), weights=str(p.get("weights") or "?"), batch_size=int(p["batch_size"]),
         decode_tokens_per_s=_number(p.get("decode_tokens_per_s")), tpot_ms=_number(p.get("tpot_ms")),

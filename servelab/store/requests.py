@@ -19,7 +19,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from servelab.config import ServingConfig
-from servelab.engine.outputs import BatchResult, Completion
+from servelab.outputs import BatchResult, Completion
 from servelab.request import FinishReason, SamplingParams
 from servelab.store.models import (
     BatchRow,

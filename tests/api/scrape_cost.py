@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.app import create_app
-from servelab.engine.outputs import Completion
+from servelab.outputs import Completion
 from servelab.jobs.retention import RetentionPolicy, prune
 from servelab.request import FinishReason
 from servelab.runtime import connect

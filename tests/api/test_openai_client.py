@@ -17,11 +17,19 @@ def client(served_api, jobs_worker) -> openai.OpenAI:
     return openai.OpenAI(base_url=served_api, api_key=jobs_worker.key("acme"), max_retries=0, timeout=60)
 
 
-def test_completions_create_answers_with_text_and_usage(client, jobs_worker) -> None:
+def test_completions_create_answers_with_text_and_usage(client, jobs_worker, settings) -> None:
+    from servelab.engine.engine import Engine
+    from servelab.request import GenerationRequest, SamplingParams
+
     answer = client.completions.create(model=jobs_worker.model, prompt="The cat", max_tokens=5, temperature=0)
     assert answer.object == "text_completion" and answer.model == jobs_worker.model
-    assert answer.choices[0].finish_reason in ("stop", "length") and isinstance(answer.choices[0].text, str)
-    assert answer.usage.completion_tokens >= 1 and answer.usage.prompt_tokens >= 1
+    # the text is the reference: the served model decoding the prompt greedily alone, outside the api and queue
+    reference_engine = Engine.from_config(jobs_worker.served.worker.engine.config, settings)  # NOTE: not the worker's
+    reference = reference_engine.generate([GenerationRequest("ref", prompt="The cat", params=SamplingParams(
+        max_new_tokens=5))]).completions[0]
+    assert answer.choices[0].text == reference.text and answer.choices[0].finish_reason == reference.finish_reason.value
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (reference.num_prompt_tokens,
+                                                                            reference.num_generated_tokens)
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 

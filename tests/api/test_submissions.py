@@ -47,20 +47,43 @@ def statements(engine, table: str) -> Iterator[list[str]]:
         event.remove(engine, "before_cursor_execute", record)
 
 
+class FakeClock:
+    """The caches' clock, moved by the test: staleness bounds checked at their edges, never by sleeping."""
+
+    def __init__(self) -> None:
+        self.now_s = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def app_on_fake_clock(stack):
+    app = create_app(stack.runtime, stack.settings)
+    clock = FakeClock()
+    app.state.servelab.tenants.clock = app.state.servelab.catalogs.clock = clock
+    return app, clock
+
+
 def test_a_keys_tenant_is_looked_up_once_per_period_and_a_revoked_key_is_refused_after_it(make_stack) -> None:
     from fastapi.testclient import TestClient
 
     stack = make_stack(with_worker=False, key_cache_s=1.0)
     key = stack.key("acme")
-    api = TestClient(create_app(stack.runtime, stack.settings), headers={"Authorization": f"Bearer {key}"})
+    app, clock = app_on_fake_clock(stack)
+    api = TestClient(app, headers={"Authorization": f"Bearer {key}"})
     with statements(stack.runtime.db, "api_keys") as lookups:
         assert all(api.get("/v1/batches").status_code == 200 for _ in range(5))
     assert len(lookups) == 1, "one look-up, then the cache"
     with session_scope(stack.runtime.sessions) as session:
         assert keys.revoke_key(session, key=key, now=datetime.now(UTC))
-    revoked_at = time.monotonic()
-    time.sleep(max(0.0, 1.0 - (time.monotonic() - revoked_at)) + 0.05)
-    assert api.get("/v1/batches").status_code == 401, "refused once key_cache_s has passed since the revocation"
+    clock.now_s += 0.999  # within key_cache_s of the look-up: the cache answers, as its bound allows
+    with statements(stack.runtime.db, "api_keys") as lookups:
+        assert api.get("/v1/batches").status_code == 200
+    assert lookups == []
+    clock.now_s += 0.001  # key_cache_s after the look-up: asked again, and refused
+    with statements(stack.runtime.db, "api_keys") as lookups:
+        assert api.get("/v1/batches").status_code == 401, "refused once key_cache_s has passed since the look-up"
+    assert len(lookups) == 1
     with statements(stack.runtime.db, "api_keys") as lookups:
         assert api.get("/v1/batches").status_code == 401
     assert len(lookups) == 1, "a refused key is never remembered: it is looked up again"
@@ -70,8 +93,8 @@ def test_the_catalog_is_cached_and_a_config_registered_later_is_accepted_within_
     from fastapi.testclient import TestClient
 
     stack = make_stack(with_worker=False, catalog_cache_s=3_600.0)
-    api = TestClient(create_app(stack.runtime, stack.settings),
-                     headers={"Authorization": f"Bearer {stack.key('acme')}"})
+    app, clock = app_on_fake_clock(stack)
+    api = TestClient(app, headers={"Authorization": f"Bearer {stack.key('acme')}"})
     with statements(stack.runtime.db, "workers") as loads:
         assert all(api.post("/v1/requests", json=BODY).status_code == 202 for _ in range(4))
     assert len(loads) == 1, "one catalog load for four submissions"
@@ -81,7 +104,11 @@ def test_the_catalog_is_cached_and_a_config_registered_later_is_accepted_within_
         request_store.save_serving_config(session, config=late)
         request_store.register_worker(session, name=f"w-{uuid.uuid4().hex[:6]}", serving_config_name=late.name,
                                       config_hash=late.config_hash, hardware={}, software={})
-    time.sleep(MIN_RELOAD_S)  # NOTE: a missing name reloads the catalog at most once per MIN_RELOAD_S
+    clock.now_s += MIN_RELOAD_S - 0.001  # NOTE: a missing name reloads the catalog at most once per MIN_RELOAD_S
+    with statements(stack.runtime.db, "workers") as loads:
+        assert api.post("/v1/requests", json={**BODY, "config": late.name}).status_code == 404
+    assert loads == [], "a missing name reloaded the catalog sooner than MIN_RELOAD_S after its load"
+    clock.now_s += 0.001
     with statements(stack.runtime.db, "workers") as loads:
         posted = api.post("/v1/requests", json={**BODY, "config": late.name})
     assert posted.status_code == 202, posted.text

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import openai
 import pytest
 
-from servelab.jobs.catalog import load_catalog
+from servelab.catalog import load_catalog
 from servelab.jobs.ingest import parse_line
 from servelab.request import SamplingParams
 from servelab.store.db import session_scope

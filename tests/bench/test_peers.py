@@ -16,7 +16,7 @@ from bench.peers.options import OptionError, parse_options
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request, answer
 from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
-from servelab.lab.stats import common_prefix_length
+from servelab.analysis.stats import common_prefix_length
 
 PYTHON = Path(sys.executable)
 REPO = Path(__file__).resolve().parents[2]

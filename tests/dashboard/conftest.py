@@ -19,9 +19,10 @@ import redis
 from sqlalchemy import create_engine, delete, text
 from sqlalchemy.engine import URL, make_url
 
-from servelab.lab.compare import load_plan, run_plan
+from servelab.analysis.plan import load_plan
+from servelab.lab.compare import run_plan
 from servelab.lab.runner import run_workload, start_worker
-from servelab.lab.workload import load_workload
+from servelab.analysis.workload import load_workload
 from servelab.config import ServingConfig
 from servelab.request import SamplingParams
 from servelab.runtime import connect

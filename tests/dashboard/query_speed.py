@@ -17,7 +17,7 @@ import redis
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from servelab.lab.verdict import compare
+from servelab.analysis.verdict import compare
 from servelab.lab import runsets
 from servelab.queue.streams import stream_depths
 from servelab.store import queries

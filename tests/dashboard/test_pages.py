@@ -116,7 +116,7 @@ def test_runs_page_filters_live_in_the_url(open_app, seeded) -> None:
 
 
 def test_sweep_page_draws_a_stored_sweep_with_rooflines_and_crossovers(open_app, fresh_database_url) -> None:
-    """A report of the shape servelab/lab/roofline.py's SweepReport.as_dict() writes, hand-made for speed."""
+    """A report of the shape servelab/analysis/roofline.py's SweepReport.as_dict() writes, hand-made for speed."""
     from servelab.store.db import make_engine, session_factory, session_scope
     from servelab.store.migrate import upgrade
     from servelab.store.runs import save_sweep

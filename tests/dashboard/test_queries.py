@@ -10,7 +10,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.lab import runsets
 from servelab.queue.streams import stream_depths
 from servelab.store import queries
@@ -120,7 +120,7 @@ def test_jobs_queues_workers_and_failures(db, seeded) -> None:
 
 
 def test_a_real_sweep_report_is_read_back_point_for_point() -> None:
-    from servelab.lab.roofline import DecodeCost, Machine, SweepReport, sweep_point
+    from servelab.analysis.roofline import DecodeCost, Machine, SweepReport, sweep_point
     from servelab.store.queries import sweep_crossovers, sweep_points
 
     cost = DecodeCost(weight_bytes=1000, num_matmul_params=500, num_layers=2, attention_width=64, kv_bytes_per_token=8)

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from servelab.engine.detokenize import Detokenizer, TokenBytes
 from servelab.engine.engine import Engine
-from servelab.engine.outputs import FinishReason
+from servelab.outputs import FinishReason
 from servelab.request import GenerationRequest, SamplingParams
 
 MULTIBYTE = "naïve café, 東京は晴れ, Grüße 🙂🚀, ελληνικά"

@@ -9,7 +9,7 @@ import torch
 
 from servelab.engine.engine import Engine
 from servelab.engine.measure import tensor_storage_bytes, weight_bytes
-from servelab.engine.outputs import FinishReason
+from servelab.outputs import FinishReason
 from servelab.request import ChatMessage, GenerationRequest, SamplingParams
 from tests.engine.naive import naive_greedy
 

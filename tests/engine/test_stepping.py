@@ -7,7 +7,7 @@ import random
 import pytest
 
 from servelab.engine.engine import Engine
-from servelab.engine.outputs import Completion, FinishReason
+from servelab.outputs import Completion, FinishReason
 from servelab.request import GenerationRequest, SamplingParams
 from tests.engine.naive import naive_greedy
 

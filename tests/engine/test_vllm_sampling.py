@@ -11,7 +11,7 @@ import torch
 
 from servelab.engine.engine import Engine
 from servelab.engine.sampling import penalised, sample_next
-from servelab.request import GenerationRequest, SamplingParams
+from servelab.request import FinishReason, GenerationRequest, RequestError, SamplingParams
 from tests.engine.naive import naive_greedy
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "river", "blue", "seven", "quickly", "house"]
@@ -134,3 +134,16 @@ def test_stored_sampling_without_the_new_fields_loads_with_their_defaults() -> N
     asked = SamplingParams(min_tokens=2, stop_token_ids=(5, 7), repetition_penalty=1.2, min_p=0.1,
                            include_stop_str_in_output=True, skip_special_tokens=False, ignore_eos=True)
     assert SamplingParams.from_stored(asked.to_stored()) == asked
+
+
+def test_a_stop_token_id_past_the_vocabulary_fails_its_request_alone(tiny_engine: Engine) -> None:
+    """An id past the logits would crash the step (and every row in it): refused at admission, by name."""
+    vocab_size = tiny_engine.loaded.shape.vocab_size
+    bad = GenerationRequest("bad", prompt="the cat", params=SamplingParams(
+        max_new_tokens=4, min_tokens=2, stop_token_ids=(5, vocab_size)))
+    with pytest.raises(RequestError, match=rf"stop_token_ids holds \[{vocab_size}\], past this model's vocabulary"):
+        tiny_engine.tokenize(bad)
+    good = _request("good", "the cat sat", 4)
+    result = tiny_engine.generate([bad, good]).completions
+    assert result[0].finish_reason is FinishReason.ERROR and "stop_token_ids" in result[0].error
+    assert result[1].finish_reason is not FinishReason.ERROR and len(result[1].token_ids) >= 1

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from servelab.cli import app
 from servelab.hardware import describe_hardware
 from servelab.jobs.feed import bulk_bounds, free_room, interleaved, read_round
-from servelab.jobs.catalog import Catalog
+from servelab.catalog import Catalog
 from servelab.jobs.lifecycle import NotCancellable, cancel_job
 from servelab.jobs.share import BulkJob, quanta
 from servelab.scheduler.policy import BatchPolicy

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from servelab.jobs import ingest
-from servelab.jobs.catalog import Catalog, load_catalog
+from servelab.catalog import Catalog, load_catalog
 from servelab.jobs.ingest import IngestLimits, ingest_step
 from servelab.jobs.lifecycle import advance_job, cancel_job
 from servelab.lab.ingest_bench import answer_every_request

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.config import ServingConfig
-from servelab.lab.compare import format_verdicts
+from servelab.analysis.report import format_verdicts
 from servelab.lab.runner import run_workload, start_worker
-from servelab.lab.stats import Estimate
-from servelab.lab.verdict import Criterion, Verdict
-from servelab.lab.workload import load_workload
+from servelab.analysis.stats import Estimate
+from servelab.analysis.verdict import Criterion, Verdict
+from servelab.analysis.workload import load_workload
 from servelab.runtime import connect
 from servelab.store.db import session_scope
 from servelab.store.models import ComparisonRow, RequestRow, ResultRow, RunRequestRow, RunRow, StreamKind

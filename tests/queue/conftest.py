@@ -33,6 +33,16 @@ class Served:
         self.thread.start()
 
 
+def step_until_one_finishes(worker: ServingWorker, *, max_steps: int) -> int:
+    """Turn a worker step by step until a request ends (or max_steps pass); -> how many ended."""
+    finished = 0
+    for _ in range(max_steps):
+        finished += worker.step()
+        if finished:
+            break
+    return finished
+
+
 @pytest.fixture
 def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
     started: list[Served] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from servelab.queue.tokens import Diverged, Ended, Relay, Restarted, Shown, StepEvents, publish_step, tokens_key
+from tests.queue.conftest import step_until_one_finishes
 
 
 def _events(*texts: str, attempt: int = 1) -> list[dict]:
@@ -77,11 +78,7 @@ def test_text_a_redis_error_kept_from_its_step_goes_out_first_at_the_next(make_s
         return real(client, **kwargs)
 
     monkeypatch.setattr(serving, "publish_step", flaky)
-    finished = 0
-    for _ in range(40):
-        finished += served.worker.step()
-        if finished:
-            break
+    finished = step_until_one_finishes(served.worker, max_steps=40)
     assert finished == 1 and len(calls[3].texts) > len(calls[1].texts) >= 1  # the kept text rode with step 4
     events = [decode_event(f) for _, f in served.streams.client.xrange(tokens_key(served.streams.prefix, request_id))]
     with session_scope(served.sessions) as session:
@@ -117,11 +114,7 @@ def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_
 
     monkeypatch.setattr(engine, "add", add)
     monkeypatch.setattr(engine, "step", step)
-    finished = 0
-    for _ in range(20):
-        finished += served.worker.step()
-        if finished:
-            break
+    finished = step_until_one_finishes(served.worker, max_steps=20)
     assert finished == 1 and prefilled, "the prefill released no text: pick another prompt"
     first_step = seen_by_step[0]
     assert [e["kind"] for e in first_step] == ["start", "text"]

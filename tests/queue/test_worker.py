@@ -13,12 +13,13 @@ from sqlalchemy.exc import OperationalError
 import servelab.serving as serving
 
 from servelab.scheduler.policy import BatchPolicy
-from servelab.queue.streams import wait_done
+from servelab.queue.streams import GROUP, wait_done
 from servelab.queue.submit import submit_request
 from servelab.request import SamplingParams
 from servelab.serving import FaultPolicy
 from servelab.store.db import session_scope
 from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
+from tests.queue.exactly_once import assert_each_ran_to_one_end, read_ledger, reference_token_ids
 
 GREEDY = SamplingParams(max_new_tokens=6)
 
@@ -36,7 +37,8 @@ def wait_all(served, ids: list[str], timeout_s: float = 60.0) -> dict[str, Reque
                   timeout_s=max(0.1, deadline - time.monotonic()))
     with session_scope(served.sessions) as session:
         rows = session.scalars(select(RequestRow).where(RequestRow.id.in_([uuid.UUID(i) for i in ids]))).all()
-        return {str(r.id): r for r in rows}
+    assert {str(r.id) for r in rows} == set(ids), "a submitted request has no row"  # NOTE: no all() over nothing
+    return {str(r.id): r for r in rows}
 
 
 def batches_of(served) -> list[BatchRow]:
@@ -103,20 +105,22 @@ def test_metrics_are_ordered_and_token_counts_match_the_text(make_served, tiny_e
         assert row.num_attempts == 1
 
 
-def test_redelivered_finished_request_is_acknowledged_not_served_again(make_served) -> None:
+def test_redelivered_finished_request_is_acknowledged_not_served_again(make_served, tiny_engine) -> None:
     served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000))
     served.start()
     ids = submit(served, 1)
     wait_all(served, ids)
-    served.streams.client.delete(f"{served.streams.prefix}:done:{ids[0]}")
     served.streams.enqueue(ids[0], StreamKind.INTERACTIVE)  # a duplicate entry for a finished request
     probe = submit(served, 1)  # served after the duplicate: the duplicate has been handled by then
     wait_all(served, probe)
-    with session_scope(served.sessions) as session:
-        row = session.get(RequestRow, uuid.UUID(ids[0]))
-        assert row.num_attempts == 1
-        assert session.query(ResultRow).filter(ResultRow.request_id == uuid.UUID(ids[0])).count() == 1
-    assert served.streams.depth() == {"interactive": 0, "bulk": 0}
+    deadline = time.monotonic() + 60
+    while (ledger := read_ledger(sessions=served.sessions, streams=served.streams, ids=ids + probe)).num_pending:
+        assert time.monotonic() < deadline, "the probe was never acknowledged"  # NOTE: its ack follows its notice
+        time.sleep(0.02)
+    assert_each_ran_to_one_end(ledger, ids + probe, succeeded={*ids, *probe})  # notified once: not run again
+    assert ledger.attempts == dict.fromkeys(ids + probe, 1)
+    assert ledger.token_ids == reference_token_ids(tiny_engine, {ids[0]: "the cat sat 0", probe[0]: "the cat sat 0"},
+                                                   max_new_tokens=GREEDY.max_new_tokens)
 
 
 def test_a_bad_request_fails_alone_with_its_reason(make_served) -> None:
@@ -261,31 +265,67 @@ def test_entries_with_the_same_id_in_both_streams_are_both_served(make_served) -
 
 # --- the claim keeper survives what the main loop survives ---
 
-def test_the_claim_keeper_outlives_database_errors_and_keeps_renewing(make_served, monkeypatch) -> None:
+class KeeperTicks(threading.Event):
+    """The keeper's wait between ticks, driven by the test: each wait moves a fake clock on by the time asked
+    and returns at once; after `num_ticks` waits it is set, and the keeper ends. No wall clock anywhere."""
+
+    def __init__(self, num_ticks: int, start_s: float = 1_000.0) -> None:
+        super().__init__()
+        self.now_s, self.left = start_s, num_ticks
+        self.waits_s: list[float] = []
+
+    def clock(self) -> float:
+        return self.now_s
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.left == 0:
+            self.set()
+        if self.is_set():
+            return True
+        assert timeout is not None, "the keeper waits a bounded time between ticks"
+        self.waits_s.append(timeout)
+        self.now_s += timeout
+        self.left -= 1
+        return False
+
+
+def test_the_claim_keeper_outlives_database_errors_and_renews_beats_and_reaps_on_its_clock(make_served,
+                                                                                            monkeypatch) -> None:
     served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=20, max_batch_tokens=100_000),
-                         FaultPolicy(renew_every_s=0.05, heartbeat_every_s=0.05, reap_every_s=0.05))
-    beats, renewals = [], []
-    real_beat, real_renew = serving.store.heartbeat, served.streams.renew
+                         FaultPolicy(renew_every_s=1.0, heartbeat_every_s=2.0, reap_every_s=3.0, claim_idle_ms=60_000))
+    served.streams.ensure_groups()
+    ids = submit(served, 2)
+    served.worker._admit(served.streams.read_new(served.worker.name, count=4, block_ms=None))  # held, not served
+    held = sorted(e.key for e in served.worker.held.entries.values())
+    assert len(held) == 2
+    ticks = KeeperTicks(num_ticks=12)
+    served.worker.stop, served.worker.clock = ticks, ticks.clock
+    beats, renewed, reaps, claims = [], [], [], []
+    real_beat, real_renew, real_claim = serving.store.heartbeat, served.streams.renew, served.streams.claim_idle
 
     def failing_beat(session, *, name):  # PostgreSQL restarting: the first three beats fail
-        beats.append(name)
+        beats.append(ticks.now_s)
         if len(beats) <= 3:
             raise OperationalError("UPDATE workers", {}, Exception("server closed the connection"))
         return real_beat(session, name=name)
 
+    def counted_renew(consumer, entries):
+        renewed.append(sorted(e.key for e in entries))
+        return real_renew(consumer, entries)
+
     monkeypatch.setattr(serving.store, "heartbeat", failing_beat)
-    monkeypatch.setattr(served.streams, "renew", lambda *a, **k: renewals.append(1) or real_renew(*a, **k))
-    keeper = threading.Thread(target=served.worker._keep_claims, daemon=True)
-    keeper.start()
-    deadline = time.monotonic() + 10
-    while len(beats) < 6 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert keeper.is_alive() and len(beats) >= 6  # it went on after the errors, beating again
-    renewed_after = len(renewals)
-    time.sleep(0.3)
-    assert len(renewals) > renewed_after  # and renewing claims
-    served.worker.stop.set()
-    keeper.join(timeout=5)
+    monkeypatch.setattr(served.streams, "renew", counted_renew)
+    monkeypatch.setattr(served.streams, "claim_idle", lambda *a, **k: claims.append(1) or real_claim(*a, **k))
+    monkeypatch.setattr(served.worker, "reap_lost", lambda: reaps.append(ticks.now_s) or 0)
+    served.worker._keep_claims()  # returns when the ticks run out: no error ended it
+    assert ticks.waits_s == [1.0] * 12  # one tick per renew_every_s
+    assert renewed == [held] * 12 and len(claims) == 12  # every tick renews everything held, errors or not
+    assert beats == [1_001.0 + 2 * k for k in range(6)]  # every heartbeat_every_s, on through the three errors
+    assert reaps == [1_001.0, 1_004.0, 1_007.0, 1_010.0]  # every reap_every_s
+    # JUSTID: renewing never counts as a delivery (no take-over, no attempt)
+    pending = [p for key in served.streams.keys
+               for p in served.streams.client.xpending_range(key, GROUP, min="-", max="+", count=10)]
+    assert sorted((p["consumer"].decode(), p["times_delivered"]) for p in pending) == [(served.worker.name, 1)] * 2
 
 
 def test_a_worker_whose_claim_keeper_died_stops_loudly(make_served, monkeypatch) -> None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from servelab.config import BatchingConfig
-from servelab.engine.memory import ModelShape
+from servelab.memory import ModelShape
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.scheduler.policy import BatchPolicy
 from servelab.scheduler.state import ScheduledRequest

@@ -10,8 +10,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from servelab.engine.memory import MemoryBreakdown
-from servelab.engine.outputs import BatchTimings, FinishReason
+from servelab.memory import MemoryBreakdown
+from servelab.outputs import BatchTimings, FinishReason
 from servelab.store.models import (
     BatchRow,
     RequestMetricsRow,

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from servelab.lab.metrics import LATENCY_METRICS, RequestSample, latency_values
-from servelab.lab.stats import (
+from servelab.analysis.metrics import LATENCY_METRICS, RequestSample, latency_values
+from servelab.analysis.stats import (
     Estimate,
     RunRatio,
     geometric_mean_interval,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from servelab.lab.roofline import (
+from servelab.analysis.roofline import (
     DecodeCost,
     Machine,
     SweepPoint,

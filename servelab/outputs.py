@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from servelab.engine.memory import MemoryBreakdown
+from servelab.memory import MemoryBreakdown
 from servelab.request import FinishReason
 
 

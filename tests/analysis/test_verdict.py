@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-from servelab.lab.metrics import RequestSample
-from servelab.lab.stats import Estimate, RunRatio
-from servelab.lab.verdict import (
+from servelab.analysis.metrics import RequestSample
+from servelab.analysis.stats import Estimate, RunRatio
+from servelab.analysis.verdict import (
     ComparisonRefused,
     Criterion,
     GainGoal,
@@ -310,7 +310,7 @@ def test_a_latency_limit_needs_exactly_one_bound(bad) -> None:
 
 
 def test_the_run_to_run_spread_of_each_side_is_reported() -> None:
-    from servelab.lab.verdict import run_spread
+    from servelab.analysis.verdict import run_spread
 
     spread = run_spread(BASE)
     assert spread.startswith("4 runs; run-to-run spread") and "output tokens/s 1.3 %" in spread
@@ -318,7 +318,7 @@ def test_the_run_to_run_spread_of_each_side_is_reported() -> None:
 
 
 def test_interleaved_rounds_measure_every_cell_once_per_round_and_keep_medians() -> None:
-    from servelab.lab.stats import interleaved_medians
+    from servelab.analysis.stats import interleaved_medians
 
     order, figures = [], {"a": iter([(1.0, 10.0), (3.0, 30.0), (2.0, 20.0)]), "b": iter([(5.0,), (4.0,), (6.0,)])}
     messages = []

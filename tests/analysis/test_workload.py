@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from servelab.lab.workload import WorkloadError, load_workload
+from servelab.analysis.workload import WorkloadError, load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from servelab.lab.stats import (
+from servelab.analysis.stats import (
     geometric_mean_interval,
     mcnemar_exact_p,
     paired_perplexity_ratio,

@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from servelab.lab.stats import bootstrap, percentile, percentile_of
-from servelab.lab.workload import SLOSpec
+from servelab.analysis.stats import bootstrap, percentile, percentile_of
+from servelab.analysis.workload import SLOSpec
 
 PERCENTILES = (50, 95, 99)
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms")

@@ -1,0 +1,61 @@
+"""The printed report of a comparison: each candidate's verdict, criteria and figures as a table, and the plan's
+one answer over every candidate.
+
+Pure formatting of the Verdicts servelab/analysis/verdict.py reaches; prints nothing itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+from servelab.analysis.verdict import Verdict
+
+
+def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
+    lines = []
+    for v in verdicts:
+        lines.append(f"== {v.candidate} vs {v.baseline}: {v.decision.upper()} ==")
+        lines.append(f"   {v.reason}")
+        for hint in v.to_settle:
+            lines.append(f"   to settle: {hint}")
+        for w in v.warnings:
+            lines.append(f"   warning: {w}")
+        for check in v.repeat_checks:
+            lines.append(f"   runs: {check}")
+        lines.append(f"   {'criterion':<34} {'measured':>10} {'95% interval':>22} {'limit':>10}  result")
+        for c in v.criteria:
+            interval = f"[{c.measured.low:.3g}, {c.measured.high:.3g}]" if c.measured.has_interval else "-"
+            lines.append(f"   {c.kind + ': ' + c.name:<34} {c.measured.value + 0.0:>10.3g} {interval:>22} {c.limit:>10}  "
+                         f"{OUTCOME_LABELS[c.outcome]:<6} {c.note}")
+        lines.append(f"   {'figure':<40} {'baseline':>12} {'candidate':>12} {'ratio':>8} {'95% interval':>20}")
+        for f in v.figures:
+            ratio, interval = _ratio(f), "-"
+            if ratio != "-" and f.ratio.has_interval:
+                interval = f"[{f.ratio.low:+.3f}, {f.ratio.high:+.3f}]" if _is_difference(f) else \
+                    f"[{f.ratio.low:.3f}, {f.ratio.high:.3f}]"
+            lines.append(f"   {f.name:<40} {_num(f.baseline):>12} {_num(f.candidate):>12} {ratio:>8} {interval:>20}")
+    return "\n".join(lines)
+
+
+OUTCOME_LABELS = {"pass": "pass", "fail": "FAIL", "unsure": "unsure"}
+
+
+def decision_of(verdicts) -> str:
+    """The plan's answer over every candidate: reject if any is rejected, else inconclusive if any is, else accept."""
+    decisions = {v.decision for v in verdicts}
+    return next(d for d in ("reject", "inconclusive", "accept") if d in decisions or d == "accept")
+
+
+def _is_difference(figure) -> bool:
+    return "difference" in figure.name
+
+
+def _ratio(figure) -> str:
+    """x1.234 for a ratio, +0.012 for a difference, - where there is none (e.g. a side measured 0)."""
+    if figure.ratio is None or not math.isfinite(figure.ratio.value):
+        return "-"
+    return f"{figure.ratio.value + 0.0:+.3f}" if _is_difference(figure) else f"x{figure.ratio.value:.3f}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
