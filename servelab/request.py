@@ -126,6 +126,11 @@ class StreamKind(str, enum.Enum):
     BULK = "bulk"
 
 
+# NOTE: the fields every stored row has held since token-level serving; a row keeps them whatever their value
+STORED_ALWAYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                           "presence_penalty", "frequency_penalty", "logprobs"})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
@@ -176,12 +181,15 @@ class SamplingParams:
                                "min_tokens or raise max_tokens")
 
     def to_stored(self) -> dict[str, Any]:
-        """As the request row keeps it (JSON). A field at its default is left out (it reads back as that default),
-        so a worker of the release before a field existed still serves every request that does not use it: the
-        API can be upgraded before the workers of a rolling deploy."""
-        defaults = SamplingParams()
-        return {f.name: list(value) if isinstance(value, tuple) else value
-                for f in fields(self) if (value := getattr(self, f.name)) != getattr(defaults, f.name)}
+        """As the request row keeps it (JSON). A field added since STORED_ALWAYS is left out at its default (it
+        reads back as that default), so a worker of the release before it existed still serves every request
+        that does not use it: the API can be upgraded before the workers of a rolling deploy."""
+        defaults, stored = SamplingParams(), {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in STORED_ALWAYS or value != getattr(defaults, f.name):
+                stored[f.name] = list(value) if isinstance(value, tuple) else value
+        return stored
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, Any]) -> SamplingParams:

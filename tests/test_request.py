@@ -46,11 +46,13 @@ def test_n_is_bounded_by_the_configs_batch_and_each_choice_has_its_own_seed() ->
     assert choice_seed(2**63 - 1, 1) == 0, "wraps within the seed's bounds"
 
 
-def test_stored_sampling_leaves_out_fields_at_their_default_so_an_older_worker_reads_it() -> None:
+def test_stored_sampling_leaves_out_newer_fields_at_their_default_so_an_older_worker_reads_it() -> None:
     """A rolling deploy upgrades the API first: a request that uses only older fields stores only those."""
+    from servelab.request import STORED_ALWAYS
+
     params = SamplingParams(max_new_tokens=5, temperature=0.5, stop=("x",))
-    assert params.to_stored() == {"max_new_tokens": 5, "temperature": 0.5, "stop": ["x"]}
-    assert SamplingParams().to_stored() == {} and SamplingParams.from_stored({}) == SamplingParams()
+    assert set(params.to_stored()) == STORED_ALWAYS and params.to_stored()["stop"] == ["x"]
+    assert SamplingParams.from_stored(SamplingParams().to_stored()) == SamplingParams()
     used = SamplingParams(stop_token_ids=(3, 4), min_p=0.1)
-    assert used.to_stored() == {"stop_token_ids": [3, 4], "min_p": 0.1}
-    assert SamplingParams.from_stored(used.to_stored()) == used
+    assert set(used.to_stored()) == STORED_ALWAYS | {"stop_token_ids", "min_p"}
+    assert used.to_stored()["stop_token_ids"] == [3, 4] and SamplingParams.from_stored(used.to_stored()) == used

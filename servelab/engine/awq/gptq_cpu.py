@@ -47,11 +47,19 @@ def cpu_search() -> Iterator[None]:
         bias = None if self.bias is None else self.bias.float()
         return torch.nn.functional.linear(input.float(), self.weight.float(), bias).to(input.dtype)
 
+    from logbar import LogBar
+
+    # NOTE: gptqmodel's layer lines ("Quantizing layer I of N") are the progress `servelab quantize` shows (its
+    # output goes to a log file): logged while quantising, quiet again after (import_gptqmodel's ERROR)
+    bar = LogBar.shared()
+    level = bar.level
+    bar.setLevel(logging.INFO)
     AWQProcessor._compute_best_clip, torch.nn.Linear.forward = batched_best_clip, linear_in_fp32
     try:
         yield
     finally:
         AWQProcessor._compute_best_clip, torch.nn.Linear.forward = original_clip, original_linear
+        bar.setLevel(level)
 
 
 @torch.inference_mode()
