@@ -241,7 +241,7 @@ class ServingWorker:
         rejected: dict[str, list[Entry]] = {}
         for e in valid:
             row = rows.get(e.request_id)
-            if row is None or row.status.is_terminal or self._holds(e.request_id):
+            if row is None or row.status.is_terminal or self._is_held(e.request_id):
                 done.append(e)  # NOTE: held already: an entry the reaper re-added while the first is served here
             elif row.num_attempts >= self.faults.max_attempts:
                 poison.append(e)
@@ -255,9 +255,9 @@ class ServingWorker:
         for reason, bad in rejected.items():
             self._fail(bad, reason, wait_out=wait_out)
 
-    def _holds(self, request_id: str) -> bool:
-        with self.held.lock:
-            return any(r.request_id == request_id for r in [*self.scheduler.running, *self.scheduler.waiting])
+    def _is_held(self, request_id: str) -> bool:
+        with self.held.lock:  # NOTE: the keeper adds to the scheduler from its thread
+            return self.scheduler.holds(request_id)
 
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
         """The stored request, tokenised once here (its limits checked), waits in the scheduler."""

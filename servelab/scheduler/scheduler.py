@@ -65,6 +65,10 @@ class Scheduler:
             r.status = ScheduledStatus.FINISHED
         return [gone[i] for i in request_ids if i in gone]
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of this id waits or runs here."""
+        return any(r.request_id == request_id for r in [*self.running, *self.waiting])
+
     # --- the plan ---
 
     def next_read(self, now_s: float) -> NextRead | None:

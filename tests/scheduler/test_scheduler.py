@@ -124,3 +124,13 @@ def test_random_arrivals_and_endings_never_put_a_request_in_two_places() -> None
                 assert n == preempted.get(rid, 0) + (rid in running or rid not in waiting), rid
             s.finish([r for r in ids(s.running) if rng.random() < 0.2])
         assert sum(prefilled.values()) > 50, "the simulation ran too little to mean anything"
+
+
+def test_it_holds_a_request_while_it_waits_or_runs_and_not_after_it_ends() -> None:
+    s = Scheduler(CONTINUOUS)
+    s.add([cand(0)])
+    assert s.holds("r0") and not s.holds("r1")
+    s.schedule(0.0)
+    assert s.holds("r0")
+    s.finish(["r0"])
+    assert not s.holds("r0")
