@@ -47,6 +47,18 @@ class BatchingConfig(_Frozen):
         "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens"))
 
 
+class KVCacheConfig(_Frozen):
+    """servelab's paged KV cache: a pool of fixed-size blocks (sized by batching.max_kv_cache_mib, else by
+    max_batch_tokens), a block table per row, full blocks shared between requests by their tokens' hash."""
+
+    block_size: int = Field(default=16, ge=1, le=1024, description=(
+        "tokens per KV block: a row takes blocks as it grows; only full blocks are shared by prefix caching"))
+    prefix_caching: bool = Field(default=True, description=(
+        "reuse the KV blocks of a prompt prefix already computed (a shared system prompt is prefilled once); "
+        "off: every prompt is prefilled whole. transformers' decoder keeps its own cache: asking it for prefix "
+        "caching is refused"))
+
+
 class DecodingConfig(_Frozen):
     max_new_tokens: int = Field(default=256, ge=1, description="largest max_new_tokens a request may ask")
     max_context_tokens: int = Field(default=2048, ge=2, description="prompt + new tokens, at most")
@@ -94,6 +106,7 @@ class ServingConfig(_Frozen):
                                     "the checkpoint stores it so; int8 = quantised per output row at load (servelab's "
                                     "kernel, CPU), half of bf16's bytes")
     batching: BatchingConfig = BatchingConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
     decoding: DecodingConfig = DecodingConfig()
     awq: AWQConfig | None = None
 
@@ -121,6 +134,18 @@ class ServingConfig(_Frozen):
         if self.weights != "awq-int4" and self.awq is not None:
             raise ValueError(f"an 'awq' section needs weights: awq-int4 (weights is {self.weights!r})")
         return self
+
+    @model_validator(mode="after")
+    def _prefix_caching_needs_servelab_decoder(self) -> ServingConfig:
+        if self.decoder == "transformers" and self.kv_cache.prefix_caching and "prefix_caching" in self.kv_cache.model_fields_set:
+            raise ValueError("kv_cache.prefix_caching needs servelab's decoder (its paged cache); transformers' decoder "
+                             "keeps its own cache: set decoder: auto, or prefix_caching: false")
+        return self
+
+    @property
+    def uses_prefix_caching(self) -> bool:
+        """Whether prefix caching is asked: on by default, off under transformers' decoder unless asked by name."""
+        return self.kv_cache.prefix_caching and (self.decoder != "transformers")
 
     @property
     def config_hash(self) -> str:

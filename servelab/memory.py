@@ -35,6 +35,9 @@ class MemoryBreakdown:
     peak_process_bytes: int  # CUDA: peak allocated; CPU: the process's resident high-water mark
     device: str
     kv_cache_tokens: int = 0  # retained tokens at the KV peak (kv_cache_bytes = these x bytes per token)
+    kv_block_size: int = 0  # tokens per block of the paged cache; 0: not paged (transformers' decoder)
+    kv_blocks_shared: int = 0  # at the KV peak: blocks two or more rows read (counted once in kv_cache_bytes)
+    kv_blocks_private: int = 0  # at the KV peak: blocks one row holds
 
     def as_dict(self) -> dict[str, int | str]:
         return dict(self.__dict__)

@@ -63,6 +63,7 @@ class Completion:
     e2e_ms: float | None = None
     started_at_s: float | None = None  # when its prefill began, Unix time
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per generated token, when the request asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled): usage.cached_tokens
 
     @property
     def num_generated_tokens(self) -> int:
@@ -96,6 +97,8 @@ class BatchTimings:
     num_preempted: int = 0  # rows taken out unfinished, to start over later
     started_at_s: float = 0.0  # Unix time of the first pass
     finished_at_s: float = 0.0  # Unix time the figures were taken
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+    num_prefix_hit_tokens: int = 0  # of those, tokens found there and not prefilled (prefix_cache_hits)
 
     @property
     def total_ms(self) -> float:
