@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
@@ -86,7 +86,7 @@ class ServingWorker:
                  streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.policy, self.faults, self.clock = policy, faults, clock
-        self.scheduler = Scheduler(policy)
+        self.scheduler = Scheduler(policy, getattr(engine, "blocks", None))  # NOTE: a wrapped engine may hold no pool
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
@@ -423,9 +423,13 @@ def _is_uuid(value: str) -> bool:
 
 
 def batch_policy(engine: Engine) -> BatchPolicy:
-    """The config's batching limits, its KV memory budget counted for this model's shape and cache dtype."""
-    return BatchPolicy.from_config(engine.config.batching, engine.loaded.shape,
-                                   bytes_per_element=engine.kv_bytes_per_element)
+    """The config's batching limits, its KV memory budget counted for this model's shape and cache dtype. With the
+    paged cache the pool's blocks are the budget (the scheduler counts them), not rows x worst-case tokens."""
+    policy = BatchPolicy.from_config(engine.config.batching, engine.loaded.shape,
+                                     bytes_per_element=engine.kv_bytes_per_element)
+    if engine.blocks is not None:
+        policy = replace(policy, max_batch_tokens=engine.blocks.num_blocks * engine.blocks.block_size)
+    return policy
 
 
 def default_worker_name() -> str:

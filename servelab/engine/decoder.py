@@ -25,7 +25,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, SlotKVCache, StaticKVCache,
+from servelab.engine.blocks import BlockManager
+from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
 from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, Int8Linear, LinearKernel, LinearKernelError,
@@ -269,6 +270,20 @@ def release_copied_weights(model: torch.nn.Module, decoder: Decoder) -> int:
     return released
 
 
+@dataclass(frozen=True)
+class PagedBatch:
+    """One forward over the paged cache. Tokens (N,): first `num_decode` decode rows (one token each, at column
+    positions[b] of their row), then each prefill chunk's tokens; block_table (rows, blocks) int32 holds the decode
+    rows' tables, then the chunks'. positions: each token's position, which is also its column."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    block_table: torch.Tensor  # (num_decode + len(chunks), blocks) int32
+    num_decode: int
+    chunks: tuple[tuple[int, int, int], ...]  # (first token's index in N, first column, tokens) per chunk row
+    logit_rows: torch.Tensor  # (K,) indices into N of the tokens whose next-token logits are wanted
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
@@ -292,6 +307,7 @@ class LlamaDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
+        self.embed_dim = config.hidden_size
         self.dtype, self.device = dtype, device
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
@@ -352,17 +368,18 @@ class LlamaDecoder:
                              capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
                              device=self.device)
 
-    def new_batch_cache(self) -> BatchKVCache:
-        return SlotKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           dtype=self.cache_dtype, device=self.device)
+    def new_paged_cache(self, manager: BlockManager) -> PagedKVCache:
+        return PagedKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                            dtype=self.cache_dtype, device=self.device, manager=manager)
 
-    def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 2 * len(self.layers) * self.num_kv_heads * block_size * self.head_dim * self.cache_dtype.itemsize
+
+    def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(input_ids, self.embed))  # (B, T, C)
-        if T == 1 and self.decode_step_attention is not None and isinstance(cache, SlotKVCache):
-            return self._decode_hidden(h, position_ids.view(-1), cache)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)
         for i, layer in enumerate(self.layers):
@@ -376,28 +393,107 @@ class LlamaDecoder:
         cache.advance(T)
         return h
 
-    def _decode_hidden(self, h: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
-        """A running batch's decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into
-        two), the fused attention step and SwiGLU's activation: eight kernel calls, or (an int4 model) one call for
-        every layer (Int4DecodeStack in blocked.cpp: the same kernels in the same order)."""
+    def forward_paged(self, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """One forward over the paged cache: the decode rows' tokens, then the prefill chunks', in one pass through
+        the weights -> logits (len(batch.logit_rows), V) of the tokens named there."""
+        h = (self.embed_from_head.rows(batch.input_ids).to(self.dtype) if self.embed_from_head is not None
+             else F.embedding(batch.input_ids, self.embed)).view(-1, 1, self.embed_dim)  # (N, 1, C)
+        if not batch.chunks and self.decode_step_attention is not None:
+            h = self._decode_hidden(h, batch, cache)
+        else:
+            h = self._mixed_hidden(h, batch, cache)
+        h = h.view(h.shape[0], -1)[batch.logit_rows].contiguous()
+        return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))  # (K, V)
+
+    def _decode_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """A decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into two), the fused
+        attention step over the paged cache and SwiGLU's activation: eight kernel calls, or (an int4 model) one call
+        for every layer (Int4DecodeStack in blocked.cpp: the same kernels in the same order)."""
         B, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        lengths = cache.lengths_tensor()  # (B,): where each row's new key and value go
+        positions, table = batch.positions, batch.block_table
         if (stack := self._int4_stack()) is not None:
             out = stack.step(h.reshape(B, -1).contiguous(), self.cos, self.sin, positions, cache.keys, cache.values,
-                             lengths)
-            cache.advance(1)
+                             positions, table)
             return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
-            keys, values = cache.layer(i)
-            attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, keys, values, lengths, H,
-                                                  D ** -0.5)  # (B, H x D)
+            attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, cache.keys[i], cache.values[i],
+                                                  positions, table, H, D ** -0.5)  # (B, H x D)
             h = add_projection(layer.o, attended.view(B, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
-        cache.advance(1)
         return h
 
-    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache | SlotKVCache) -> torch.Tensor:
+    def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Decode rows and prefill chunks together, h (N, 1, C): the projections over every token at once; the
+        decode rows' attention through the fused kernel (or torch), each chunk's through SDPA over the columns
+        its row holds (its cached prefix, earlier chunks, itself, causal)."""
+        N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        Bd = batch.num_decode
+        bs = cache.block_size
+        cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
+        places = [self._chunk_places(batch, j, bs) for j in range(len(batch.chunks))]
+        decode_places = self._decode_places(batch, bs) if Bd and self.decode_step_attention is None else None
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D)
+            parts = []
+            if Bd and self.decode_step_attention is not None:
+                parts.append(self.decode_step_attention(qkv[:Bd], self.cos, self.sin, batch.positions[:Bd],
+                                                        cache.keys[i], cache.values[i], batch.positions[:Bd],
+                                                        batch.block_table[:Bd], H, D ** -0.5))
+            elif Bd:
+                parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places))
+            for (offset, start, num_tokens), place in zip(batch.chunks, places):
+                rows = slice(offset, offset + num_tokens)
+                parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start))
+            attended = torch.cat(parts) if len(parts) > 1 else parts[0]
+            h = add_projection(layer.o, attended.view(N, 1, H * D), h)
+            h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
+        return h
+
+    @staticmethod
+    def _chunk_places(batch: PagedBatch, j: int, bs: int) -> tuple[torch.Tensor, ...]:
+        """A chunk's (blocks, offsets) of its new columns and of every column up to its last."""
+        offset, start, num_tokens = batch.chunks[j]
+        table = batch.block_table[batch.num_decode + j].long()
+        columns = torch.arange(start + num_tokens, device=table.device)
+        blocks, offsets = table[columns // bs], columns % bs
+        return blocks[start:], offsets[start:], blocks, offsets
+
+    @staticmethod
+    def _decode_places(batch: PagedBatch, bs: int) -> tuple[torch.Tensor, ...]:
+        """The decode rows' (blocks, offsets) of their new column (B,), of every column (B, S), and the mask."""
+        lengths = batch.positions[:batch.num_decode]
+        table = batch.block_table[:batch.num_decode].long()
+        columns = torch.arange(int(lengths.max()) + 1, device=table.device)
+        all_blocks = table.gather(1, (columns // bs).clamp(max=table.shape[1] - 1).expand(len(lengths), -1))
+        new_blocks = table.gather(1, (lengths // bs).view(-1, 1)).view(-1)
+        return new_blocks, lengths % bs, all_blocks, (columns % bs).expand(len(lengths), -1), \
+            columns[None, :] <= lengths[:, None]
+
+    def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int) -> torch.Tensor:
+        """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. -> attention out (T, H x D)."""
+        T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        new_blocks, new_offsets, blocks, offsets = place
+        qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
+        cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
+        keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
+        S = keys.shape[1]
+        visible = (torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None])
+        out = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0).to(x.dtype),
+                                             values.unsqueeze(0).to(x.dtype), attn_mask=visible[None, None],
+                                             enable_gqa=True)  # (1, H, T, D)
+        return out[0].transpose(0, 1).reshape(T, H * D)
+
+    def _torch_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, place) -> torch.Tensor:
+        """Decode rows without the fused kernel (another device or dtype): plain torch gathers from the pool."""
+        B, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        new_blocks, new_offsets, blocks, offsets, mask = place
+        qk = _rotate(x[:, : H + H_kv].unsqueeze(1), cos.view(B, 1, 1, D), sin.view(B, 1, 1, D))[:, 0]  # (B, H + H_kv, D)
+        cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
+        keys, values = cache.read(layer, blocks, offsets)  # (B, H_kv, S, D)
+        return self._attend(qk[:, :H].unsqueeze(2), keys, values, mask).view(B, H * D)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         h = self._hidden(input_ids, attention_mask, position_ids, cache)
         return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
 

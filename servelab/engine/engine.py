@@ -25,7 +25,8 @@ from transformers import PreTrainedModel
 from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.arena import gather_on_huge_pages
-from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
+from servelab.engine.blocks import BlockManager, OutOfBlocks
+from servelab.engine.decoder import LlamaDecoder, PagedBatch, build_decoder, release_copied_weights
 from servelab.engine.detokenize import Detokenizer, TokenBytes
 from servelab.engine.kvcache import BatchKVCache, cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
@@ -54,6 +55,9 @@ class _Row:
     token_times_ms: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # a list when the request asked for them
+    num_computed: int = 0  # paged: tokens (prompt, then generated) whose keys and values the cache holds
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    holds_blocks: bool = False  # paged: False while it waits for the pool (new, or preempted by the pool running out)
 
     def __post_init__(self) -> None:
         if self.request.params.logprobs is not None and self.logprobs is None:
@@ -63,6 +67,16 @@ class _Row:
     def num_columns(self) -> int:
         """Cache columns the row may hold by its end: prompt and every new token."""
         return len(self.prompt_ids) + self.request.params.max_new_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        """Its sequence: the prompt, then the tokens generated (the last one not yet in the cache)."""
+        return self.prompt_ids + self.token_ids
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before its next token: 1 when it decodes."""
+        return len(self.prompt_ids) + len(self.token_ids) - self.num_computed
 
 
 @dataclass
@@ -79,6 +93,10 @@ class _Meter:
     num_preempted: int = 0
     peak_cache_tokens: int = 0
     peak_cache_allocated_bytes: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    kv_blocks_shared: int = 0
+    kv_blocks_private: int = 0
 
 
 class Engine:
@@ -125,9 +143,20 @@ class Engine:
         if self.arena is not None:
             gc.collect()
             return_freed_memory()
-        self._rows: list[_Row] = []  # the running batch, row i of the cache is rows[i]
+        self._rows: list[_Row] = []  # the running batch, in order of admission (transformers': row i of its cache)
         self._batch_cache: BatchKVCache | None = None
         self._meter: _Meter | None = None
+        self.blocks: BlockManager | None = None
+        if isinstance(self.decoder, LlamaDecoder):
+            block_size = config.kv_cache.block_size
+            self.blocks = BlockManager(pool_blocks(config, self.decoder.kv_bytes_per_block(block_size), block_size),
+                                       block_size, prefix_caching=config.uses_prefix_caching,
+                                       namespace=cache_namespace(config, loaded.dtype))
+            self._paged = self.decoder.new_paged_cache(self.blocks)
+        elif config.kv_cache.prefix_caching and "prefix_caching" in config.kv_cache.model_fields_set:
+            raise ValueError(f"{config.name}: kv_cache.prefix_caching needs servelab's decoder (its paged cache), which "
+                             f"does not cover this model ({self.decoder.name} decoder serves it): set prefix_caching: "
+                             "false")
 
     @property
     def model(self) -> PreTrainedModel:
@@ -219,33 +248,51 @@ class Engine:
 
     @torch.inference_mode()
     def add(self, requests: Sequence[GenerationRequest]) -> StepOutput:
-        """Prefill newcomers and join them to the batch; their first tokens come back. A request that
-        cannot be served (too long, bad parameters) finishes at once with an error."""
+        """Newcomers join the batch. servelab's decoder: each takes the pool's blocks for its prompt (its cached
+        prefix shared), and when no row is decoding their prefill starts at once (a prompt longer than the step's
+        budget goes on in the next steps); transformers': prefilled whole and joined. The first tokens of rows
+        whose prefill completed come back. A request that cannot be served (too long, bad parameters) finishes at
+        once with an error."""
         rows, rejected = self._admit(requests)
         if not rows:
             return StepOutput((), tuple(rejected))
-        meter = self._open_meter()
         started, started_at_s = time.perf_counter(), time.time()
         for row in rows:
             row.started, row.started_at_s = started, started_at_s
+        if self.blocks is None:
+            tokens, texts, finished = self._add_dense(rows)
+            return StepOutput(tokens, (*finished, *rejected), texts)
+        self._open_meter()
+        decoding = any(r.holds_blocks and r.num_pending == 1 for r in self._rows)
+        self._rows += rows
+        self._take_blocks()
+        if decoding:
+            return StepOutput((), tuple(rejected))  # NOTE: rows decode: the newcomers' prefill joins the next step
+        out = self._paged_pass(decode=False)
+        return StepOutput(out.new_tokens, (*out.finished, *rejected), out.new_text)
+
+    def _add_dense(self, rows: list[_Row]):
+        meter = self._open_meter()
         logits, prefilled, mask = self._prefill(rows)
         self._cache.join(prefilled, mask, num_columns=max(r.num_columns for r in [*self._rows, *rows]),
                          max_rows=self.config.batching.max_batch_size)
         del prefilled
-        first = len(self._rows)
         self._rows += rows
         self._track_cache(meter)
-        tokens, texts, finished = self._sample(logits, range(first, len(self._rows)))
-        meter.prefill_ms += (time.perf_counter() - started) * 1e3
+        out = self._sample(logits, rows)
+        meter.prefill_ms += (time.perf_counter() - rows[0].started) * 1e3
         meter.num_rows_per_step.append(len(rows))
         meter.num_prefill_tokens += mask.numel()
-        return StepOutput(tokens, (*finished, *rejected), texts)
+        return out
 
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        """One decode step for every live row."""
+        """One step: a decode step for every decoding row, and (servelab's decoder) the next prefill chunks of rows
+        still prefilling, together within the step's token budget (max_prefill_tokens)."""
         if not self._rows:
             return StepOutput((), ())
+        if self.blocks is not None:
+            return self._paged_pass(decode=True)
         meter = self._open_meter()
         started = time.perf_counter()
         mask, positions = self._cache.next_inputs()
@@ -253,10 +300,111 @@ class Engine:
         logits = self.decoder.forward(last_ids.view(-1, 1), mask, positions, self._cache)
         self._track_cache(meter)
         num_rows = len(self._rows)
-        tokens, texts, finished = self._sample(logits, range(num_rows))
+        tokens, texts, finished = self._sample(logits, list(self._rows))
         meter.decode_ms += (time.perf_counter() - started) * 1e3
         meter.num_rows_per_step.append(num_rows)
         meter.num_decode_tokens += num_rows
+        return StepOutput(tokens, finished, texts)
+
+    # --- the paged cache: blocks, chunks, one forward per step ---
+
+    def _take_blocks(self) -> None:
+        """Rows waiting for the pool take their blocks, oldest first, while it has room (their cached prefix
+        shared and counted)."""
+        meter = self._open_meter()
+        # NOTE: while rows run, each keeps a block in reserve for its next token, so a newcomer does not take the
+        # block a running row needs next (and the pool's preemption rarely has to act)
+        reserve = sum(r.holds_blocks for r in self._rows)
+        for row in self._rows:
+            if row.holds_blocks:
+                continue
+            tokens = row.tokens
+            if self.blocks.blocks_to_admit(tokens) + reserve > self.blocks.num_free_blocks and reserve:
+                return  # NOTE: in order: a younger row never overtakes an older one for the pool
+            try:
+                cached = self.blocks.allocate(row.request.request_id, tokens)
+            except OutOfBlocks:
+                return
+            reserve += 1
+            row.holds_blocks, row.num_computed = True, cached
+            if not row.token_ids:  # its first admission: what the prompt found is its cached_tokens
+                row.num_cached_tokens = cached
+                if self.blocks.prefix_caching:
+                    meter.num_prefix_query_tokens += len(tokens)
+                    meter.num_prefix_hit_tokens += cached
+
+    def _room_for_decode(self, decoding: list[_Row]) -> list[_Row]:
+        """Each decoding row's next column has a block; when the pool runs out, the newest row holding blocks
+        gives them back and waits (its tokens kept: it is prefilled again, prompt and generated tokens, when
+        room returns, so nothing it released is released twice) -> the rows that still decode."""
+        for row in list(decoding):
+            while row.holds_blocks:
+                try:
+                    self.blocks.grow(row.request.request_id, row.num_computed + 1)
+                    break
+                except OutOfBlocks:
+                    victim = next(r for r in reversed(self._rows) if r.holds_blocks)
+                    self._release(victim)
+                    victim.holds_blocks, victim.num_computed = False, 0
+                    self._open_meter().num_preempted += 1
+        return [r for r in decoding if r.holds_blocks]
+
+    def _paged_pass(self, *, decode: bool) -> StepOutput:
+        meter = self._open_meter()
+        started = time.perf_counter()
+        self._take_blocks()
+        decoding = [r for r in self._rows if r.holds_blocks and r.num_pending == 1] if decode else []
+        decoding = self._room_for_decode(decoding)
+        self._take_blocks()
+        budget = max(self.config.batching.max_prefill_tokens - len(decoding), 1)
+        chunks: list[tuple[_Row, int]] = []
+        for row in self._rows:
+            if budget <= 0:
+                break
+            if row.holds_blocks and (row.num_pending > 1 or not decode):
+                n = min(row.num_pending, budget)
+                chunks.append((row, n))
+                budget -= n
+        if not decoding and not chunks:
+            return StepOutput((), ())
+        tables = [self.blocks.table(r.request.request_id) for r in [*decoding, *(c for c, _ in chunks)]]
+        self._paged.reach(tables)
+        ids, positions, chunk_spans, logit_rows, sampled = [], [], [], [], []
+        for i, row in enumerate(decoding):
+            ids.append(row.token_ids[-1] if row.token_ids else row.prompt_ids[-1])
+            positions.append(row.num_computed)
+            logit_rows.append(i)
+            sampled.append(row)
+        for row, n in chunks:
+            first = len(ids)
+            ids += row.tokens[row.num_computed:row.num_computed + n]
+            positions += range(row.num_computed, row.num_computed + n)
+            chunk_spans.append((first, row.num_computed, n))
+            if n == row.num_pending:  # its prefill completes: its last token's logits give its next token
+                logit_rows.append(len(ids) - 1)
+                sampled.append(row)
+        batch = PagedBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
+                           torch.tensor(positions, dtype=torch.long, device=self.device),
+                           self._paged.table_tensor(tables), len(decoding), tuple(chunk_spans),
+                           torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        logits = self.decoder.forward_paged(batch, self._paged)
+        for row in decoding:
+            row.num_computed += 1
+        for row, n in chunks:
+            row.num_computed += n
+        for row in [*decoding, *(c for c, _ in chunks)]:
+            self.blocks.commit(row.request.request_id, row.tokens[:row.num_computed])
+        self._track_cache(meter)
+        tokens, texts, finished = self._sample(logits, sampled) if sampled else ((), (), ())
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        num_chunk_tokens = sum(n for _, n in chunks)
+        # NOTE: a mixed step's time is shared by its tokens: the chunks' part is prefill, the decode rows' decode
+        prefill_share = num_chunk_tokens / (num_chunk_tokens + len(decoding))
+        meter.prefill_ms += elapsed_ms * prefill_share
+        meter.decode_ms += elapsed_ms * (1 - prefill_share)
+        meter.num_rows_per_step.append(len(sampled))
+        meter.num_prefill_tokens += num_chunk_tokens
+        meter.num_decode_tokens += len(decoding)
         return StepOutput(tokens, finished, texts)
 
     @torch.inference_mode()
@@ -293,6 +441,7 @@ class Engine:
             num_rows_per_step=tuple(meter.num_rows_per_step), num_prefill_tokens=meter.num_prefill_tokens,
             num_decode_tokens=meter.num_decode_tokens, num_preempted=meter.num_preempted,
             started_at_s=meter.started_at_s, finished_at_s=time.time(),
+            num_prefix_query_tokens=meter.num_prefix_query_tokens, num_prefix_hit_tokens=meter.num_prefix_hit_tokens,
         )
         memory = MemoryBreakdown(
             weight_bytes=self.weight_bytes,
@@ -302,6 +451,8 @@ class Engine:
             peak_process_bytes=meter.peak.peak_bytes,
             device=str(self.device),
             kv_cache_tokens=meter.peak_cache_tokens,
+            kv_block_size=self.blocks.block_size if self.blocks is not None else 0,
+            kv_blocks_shared=meter.kv_blocks_shared, kv_blocks_private=meter.kv_blocks_private,
         )
         return timings, memory
 
@@ -332,11 +483,10 @@ class Engine:
         logits = self.decoder.forward(input_ids, attention_mask, position_ids, prefilled)
         return logits, prefilled, attention_mask  # logits (B, V)
 
-    def _sample(self, logits: torch.Tensor, indices: range
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]
                 ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, str], ...], tuple[Completion, ...]]:
-        """A token for each of these rows (logits row i is rows[indices[i]]), the text each released, and
-        the rows that finished (they leave)."""
-        rows = [self._rows[i] for i in indices]
+        """A token for each of these rows (logits row i is rows[i]'s), the text each released, and the rows that
+        finished (they leave)."""
         # NOTE: fp32 holds bf16 logits exactly; torch's argmax over bf16 is 5x slower than over fp32 on CPU
         logits = logits.float()
         next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows],
@@ -378,8 +528,21 @@ class Engine:
                              tuple(Alternative(i, self.token_bytes(i), lp) for i, lp in top))
 
     def _keep(self, indices: list[int]) -> None:
+        kept = {id(self._rows[i]) for i in indices}
+        if self.blocks is not None:
+            for row in self._rows:
+                if id(row) not in kept:
+                    self._release(row)
+            self._rows = [self._rows[i] for i in indices]
+            return
         self._rows = [self._rows[i] for i in indices]
         self._cache.keep(indices)
+
+    def _release(self, row: _Row) -> None:
+        """A paged row's blocks go back to the pool (its full prompt blocks stay cached until evicted)."""
+        if row.holds_blocks:
+            self.blocks.free(row.request.request_id)
+            row.holds_blocks = False
 
     # --- bookkeeping ---
 
@@ -421,11 +584,19 @@ class Engine:
         return (*eos, *params.stop_token_ids)
 
     def _track_cache(self, meter: _Meter) -> None:
-        """After a forward, before rows leave: the cache at its fullest for this step."""
-        num_tokens = self._cache.num_tokens
+        """After a forward, before rows leave: the cache at its fullest for this step. Paged: the blocks rows hold,
+        a shared block once (their columns, partly filled last blocks included: that memory is taken)."""
+        if self.blocks is not None:
+            num_tokens = self.blocks.num_used_blocks * self.blocks.block_size
+            allocated = self._paged.allocated_bytes
+        else:
+            num_tokens, allocated = self._cache.num_tokens, self._cache.allocated_bytes
         if num_tokens > meter.peak_cache_tokens:
             meter.peak_cache_tokens = num_tokens
-        meter.peak_cache_allocated_bytes = max(meter.peak_cache_allocated_bytes, self._cache.allocated_bytes)
+            if self.blocks is not None:
+                meter.kv_blocks_shared = self.blocks.num_shared_blocks
+                meter.kv_blocks_private = self.blocks.num_used_blocks - meter.kv_blocks_shared
+        meter.peak_cache_allocated_bytes = max(meter.peak_cache_allocated_bytes, allocated)
 
     def _complete(self, row: _Row, *, text: str | None = None) -> Completion:
         return Completion(
@@ -440,7 +611,27 @@ class Engine:
             e2e_ms=row.token_times_ms[-1],
             started_at_s=row.started_at_s,
             logprobs=None if row.logprobs is None else tuple(row.logprobs),
+            num_cached_tokens=row.num_cached_tokens,
         )
+
+
+def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int) -> int:
+    """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; never fewer than one
+    request of max_context_tokens needs (a lone request is always served)."""
+    batching = config.batching
+    tokens = batching.max_batch_tokens
+    blocks = -(-tokens // block_size)
+    if batching.max_kv_cache_mib is not None:
+        blocks = min(blocks, batching.max_kv_cache_mib * 2**20 // block_bytes)
+    return max(blocks, -(-config.decoding.max_context_tokens // block_size))
+
+
+def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:
+    """What changes the keys and values a block holds besides its tokens: the model, its weights (precision,
+    quantisation), the compute dtype, the cache precision and the decoder. Prefix-cache hashes start from it."""
+    awq = config.awq.model_dump_json() if config.awq is not None else ""
+    return "|".join((config.model, config.weights, awq, str(dtype), config.kv_cache_dtype, config.decoder,
+                     config.linear_kernel, config.lm_head_weights, str(config.kv_cache.block_size)))
 
 
 def _eos_token_ids(loaded: LoadedModel) -> set[int]:

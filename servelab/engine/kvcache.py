@@ -2,9 +2,10 @@
 
 A batch is served in two kinds of cache. A prefill fills a group of newcomers' cache in one forward
 (`StaticKVCache` for servelab's decoder, `TransformersKVCache` for transformers'); the group then joins
-the running batch's cache (`SlotKVCache`: a slot per row with its own length, so rows of any length and
-start time decode together without padding; `TransformersBatchCache`: transformers' dynamic cache,
-left-padded to a shared width), which rows leave between decode steps. Both can store keys and values
+the running batch's cache (`TransformersBatchCache`: transformers' dynamic cache, left-padded to a shared
+width), which rows leave between decode steps. servelab's decoder serves its running batch from
+`PagedKVCache` instead: a pool of fixed-size blocks each row reads through its block table (blocks.py keeps
+the tables and the prefix cache), written in place by every forward, prefill chunks and decode steps alike. Both can store keys and values
 in a dtype narrower than the compute dtype (e.g. a bf16 cache under fp32 weights), so cache precision can
 be compared on its own; attention reads them back in the compute dtype. Does not know requests.
 """
@@ -16,6 +17,8 @@ from typing import Protocol
 import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from servelab.engine.blocks import BlockManager
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -150,124 +153,76 @@ class BatchKVCache(Protocol):
         ...
 
 
-class SlotKVCache:
-    """servelab's running batch: row r's tokens sit in columns [0, lengths[r]) of its slot, so rows of any
-    length and start time decode together and nothing is padded.
+class PagedKVCache:
+    """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D), in the
+    cache precision; which block holds which row's columns is the BlockManager's (blocks.py).
 
-    Slots are (rows, H_kv, columns, D) per layer, allocated once for the room the batch needs and grown
-    (rows doubled up to the batch's limit, columns by half again) when a newcomer needs more; live rows stay in slots [0, n), so the
-    decode step reads a view, never a gathered copy. A leaving row's slot is reused by the next newcomer
-    (the rows after it move down, one row copy each); the tensors are dropped when the batch empties.
+    The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
+    a block past them is taken: memory follows what the rows hold, up to the pool's size. A block is written
+    before it is read (a row reads only its own columns), so the pool is never cleared.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, manager: BlockManager) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.manager = dtype, device, manager
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.lengths: list[int] = []
-        self._lengths_t: torch.Tensor | None = None  # lengths on the device, rebuilt when rows change
 
     @property
-    def num_rows(self) -> int:
-        return len(self.lengths)
+    def block_size(self) -> int:
+        return self.manager.block_size
 
     @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
+    def num_allocated_blocks(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
 
     @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @property
-    def room(self) -> tuple[int, int]:
-        """(rows, columns) allocated."""
-        return (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
-    def next_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = self._lengths()
-        width = max(self.lengths) + 1
-        mask = torch.arange(width, device=self.device)[None, :] <= lengths[:, None]  # (B, S)
-        return mask, lengths.view(-1, 1)
-
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new token per row (B, H_kv, 1, D), written after each row's held ones; -> (B, H_kv, S, D)
-        views over every row's columns (a row's columns past its length are masked)."""
-        assert keys.shape[2] == 1, "a running batch takes one token per row; newcomers are prefilled apart"
-        B = self.num_rows
-        first = self.lengths[0]
-        if all(n == first for n in self.lengths):  # NOTE: the common case is a plain slice write
-            self.keys[layer][:B, :, first] = keys[:, :, 0]
-            self.values[layer][:B, :, first] = values[:, :, 0]
-        else:
-            rows, lengths = torch.arange(B, device=self.device), self._lengths()
-            # (B, H_kv, D) at column lengths[b], in the storage dtype
-            self.keys[layer][rows, :, lengths] = keys[:, :, 0].to(self.dtype)
-            self.values[layer][rows, :, lengths] = values[:, :, 0].to(self.dtype)
-        width = max(self.lengths) + 1
-        return self.keys[layer][:B, :, :width], self.values[layer][:B, :, :width]
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's whole slots (rows, H_kv, columns, D), for a kernel that writes each row's new token at its
-        length itself (decode_step_attention); advance() follows, as after append()."""
-        return self.keys[layer], self.values[layer]
-
-    def lengths_tensor(self) -> torch.Tensor:
-        """(B,) int64 on the device: each row's held tokens, i.e. the column its next token goes to."""
-        return self._lengths()
-
-    def advance(self, num_columns: int) -> None:
-        self.lengths = [n + num_columns for n in self.lengths]
-        self._lengths_t = None
-
-    def join(self, prefilled: KVCache, attention_mask: torch.Tensor, *, num_columns: int, max_rows: int) -> None:
-        assert isinstance(prefilled, StaticKVCache)
-        new_lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
-        start = self.num_rows
-        self._make_room(start + len(new_lengths), num_columns, max_rows)
-        width = attention_mask.shape[1]
-        for layer in range(self.num_layers):
-            src_k, src_v = prefilled.keys[layer], prefilled.values[layer]  # (b, H_kv, >= T, D), left-padded
-            for i, n in enumerate(new_lengths):  # NOTE: each row moves left to column 0: its padding is dropped
-                self.keys[layer][start + i, :, :n] = src_k[i, :, width - n:width]
-                self.values[layer][start + i, :, :n] = src_v[i, :, width - n:width]
-        self.lengths += new_lengths
-        self._lengths_t = None
-
-    def keep(self, rows: list[int]) -> None:
-        for new, old in enumerate(rows):  # ascending, so a row only moves down into a slot already vacated
-            if new != old:
-                n = self.lengths[old]
-                for t in (*self.keys, *self.values):
-                    t[new, :, :n] = t[old, :, :n]
-        self.lengths = [self.lengths[r] for r in rows]
-        self._lengths_t = None
-        if not self.lengths:
-            self.keys, self.values = [], []  # an empty batch holds no memory
-
-    def _lengths(self) -> torch.Tensor:
-        if self._lengths_t is None:
-            self._lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
-        return self._lengths_t
-
-    def _make_room(self, num_rows: int, num_columns: int, max_rows: int) -> None:
-        have_rows, have_columns = self.room
-        if num_rows <= have_rows and num_columns <= have_columns:
+    def reach(self, tables: list[list[int]]) -> None:
+        """The tensors hold every block these tables name (grown, the held blocks copied, when one is past them)."""
+        needed = max((max(t) for t in tables if t), default=-1) + 1
+        have = self.num_allocated_blocks
+        if needed <= have:
             return
-        # NOTE: the first room is what is asked (a closed batch knows all it needs); growth is geometric, so
-        # a batch that fills up one row at a time copies its held tokens a few times, not at every join.
-        rows = max(num_rows, min(2 * have_rows, max_rows)) if num_rows > have_rows else have_rows
-        columns = max(num_columns, have_columns + have_columns // 2) if num_columns > have_columns else have_columns
-        shape = (rows, self.num_kv_heads, columns, self.head_dim)
-        # NOTE: zeros, not empty: a masked column weighs 0 in attention, and 0 x NaN would still be NaN.
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        held, width = self.num_rows, max(self.lengths, default=0)
+        blocks = min(self.manager.num_blocks, max(needed, have + have // 2))
+        shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip((*self.keys, *self.values), (*keys, *values)):
-            new[:held, :, :width] = old[:held, :, :width]
+            new[:have] = old
         self.keys, self.values = keys, values
+
+    def table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        """(rows, the most blocks a row holds) int32 on the device, short rows padded with block 0 (never read)."""
+        width = max((len(t) for t in tables), default=1) or 1
+        out = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out.to(self.device)
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """keys, values (T, H_kv, D) into the columns at (blocks, offsets) (T,) each."""
+        self.keys[layer][blocks, :, offsets] = keys.to(self.dtype)
+        self.values[layer][blocks, :, offsets] = values.to(self.dtype)
+
+    def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns at (blocks, offsets) (..., S) -> keys, values (..., H_kv, S, D) in the storage dtype."""
+        k = self.keys[layer][blocks, :, offsets]  # (..., S, H_kv, D)
+        v = self.values[layer][blocks, :, offsets]
+        return k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def clear(self) -> None:
+        """No row holds a block and none is cached: the tensors are dropped."""
+        self.keys, self.values = [], []
 
 
 class TransformersBatchCache:

@@ -10,11 +10,25 @@ Does not know streams, the store, the engine or what a request's tokens are.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 from servelab.scheduler.policy import BatchPolicy
 from servelab.scheduler.state import ScheduledRequest, ScheduledStatus
 
 IDLE_READ_S = 1.0  # how long an idle worker blocks on its streams before it looks again (a stop, a take-over)
+
+
+class KVRoom(Protocol):
+    """The paged KV cache's pool as admission reads it (the engine's BlockManager): blocks free (cached ones no row
+    holds count: they are evicted when taken), and the new blocks a prompt would take, its cached prefix shared."""
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    def blocks_to_admit(self, token_ids: Sequence[int]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -41,8 +55,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, policy: BatchPolicy) -> None:
-        self.policy = policy
+    def __init__(self, policy: BatchPolicy, room: KVRoom | None = None) -> None:
+        """room: the paged cache's pool, when the engine serves from one: admission then counts the blocks a
+        newcomer takes (its cached prefix shared) against the blocks free, not the policy's token budget."""
+        self.policy, self.room = policy, room
         self.waiting: list[ScheduledRequest] = []  # in order of arrival; the policy orders them for service
         self.running: list[ScheduledRequest] = []  # in order of admission: the newest last (preempted first)
         self._first_seen_s: float | None = None  # when an idle scheduler first had a batch to form (the window)
@@ -118,6 +134,7 @@ class Scheduler:
         victims = self.policy.victims(self.waiting, self.running)
         self._preempt(victims)
         joining, _rest = self.policy.select(self.waiting, self.running)
+        joining = self._within_room(joining)
         self._start(joining)
         return SchedulerOutput(prefill=tuple(joining), preempted=tuple(victims), decode=tuple(self.running))
 
@@ -125,8 +142,27 @@ class Scheduler:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The share of the KV budget the running rows' cache holds (as the policy counts it)."""
+        """The share of the KV budget the running rows' cache holds: the pool's blocks held, or (no pool) the
+        policy's token count."""
+        if self.room is not None:
+            return self.room.usage
         return self.policy.batch_tokens(self.running) / self.policy.max_batch_tokens
+
+    def _within_room(self, joining: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The newcomers, in order, while the pool's free blocks hold them; each running row keeps one block in
+        reserve for its next token. A newcomer into an empty batch always joins (the pool holds one request of
+        max_context_tokens); one that does not fit stops the rest (the order of service holds)."""
+        if self.room is None:
+            return joining
+        free = self.room.num_free_blocks - len(self.running)
+        kept = []
+        for r in joining:
+            need = self.room.blocks_to_admit(r.request.prompt_token_ids)
+            if need > free and (self.running or kept):
+                break
+            free -= need + 1
+            kept.append(r)
+        return kept
 
     # --- moves between the two sets ---
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from servelab.config import ServingConfig
 from servelab.engine import awq
+from servelab.engine.decoder import PagedBatch
 from servelab.engine.engine import Engine
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import Int4Linear, ServelabInt4Linear
@@ -294,16 +295,23 @@ def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: 
         decoder._stack = stack  # None: built on first use; False: the Python loop
         engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=6))
                     for i, p in enumerate(PROMPTS)])
-        batch = engine._cache
+        cache, blocks = engine._paged, engine.blocks
         steps = []
         for _ in range(3):
-            mask, positions = batch.next_inputs()
-            last = torch.tensor([[r.token_ids[-1]] for r in engine._rows])
-            steps.append(decoder.forward(last, mask, positions, batch))
-            for row, token in zip(engine._rows, steps[-1].argmax(-1).tolist()):
+            rows = engine._rows
+            for row in rows:
+                blocks.grow(row.request.request_id, row.num_computed + 1)
+            tables = [blocks.table(r.request.request_id) for r in rows]
+            cache.reach(tables)
+            batch = PagedBatch(torch.tensor([r.token_ids[-1] for r in rows]), torch.tensor([r.num_computed for r in rows]),
+                               cache.table_tensor(tables), len(rows), (), torch.arange(len(rows)))
+            steps.append(decoder.forward_paged(batch, cache))
+            for row, token in zip(rows, steps[-1].argmax(-1).tolist()):
                 row.token_ids.append(token)
-        outputs.append((steps, [k.clone() for k in batch.keys]))
+                row.num_computed += 1
+        outputs.append((steps, [k.clone() for k in cache.keys]))
         engine.cancel(engine.live_request_ids)
+        engine.blocks.reset_prefix_cache()  # NOTE: the second run prefills whole too, into the same blocks
     (with_stack, keys_stack), (loop, keys_loop) = outputs
     for a, b in zip(with_stack, loop):
         torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from servelab.engine.decoder import LlamaDecoder, build_decoder, unsupported_reason
 from servelab.engine.kernels import ISAS, best_isa, isa_reason, load_blocked_kernel
-from servelab.engine.kvcache import SlotKVCache, StaticKVCache
+from servelab.engine.kvcache import StaticKVCache
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
                                     TorchLinear, choose_linear_kernel, layout_families, linear_kernel_reason,
                                     one_layout_winners)
@@ -272,31 +272,6 @@ def _prefilled(values: list[float], width: int, lengths: list[int]) -> tuple[Sta
     for i, n in enumerate(lengths):
         mask[i, width - n:] = 1
     return cache, mask
-
-
-def test_slot_cache_rows_join_step_and_leave_at_their_own_lengths() -> None:
-    cache = SlotKVCache(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=CPU)
-    prefilled, mask = _prefilled([100.0, 200.0], 3, [3, 1])
-    cache.join(prefilled, mask, num_columns=6, max_rows=8)
-    assert cache.lengths == [3, 1] and cache.room == (2, 6) and cache.num_tokens == 4
-    # a row moves left to column 0: row 1 held only its last column (200 + 2)
-    assert cache.keys[0][0, 0, :3, 0].tolist() == [100.0, 101.0, 102.0] and cache.keys[0][1, 0, 0, 0] == 202.0
-    mask, positions = cache.next_inputs()
-    assert positions.view(-1).tolist() == [3, 1]
-    assert mask.tolist() == [[True] * 4, [True, True, False, False]]
-    held, _ = cache.append(0, torch.full((2, 1, 1, 4), 7.0), torch.zeros(2, 1, 1, 4))
-    cache.advance(1)
-    assert held.shape == (2, 1, 4, 4) and cache.lengths == [4, 2]
-    assert held[0, 0, 3, 0] == 7.0 and held[1, 0, 1, 0] == 7.0  # each row's token at its own column
-    late, late_mask = _prefilled([300.0], 2, [2])
-    cache.join(late, late_mask, num_columns=8, max_rows=8)  # more columns than the room: it grows
-    assert cache.room == (4, 9) and cache.lengths == [4, 2, 2]
-    assert cache.keys[0][0, 0, 3, 0] == 7.0 and cache.keys[0][2, 0, :2, 0].tolist() == [300.0, 301.0]
-    cache.keep([1, 2])  # row 0 leaves; the others move down, their tokens with them
-    assert cache.lengths == [2, 2] and cache.keys[0][0, 0, :2, 0].tolist() == [202.0, 7.0]
-    assert cache.keys[0][1, 0, :2, 0].tolist() == [300.0, 301.0] and cache.num_tokens == 4
-    cache.keep([])
-    assert cache.allocated_bytes == 0 and cache.num_rows == 0  # an empty batch holds no memory
 
 
 def test_a_model_the_decoder_does_not_cover_is_served_by_transformers(settings) -> None:

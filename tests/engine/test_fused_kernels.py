@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from servelab.engine.awq.unpack import dequantize
 from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
-from servelab.engine.kvcache import SlotKVCache
+from servelab.engine.blocks import BlockManager
+from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
 from tests.engine.test_decoder import KERNELS, runnable
 
@@ -104,13 +105,18 @@ def _cache(rows: int, heads: int, columns: int, dim: int, dtype: torch.dtype, ge
 @pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv_dtype, settings) -> None:
-    """Rows of different lengths in slots of a larger cache, each row's new token at its own column."""
+    """Rows of different lengths in the blocks of a paged pool (scattered, in no order, one shared), each row's new
+    token at its own column, read through its block table."""
     kernel = load_blocked_kernel(settings.cache_dir, build).module
     generator = torch.Generator().manual_seed(3)
-    B, H, H_kv, D, columns = 3, 6, 2, 32, 40
+    B, H, H_kv, D, bs, num_blocks = 3, 6, 2, 32, 8, 12
     lengths = torch.tensor([5, 0, 31])
-    positions = lengths + torch.tensor([0, 7, 2])  # positions need not equal lengths (a prefill's padding)
-    keys, values = _cache(B + 1, H_kv, columns, D, kv_dtype, generator), _cache(B + 1, H_kv, columns, D, kv_dtype, generator)
+    positions = lengths + torch.tensor([0, 7, 2])  # positions need not equal columns
+    tables = [[7, 3], [10], [2, 9, 0, 5]]  # row 0 and row 2 never share a written block; blocks 1, 4... unused
+    table = torch.zeros((B, 4), dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    keys, values = _cache(num_blocks, H_kv, bs, D, kv_dtype, generator), _cache(num_blocks, H_kv, bs, D, kv_dtype, generator)
     angles = torch.arange(64)[:, None] * torch.rand(1, D // 2, generator=generator)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(q_dtype), torch.cat([angles.sin()] * 2, -1).to(q_dtype)
     qkv = torch.randn(B, H + 2 * H_kv, D, generator=generator).to(q_dtype)
@@ -118,12 +124,15 @@ def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv
     rotated = _rotate(qkv[:, None, : H + H_kv], cos[positions][:, None, None], sin[positions][:, None, None])[:, 0]
     expected = []
     for b, n in enumerate(lengths.tolist()):
-        want_keys[b, :, n] = rotated[b, H:].to(kv_dtype)
-        want_values[b, :, n] = qkv[b, H + H_kv:].to(kv_dtype)
+        block, offset = tables[b][n // bs], n % bs
+        want_keys[block, :, offset] = rotated[b, H:].to(kv_dtype)
+        want_values[block, :, offset] = qkv[b, H + H_kv:].to(kv_dtype)
+        row_keys = torch.cat([want_keys[t] for t in tables[b]], dim=1)[:, : n + 1]  # (H_kv, n + 1, D)
+        row_values = torch.cat([want_values[t] for t in tables[b]], dim=1)[:, : n + 1]
         q = rotated[b, :H].float().view(H_kv, H // H_kv, D)
-        scores = q @ want_keys[b, :, : n + 1].float().transpose(-1, -2) / D ** 0.5
-        expected.append((scores.softmax(-1) @ want_values[b, :, : n + 1].float()).reshape(H * D))
-    out = kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, H, D ** -0.5)
+        scores = q @ row_keys.float().transpose(-1, -2) / D ** 0.5
+        expected.append((scores.softmax(-1) @ row_values.float()).reshape(H * D))
+    out = kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5)
     assert out.dtype == q_dtype and out.shape == (B, H * D)
     # rotated as transformers rounds it in bf16 (exactly); in fp32 up to the compiler's fused multiply-adds
     exact = {"atol": 0, "rtol": 0} if q_dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
@@ -132,28 +141,38 @@ def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv
     torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-5 if q_dtype == torch.float32 else 1e-2,
                                rtol=1e-2)
     with pytest.raises(RuntimeError, match="row 2 position .* or length 40 out of range"):
-        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, torch.tensor([5, 0, 40]), H, D ** -0.5)
+        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, torch.tensor([5, 0, 40]), table, H,
+                                     D ** -0.5)
+    table[1, 0] = num_blocks  # a table naming a block past the pool is refused, not read
+    with pytest.raises(RuntimeError, match="row 1 block 12 outside the pool"):
+        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5)
 
 
-def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_steps: int):
-    """Prefill, join a running batch (SlotKVCache, the fused step), greedy steps -> logits per step, sequences."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
+def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_steps: int, block_size: int = 4):
+    """Prefill every row as a chunk of one forward, then greedy decode steps over the paged cache (the fused step
+    where it runs) -> logits per step, sequences."""
+    manager = BlockManager(64, block_size, prefix_caching=False)
+    cache = decoder.new_paged_cache(manager)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    prefilled = decoder.new_cache(len(rows), width)
-    logits = [decoder.forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), prefilled)]
-    batch = decoder.new_batch_cache()
-    assert isinstance(batch, SlotKVCache)
-    batch.join(prefilled, mask, num_columns=width + num_steps + 1, max_rows=8)
+        manager.allocate(str(i), r)
+    tables = [manager.table(str(i)) for i in range(len(rows))]
+    cache.reach(tables)
+    offsets = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    batch = PagedBatch(torch.tensor([t for r in rows for t in r]), torch.tensor([p for r in rows for p in range(len(r))]),
+                       cache.table_tensor(tables), 0, tuple((o, 0, len(r)) for o, r in zip(offsets, rows)),
+                       torch.tensor([o + len(r) - 1 for o, r in zip(offsets, rows)]))
+    logits = [decoder.forward_paged(batch, cache)]
     sequences = [list(r) for r in rows]
     for _ in range(num_steps):
         next_ids = logits[-1].argmax(-1)
-        for seq, token in zip(sequences, next_ids.tolist()):
+        for i, (seq, token) in enumerate(zip(sequences, next_ids.tolist())):
             seq.append(token)
-        step_mask, positions = batch.next_inputs()
-        logits.append(decoder.forward(next_ids.view(-1, 1), step_mask, positions, batch))
+            manager.grow(str(i), len(seq))
+        tables = [manager.table(str(i)) for i in range(len(rows))]
+        cache.reach(tables)
+        positions = torch.tensor([len(seq) - 1 for seq in sequences])
+        logits.append(decoder.forward_paged(PagedBatch(next_ids, positions, cache.table_tensor(tables), len(rows), (),
+                                                       torch.arange(len(rows))), cache))
     return logits, sequences
 
 

@@ -1014,16 +1014,64 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
   }
 }
 
+// One row, one kv head, over a paged cache: as attend_group, column s read from block table[s / bs] at offset
+// s % bs (k0, v0: the kv head's columns in block 0; block_stride: elements from one block to the next). The sums
+// run over the columns in the same order as attend_group's, so both give the same bits.
+template <typename Q, typename KV>
+void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const KV* v0, int64_t block_stride,
+                        const int32_t* table, int64_t bs, int64_t S, int64_t D, float scale, int64_t G, Q* out,
+                        int64_t out_head_stride, float* scores) {
+  const int64_t num_blocks = (S + bs - 1) / bs;
+  for (int64_t g = 0; g < G; ++g) {
+    const Q* qg = q + g * q_head_stride;
+    float* sc = scores + g * S;
+    float max_score = -INFINITY;
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const KV* kb = k0 + static_cast<int64_t>(table[j]) * block_stride;
+      const int64_t n = std::min(bs, S - j * bs);
+      for (int64_t o = 0; o < n; ++o) {
+        Vec acc = vzero();
+        for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(kb + o * D + d), acc);
+        const float score = vsum(acc) * scale;
+        sc[j * bs + o] = score;
+        max_score = std::max(max_score, score);
+      }
+    }
+    float total = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      sc[s] = std::exp(sc[s] - max_score);
+      total += sc[s];
+    }
+    for (int64_t s = 0; s < S; ++s) sc[s] /= total;
+  }
+  for (int64_t d = 0; d < D; d += kLanes) {
+    Vec acc[16];  // G <= 16 query heads per kv head
+    for (int64_t g = 0; g < G; ++g) acc[g] = vzero();
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const KV* vb = v0 + static_cast<int64_t>(table[j]) * block_stride;
+      const int64_t n = std::min(bs, S - j * bs);
+      for (int64_t o = 0; o < n; ++o) {
+        const Vec vv = vload(vb + o * D + d);
+        for (int64_t g = 0; g < G; ++g) acc[g] = vfma(vset1(scores[g * S + j * bs + o]), vv, acc[g]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) vstore(out + g * out_head_stride + d, acc[g]);
+  }
+}
+
 template <typename Q, typename KV>
 void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
-                                const torch::Tensor& lengths, int64_t H, double scale, torch::Tensor& out) {
-  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), G = H / H_kv;
+                                const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t H, double scale,
+                                torch::Tensor& out) {
+  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), G = H / H_kv, bs = keys.size(2);
   const Q* X = qkv.data_ptr<Q>();
   const Q* COS = cos.data_ptr<Q>();
   const Q* SIN = sin.data_ptr<Q>();
   const int64_t* P = positions.data_ptr<int64_t>();
   const int64_t* L = lengths.data_ptr<int64_t>();
+  const int32_t* T = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
   KV* Kc = keys.data_ptr<KV>();
   KV* Vc = values.data_ptr<KV>();
   Q* O = out.data_ptr<Q>();
@@ -1035,14 +1083,16 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
       const Q* row = X + b * qkv.stride(0);
       const Q* c = COS + P[b] * D;
       const Q* s = SIN + P[b] * D;
-      KV* k = Kc + b * keys.stride(0) + h * keys.stride(1);
-      KV* v = Vc + b * values.stride(0) + h * values.stride(1);
-      rotate_head(row + (H + h) * D, c, s, D, k + n * keys.stride(2));  // the new key, at column n
-      for (int64_t d = 0; d < D; ++d) v[n * values.stride(2) + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
+      const int32_t* table = T + b * table_stride;
+      KV* k0 = Kc + h * keys.stride(1);
+      KV* v0 = Vc + h * values.stride(1);
+      const int64_t at = static_cast<int64_t>(table[n / bs]) * keys.stride(0) + (n % bs) * D;  // column n
+      rotate_head(row + (H + h) * D, c, s, D, k0 + at);  // the new key
+      for (int64_t d = 0; d < D; ++d) v0[at + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
       for (int64_t g = 0; g < G; ++g) rotate_head(row + (h * G + g) * D, c, s, D, queries.data() + g * D);
       scores.resize(G * (n + 1));
-      attend_group(queries.data(), D, static_cast<const KV*>(k), static_cast<const KV*>(v), keys.stride(2), n + 1, D,
-                   nullptr, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data());
+      attend_group_paged(queries.data(), D, static_cast<const KV*>(k0), static_cast<const KV*>(v0), keys.stride(0),
+                         table, bs, n + 1, D, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data());
     }
   });
 }
@@ -1071,35 +1121,45 @@ void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
 
 }  // namespace
 
-// One decode step's attention for one layer, fused: qkv (B, H + 2 H_kv, D), the row's new token's queries, key and
-// value side by side as the joined projection gives them; cos, sin (P, D) in qkv's dtype; positions, lengths (B,)
-// int64. Each row's key (rotated) and value are written into its cache slot keys / values (rows, H_kv, columns, D)
-// at column lengths[b], then its rotated queries attend over columns 0..lengths[b] -> (B, H x D) in qkv's dtype.
-// Rotation as transformers rounds it in qkv's dtype; softmax and sums in fp32.
+// One decode step's attention for one layer, fused, over the paged cache: qkv (B, H + 2 H_kv, D), the row's new
+// token's queries, key and value side by side as the joined projection gives them; cos, sin (P, D) in qkv's dtype;
+// positions, lengths (B,) int64; keys / values: the layer's pool (blocks, H_kv, block_size, D); block_table
+// (B, >= blocks a row holds) int32. Each row's key (rotated) and value are written at column lengths[b] (block
+// block_table[b][n / block_size], offset n % block_size), then its rotated queries attend over columns
+// 0..lengths[b] -> (B, H x D) in qkv's dtype. Rotation as transformers rounds it in qkv's dtype; softmax and sums
+// in fp32.
 torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                     const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
-                                    const torch::Tensor& lengths, int64_t num_heads, double scale) {
+                                    const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t num_heads,
+                                    double scale) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "decode_step_attention: qkv (B, heads, D)");
-  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1);
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() &&
-              keys.stride(3) == 1 && keys.size(3) == D && keys.size(0) >= B, "decode_step_attention: cache (rows, H_kv, columns, D)");
+  const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), bs = keys.size(2);
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() && keys.is_contiguous() &&
+              keys.size(3) == D, "decode_step_attention: pool (blocks, H_kv, block_size, D), contiguous");
   TORCH_CHECK(D % 16 == 0 && num_heads % H_kv == 0 && num_heads / H_kv <= 16 && qkv.size(1) == num_heads + 2 * H_kv,
               "decode_step_attention: heads");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == D, "decode_step_attention: cos / sin (P, D) in qkv's dtype");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong && positions.numel() == B &&
               lengths.numel() == B && positions.is_contiguous() && lengths.is_contiguous(), "decode_step_attention: positions, lengths (B,) int64");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.dim() == 2 && block_table.size(0) >= B &&
+              block_table.stride(1) == 1, "decode_step_attention: block_table (B, blocks) int32");
+  const int32_t* T = block_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {  // NOTE: a loop, not tensor reductions: this runs once per layer and step
     const int64_t position = positions.data_ptr<int64_t>()[b], length = lengths.data_ptr<int64_t>()[b];
-    TORCH_CHECK(position >= 0 && position < cos.size(0) && length >= 0 && length < keys.size(2),
+    TORCH_CHECK(position >= 0 && position < cos.size(0) && length >= 0 && length / bs < block_table.size(1),
                 "decode_step_attention: row ", b, " position ", position, " or length ", length, " out of range");
+    for (int64_t j = 0; j <= length / bs; ++j) {
+      const int32_t block = T[b * block_table.stride(0) + j];
+      TORCH_CHECK(block >= 0 && block < keys.size(0), "decode_step_attention: row ", b, " block ", block, " outside the pool");
+    }
   }
   auto out = torch::empty({B, num_heads * D}, qkv.options());
   const auto qt = qkv.scalar_type(), kt = keys.scalar_type();
-  if (qt == torch::kFloat32 && kt == torch::kFloat32) decode_step_attention_impl<float, float>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
-  else if (qt == torch::kFloat32 && kt == torch::kBFloat16) decode_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
-  else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) decode_step_attention_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
-  else if (qt == torch::kBFloat16 && kt == torch::kFloat32) decode_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, lengths, num_heads, scale, out);
+  if (qt == torch::kFloat32 && kt == torch::kFloat32) decode_step_attention_impl<float, float>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
+  else if (qt == torch::kFloat32 && kt == torch::kBFloat16) decode_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) decode_step_attention_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kFloat32) decode_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
   else TORCH_CHECK(false, "decode_step_attention: fp32 or bf16 queries and cache");
   return out;
 }
@@ -1175,16 +1235,18 @@ class Int4DecodeStack {
     layers_.push_back({attn_norm, mlp_norm, qkv, o, gate_up, down});
   }
 
-  // h (B, C) -> h after every layer; keys / values: each layer's cache slots (rows, H_kv, columns, D).
+  // h (B, C) -> h after every layer; keys / values: each layer's pool (blocks, H_kv, block_size, D), read through
+  // block_table (B, blocks) int32.
   torch::Tensor step(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
-                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, const torch::Tensor& lengths) const {
+                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, const torch::Tensor& lengths,
+                     const torch::Tensor& block_table) const {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "Int4DecodeStack: one cache per layer");
     const int64_t B = h.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto qkv = apply(layer.qkv, rms_norm(h, layer.attn_norm, eps_), c10::nullopt).view({B, H_ + 2 * H_kv_, D_});
-      const auto attended = decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, H_, scale);
+      const auto attended = decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale);
       h = apply(layer.o, attended, h);
       h = apply(layer.down, silu_mul(apply(layer.gate_up, rms_norm(h, layer.mlp_norm, eps_), c10::nullopt)), h);
     }
@@ -1236,7 +1298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
   m.def("decode_step_attention", &decode_step_attention,
-        "a decode step's rotary positions, cache write and attention for one layer, fused");
+        "a decode step's rotary positions, cache write and attention for one layer over the paged cache, fused");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
   py::class_<Int4DecodeStack>(m, "Int4DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double>())

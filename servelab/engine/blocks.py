@@ -1,0 +1,206 @@
+"""The paged KV cache's bookkeeping: which block of the pool each row's tokens sit in, and which full blocks
+hold a prefix that another request may share.
+
+A pool of `num_blocks` blocks of `block_size` token columns. Each row has a block table (its blocks in token
+order); a row takes a block when it grows past its last one and returns its blocks when it leaves. With prefix
+caching on, a full block is keyed by a hash chain over its tokens and every token before it (and a namespace:
+the model, its weights and the cache precision, everything else that changes the values a block holds), so a
+newcomer whose prompt starts with blocks already computed shares them (a reference count per block) and
+prefills only the rest. A block no row holds but whose hash is known stays in the pool, reusable, until a block
+is needed and none is free: then the least recently used such block is evicted (its hash forgotten).
+
+Pure: no torch. The tensors are kvcache.py's `PagedKVCache`; the scheduler reads the room left through the
+`KVRoom` view it is handed (servelab.scheduler). Does not know requests beyond their ids and token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no block to give (every block is held by a row)."""
+
+
+@dataclass
+class _RowBlocks:
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # the chain hash of each full block registered so far
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool, namespace: str = "") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a pool needs at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self._root = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        self._free = list(range(num_blocks))  # a heap: the lowest id first, so the pool's tensors stay compact
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, least recently used first
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._rows: dict[str, _RowBlocks] = {}
+        self.num_evicted = 0
+
+    # --- what the scheduler and the figures read ---
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a row may take now: never used, or cached but held by no row (evicted when taken)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one row (a shared block counted once)."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return sum(1 for n in self._refs if n > 1)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose hash is known (held or evictable): what a newcomer may find."""
+        return len(self._hash_of)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, row: str) -> list[int]:
+        return self._rows[row].blocks
+
+    def holds(self, row: str) -> bool:
+        return row in self._rows
+
+    def private_blocks(self, row: str) -> int:
+        """Blocks only this row holds: what its leaving frees."""
+        return sum(1 for b in self._rows[row].blocks if self._refs[b] == 1) if row in self._rows else 0
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks a prompt starts with (no side effect). At least the prompt's last token is left to
+        compute (its logits are the first token's), so a prompt cached whole shares all but its last block."""
+        if not self.prefix_caching:
+            return []
+        found, parent = [], self._root
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = self._chain(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self._block_of.get(parent)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def blocks_to_admit(self, token_ids: Sequence[int]) -> int:
+        """New blocks a prompt takes (its prompt and its first generated token), its cached prefix shared: the
+        scheduler's admission count. A cached block no row holds is counted: taking it makes it unavailable."""
+        hits = self.cached_prefix(token_ids)
+        fresh = self.blocks_for(len(token_ids) + 1) - len(hits)
+        return fresh + sum(1 for b in hits if self._refs[b] == 0)
+
+    # --- rows ---
+
+    def allocate(self, row: str, token_ids: Sequence[int]) -> int:
+        """A newcomer's blocks for its prompt: its cached prefix shared, the rest taken; -> tokens cached (the
+        prefill starts there). OutOfBlocks when the pool cannot hold it (nothing is taken then)."""
+        assert row not in self._rows, f"row {row} already holds blocks"
+        hits = self.cached_prefix(token_ids)
+        need = self.blocks_for(len(token_ids)) - len(hits)
+        if need + sum(1 for b in hits if self._refs[b] == 0) > self.num_free_blocks:
+            raise OutOfBlocks(f"{need} blocks needed, {self.num_free_blocks} free")
+        state = _RowBlocks()
+        parent = self._root
+        for i, block in enumerate(hits):
+            self._take(block)
+            parent = self._chain(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            state.blocks.append(block)
+            state.hashes.append(parent)
+        state.blocks += [self._take_free() for _ in range(need)]
+        self._rows[row] = state
+        return len(hits) * self.block_size
+
+    def grow(self, row: str, num_tokens: int) -> None:
+        """Room for num_tokens columns in the row's blocks (OutOfBlocks when none is left: the row keeps what
+        it had)."""
+        state = self._rows[row]
+        need = self.blocks_for(num_tokens) - len(state.blocks)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"row {row} needs {need} more blocks, {self.num_free_blocks} free")
+        state.blocks += [self._take_free() for _ in range(need)]
+
+    def step_blocks(self, rows: Sequence[tuple[str, int]]) -> int:
+        """New blocks these (row, columns it will hold) need: the next step's demand."""
+        return sum(max(0, self.blocks_for(n) - len(self._rows[r].blocks)) for r, n in rows if r in self._rows)
+
+    def commit(self, row: str, token_ids: Sequence[int]) -> None:
+        """The row's cache now holds these tokens' keys and values (its prompt and generated tokens so far): its
+        full blocks not yet registered are keyed, so later prompts may share them. A block whose hash another
+        block already holds stays private (the first stays the one found)."""
+        if not self.prefix_caching:
+            return
+        state = self._rows[row]
+        parent = state.hashes[-1] if state.hashes else self._root
+        for i in range(len(state.hashes), min(len(token_ids) // self.block_size, len(state.blocks))):
+            parent = self._chain(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            state.hashes.append(parent)
+            block = state.blocks[i]
+            if parent not in self._block_of and block not in self._hash_of:
+                self._block_of[parent], self._hash_of[block] = block, parent
+
+    def free(self, row: str) -> None:
+        """The row leaves: its blocks' references drop; a cached block no row holds becomes the most recently
+        used evictable one (a row's blocks are released last first, so a prompt's head outlives its tail)."""
+        state = self._rows.pop(row, None)
+        if state is None:
+            return
+        for block in reversed(state.blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:  # NOTE: last to first, so of this row's blocks its tail is evicted first
+                    self._evictable[block] = None
+                else:
+                    heapq.heappush(self._free, block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no row holds; -> how many were dropped."""
+        dropped = list(self._evictable)
+        for block in dropped:
+            self._forget(block)
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        return len(dropped)
+
+    # --- inside ---
+
+    def _take(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._evictable.pop(block, None)
+        self._refs[block] += 1
+
+    def _take_free(self) -> int:
+        if self._free:
+            block = heapq.heappop(self._free)
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            self.num_evicted += 1
+        else:
+            raise OutOfBlocks("no free block")
+        self._refs[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        digest = self._hash_of.pop(block)
+        if self._block_of.get(digest) == block:
+            del self._block_of[digest]
+
+    def _chain(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
