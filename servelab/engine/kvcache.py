@@ -159,7 +159,7 @@ class PagedKVCache:
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
     a block past them is taken: memory follows what the rows hold, up to the pool's size. A block is written
-    before it is read (a row reads only its own columns), so the pool is never cleared.
+    before it is read (a row reads only its own columns).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -193,8 +193,10 @@ class PagedKVCache:
             return
         blocks = min(self.manager.num_blocks, max(needed, have + have // 2))
         shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # NOTE: zeros, not empty: no column is read before it is written, but a dump or a comparison of the pool
+        # then never meets stale bits or NaN
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip((*self.keys, *self.values), (*keys, *values)):
             new[:have] = old
         self.keys, self.values = keys, values

@@ -57,10 +57,18 @@ def test_finished_rows_leave_the_batch(tiny_engine: Engine) -> None:
     assert result.completions[1].token_ids == alone.token_ids  # a batch-mate leaving changes nothing
 
 
-def _allocated_tokens(engine: Engine, num_rows: int, num_retained: int, capacity: int) -> int:
-    """Tokens the cache tensors hold room for: servelab's slot cache reserves room for every row's end up
-    front (rows x the largest prompt + max_new_tokens); transformers' cache grows to what is retained."""
-    return num_rows * capacity if engine.decoder.name == "servelab" else num_retained
+def _allocated_bytes(engine: Engine, num_retained: int) -> int:
+    """What the cache tensors hold: servelab's paged pool reaches as far as the highest block handed out (grown
+    by half again); transformers' cache grows to what is retained."""
+    if engine.blocks is not None:
+        return engine._paged.num_allocated_blocks * engine._paged.block_bytes
+    return engine.loaded.shape.kv_cache_bytes(num_retained, engine.kv_bytes_per_element)
+
+
+def _held(engine: Engine, num_tokens: int) -> int:
+    """Columns a row of num_tokens holds: whole blocks in servelab's paged cache, the tokens in transformers'."""
+    bs = engine.blocks.block_size if engine.blocks is not None else 1
+    return -(-num_tokens // bs) * bs
 
 
 def test_kv_cache_bytes_double_with_retained_tokens(either_engine: Engine) -> None:
@@ -70,11 +78,15 @@ def test_kv_cache_bytes_double_with_retained_tokens(either_engine: Engine) -> No
     num_short = len(either_engine.encode(_greedy(short_prompt, 1)))
     assert len(either_engine.encode(_greedy(long_prompt, 1))) == 2 * num_short
     shape = either_engine.loaded.shape
-    assert short.kv_cache_bytes == shape.kv_cache_bytes(num_short, 4) == 2 * 2 * 2 * 16 * 4 * num_short
-    assert long.kv_cache_bytes == 2 * short.kv_cache_bytes
+    held_short, held_long = _held(either_engine, num_short), _held(either_engine, 2 * num_short)
+    assert short.kv_cache_bytes == shape.kv_cache_bytes(held_short, 4) == 2 * 2 * 2 * 16 * 4 * held_short
+    assert long.kv_cache_bytes == shape.kv_cache_bytes(held_long, 4) and held_long >= 2 * num_short
     for memory, num_prompt in ((short, num_short), (long, 2 * num_short)):  # the formula matches real tensors
-        tokens = _allocated_tokens(either_engine, 1, num_prompt, num_prompt + 1)
-        assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
+        assert memory.kv_cache_allocated_bytes >= memory.kv_cache_bytes
+        if either_engine.blocks is None:
+            assert memory.kv_cache_allocated_bytes == _allocated_bytes(either_engine, num_prompt)
+    if either_engine.blocks is not None:
+        assert long.kv_cache_allocated_bytes <= _allocated_bytes(either_engine, 0)
 
 
 def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine) -> None:
@@ -82,12 +94,14 @@ def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine)
     memory = either_engine.generate(requests).memory
     width, short = (len(either_engine.encode(r)) for r in requests)
     shape = either_engine.loaded.shape
-    # NOTE: servelab's slots hold each row's own tokens; transformers' cache holds the short row left-padded
-    retained = width + short if either_engine.decoder.name == "servelab" else 2 * width
+    # NOTE: servelab's blocks hold each row's own tokens; transformers' cache holds the short row left-padded
+    retained = _held(either_engine, width) + _held(either_engine, short) if either_engine.blocks else 2 * width
     assert memory.kv_cache_tokens == retained
     assert memory.kv_cache_bytes == shape.kv_cache_bytes(retained, 4)
-    tokens = _allocated_tokens(either_engine, 2, 2 * width, width + 1)
-    assert memory.kv_cache_allocated_bytes == shape.kv_cache_bytes(tokens, 4)
+    if either_engine.blocks is None:
+        assert memory.kv_cache_allocated_bytes == _allocated_bytes(either_engine, 2 * width)
+    else:
+        assert memory.kv_cache_bytes <= memory.kv_cache_allocated_bytes <= _allocated_bytes(either_engine, 0)
 
 
 def test_weight_bytes_are_the_one_copy_the_process_holds(tiny_engine: Engine) -> None:
@@ -234,9 +248,9 @@ def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Eng
     full = tiny_engine.generate(requests).memory  # the same batch with the fp32 cache
     assert engine.kv_bytes_per_element == 2 and tiny_engine.kv_bytes_per_element == 4
     assert result.memory.kv_cache_bytes * 2 == full.kv_cache_bytes
-    room = max(len(engine.encode(r)) + r.params.max_new_tokens for r in requests)  # the longest row's end
     # NOTE: bf16 tensors really stored: 2 bytes per element
-    assert result.memory.kv_cache_allocated_bytes == engine.loaded.shape.kv_cache_bytes(2 * room, 2)
+    assert engine._paged.keys[0].dtype == torch.bfloat16
+    assert result.memory.kv_cache_allocated_bytes == engine._paged.num_allocated_blocks * engine._paged.block_bytes
     assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
     assert result.timings.num_rows_per_step[-1] == 1
 
