@@ -401,7 +401,7 @@ def _first_line(exc: BaseException) -> str:
 def _end_of(c: Completion) -> dict:
     status = {FinishReason.ERROR: "failed", FinishReason.CANCELLED: "cancelled"}.get(c.finish_reason, "succeeded")
     return end_event(status, finish_reason=c.finish_reason.value, prompt_tokens=c.num_prompt_tokens,
-                     completion_tokens=c.num_generated_tokens, error=c.error)
+                     completion_tokens=c.num_generated_tokens, cached_tokens=c.num_cached_tokens, error=c.error)
 
 
 def to_generation_request(row: store.StoredRequest) -> GenerationRequest:
