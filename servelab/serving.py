@@ -297,6 +297,7 @@ class ServingWorker:
             publish_step(self.streams.client, prefix=self.streams.prefix, events=self._unpublished)
             self._unpublished = StepEvents()
         timings, memory = self.engine.take_stats()
+        self.meter.stretch(timings)
         with self.held.lock:
             ended = self.scheduler.finish([c.request_id for c in completions])
         assert len(ended) == len(completions), "a row ended that the scheduler was not running"
