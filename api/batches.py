@@ -136,8 +136,10 @@ def _batch_out(session, job: jobs.StoredJob) -> BatchOut:
 
 
 def _openai_usage(usage: dict[str, int]) -> dict[str, Any]:
-    """NOTE: no prompt cache and no reasoning tokens here: their details are 0, truly."""
-    return {"input_tokens": usage["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    """NOTE: no reasoning tokens here: their details are 0, truly. Cached tokens are the prompt tokens served
+    from the prefix cache (a job that ended before they were counted stored none: 0, as nothing was cached)."""
+    return {"input_tokens": usage["input_tokens"],
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
             "output_tokens": usage["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["input_tokens"] + usage["output_tokens"]}
 

@@ -142,14 +142,16 @@ class RequestOut(BaseModel):
     finished_at: datetime | None
     finish_reason: FinishReason | None
     error: str | None
-    result: dict[str, Any] | None = Field(description="text, num_prompt_tokens, num_generated_tokens; logprobs "
-                                                      "(chat's content list) when asked")
+    result: dict[str, Any] | None = Field(description="text, num_prompt_tokens, num_generated_tokens, "
+                                                      "num_cached_tokens (prompt tokens served from the prefix "
+                                                      "cache); logprobs (chat's content list) when asked")
     timings: dict[str, float | None] | None = Field(description="queue_ms, ttft_ms, tpot_ms, e2e_ms")
 
     @classmethod
     def of(cls, v: RequestView) -> RequestOut:
         result = None if v.text is None else {"text": v.text, "num_prompt_tokens": v.num_prompt_tokens,
-                                              "num_generated_tokens": v.num_generated_tokens}
+                                              "num_generated_tokens": v.num_generated_tokens,
+                                              "num_cached_tokens": v.num_cached_tokens or 0}
         if result is not None and v.logprobs is not None:
             result["logprobs"] = chat_logprobs(Choice.of_stored(v.text, v.finish_reason, v.num_generated_tokens,
                                                                 v.logprobs).logprobs)["content"]
@@ -332,7 +334,8 @@ def _answer(views: list[RequestView], submitted: Submitted, wait_s: float) -> An
     if all(v.status.is_terminal for v in views):
         return Answer(first.id, first.serving_config_name, int(max(v.finished_at for v in views).timestamp()),
                       first.num_prompt_tokens, tuple(Choice.of_stored(v.text, v.finish_reason, v.num_generated_tokens,
-                                                                      v.logprobs) for v in views))
+                                                                      v.logprobs) for v in views),
+                      first.num_cached_tokens or 0)
     late = next(v for v in views if not v.status.is_terminal)
     where = (f"GET /v1/requests/{first.id}" if len(views) == 1 else
              "GET /v1/requests/{id} for each of its choices: " + ", ".join(v.id for v in views))

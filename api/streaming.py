@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from api.deps import ApiState
-from servelab.protocol import ChunkWriter
+from servelab.protocol import ChunkWriter, openai_usage
 from servelab.queue.submit import cancel_for_client
 from servelab.queue.tokens import (Diverged, Ended, Relay, RelayItem, Restarted, Shown, StreamClock, decode_event,
                                    tokens_key)
@@ -103,7 +103,8 @@ def _ending(stored: store.RequestView, shown: str) -> list[RelayItem]:
     if len(text) > len(shown) and text.startswith(shown):
         items.append(Shown(text[len(shown):], stored.num_prompt_tokens, stored.num_generated_tokens))
     return [*items, Ended(stored.status.value, stored.finish_reason.value if stored.finish_reason else None,
-                          stored.num_prompt_tokens, stored.num_generated_tokens, stored.error)]
+                          stored.num_prompt_tokens, stored.num_generated_tokens, stored.error,
+                          stored.num_cached_tokens)]
 
 
 def openai_stream(http: Request, state: ApiState, *, writer: ChunkWriter, arrived_s: float,
@@ -158,6 +159,7 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
     """One relay item as OpenAI chunks (or an SSE comment, which clients skip)."""
     if isinstance(item, Shown):
         clock.mark(time.time())
+        # NOTE: as vLLM's, the running usage has no cached count: the closing chunks' (the end event's) have it
         return [sse(writer.text(item.text, usage(item.prompt_tokens, item.completion_tokens)))]
     if isinstance(item, Restarted):
         return [(f": restarted: the worker serving this request stopped; attempt {item.attempt} generates it "
@@ -166,14 +168,15 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
         return [sse(_error(_diverged(writer.request_id), code="stream_diverged", kind="server_error"))]
     if item.status != "succeeded":
         return [sse(_error(item.error or f"the request ended {item.status}", code=f"request_{item.status}"))]
-    return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"),
-                                                     usage(item.prompt_tokens, item.completion_tokens))]
+    return [sse(chunk) for chunk in writer.closing(FinishReason(item.finish_reason or "stop"), usage(
+        item.prompt_tokens, item.completion_tokens, cached_tokens=item.cached_tokens or 0))]
 
 
-def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
-    """OpenAI's usage object; a count the worker did not send (an older worker's events) counts 0."""
-    prompt, completion = prompt_tokens or 0, completion_tokens or 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt_tokens: int | None, completion_tokens: int | None, *, cached_tokens: int | None = None
+          ) -> dict[str, Any]:
+    """OpenAI's usage object; a count the worker did not send (an older worker's events) counts 0.
+    cached_tokens: given, the prompt_tokens_details (the end's usage); None, left out (the running usage)."""
+    return openai_usage(prompt_tokens or 0, completion_tokens or 0, cached_tokens)
 
 
 def _close_stream(state: ApiState, request_id: str, clock: StreamClock, restarts: int, disconnected: bool,
@@ -224,9 +227,8 @@ async def _request_events(http: Request, state: ApiState, request_id: str,
     # rows publish only their end; streams expire), the rest of it otherwise
     if view.text and len(view.text) > len(shown) and view.text.startswith(shown):
         yield sse({"text": view.text[len(shown):]}, event="token")
-    usage = None if view.num_prompt_tokens is None else {
-        "prompt_tokens": view.num_prompt_tokens, "completion_tokens": view.num_generated_tokens,
-        "total_tokens": view.num_prompt_tokens + (view.num_generated_tokens or 0)}
+    usage = None if view.num_prompt_tokens is None else openai_usage(
+        view.num_prompt_tokens, view.num_generated_tokens or 0, view.num_cached_tokens or 0)
     yield sse({"status": view.status.value, "finish_reason": view.finish_reason.value if view.finish_reason else None,
                "usage": usage, "error": view.error, "timings": view.timings_ms}, event="end")
 

@@ -356,12 +356,24 @@ class Answer:
     created: int  # unix seconds
     num_prompt_tokens: int
     choices: tuple[Choice, ...]
+    num_cached_tokens: int = 0  # of the prompt counted (the first choice's), tokens served from the prefix cache
 
-    def usage(self) -> dict[str, int]:
-        """As OpenAI counts n choices: the prompt once, every choice's tokens."""
+    def usage(self) -> dict[str, Any]:
+        """As OpenAI counts n choices: the prompt once (the first choice's, with its cached tokens), every
+        choice's tokens."""
         num_generated = sum(c.num_generated_tokens for c in self.choices)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_generated,
-                "total_tokens": self.num_prompt_tokens + num_generated}
+        return openai_usage(self.num_prompt_tokens, num_generated, self.num_cached_tokens)
+
+
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object. cached_tokens: the prompt tokens served from the prefix cache, given as
+    `prompt_tokens_details.cached_tokens` (0 included: nothing was cached); None leaves the details out (a
+    stream's running usage, as vLLM's: the figure comes with the request's end)."""
+    counted: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                               "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        counted["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counted
 
 
 def _finish_reason(reason: FinishReason) -> str:
@@ -444,13 +456,13 @@ class ChunkWriter:
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""})] if self.is_chat else []
 
-    def text(self, piece: str, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def text(self, piece: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk = self._chunk({"content": piece} if self.is_chat else piece)
         if self.continuous_usage:
             chunk["usage"] = usage
         return chunk
 
-    def closing(self, finish_reason: FinishReason, usage: dict[str, int] | None) -> list[dict[str, Any]]:
+    def closing(self, finish_reason: FinishReason, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
         last = self._chunk({} if self.is_chat else "", finish_reason=_finish_reason(finish_reason))
         if self.continuous_usage:
             last["usage"] = usage

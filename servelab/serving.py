@@ -297,6 +297,7 @@ class ServingWorker:
             publish_step(self.streams.client, prefix=self.streams.prefix, events=self._unpublished)
             self._unpublished = StepEvents()
         timings, memory = self.engine.take_stats()
+        self.meter.stretch(timings)
         with self.held.lock:
             ended = self.scheduler.finish([c.request_id for c in completions])
         assert len(ended) == len(completions), "a row ended that the scheduler was not running"
@@ -401,7 +402,7 @@ def _first_line(exc: BaseException) -> str:
 def _end_of(c: Completion) -> dict:
     status = {FinishReason.ERROR: "failed", FinishReason.CANCELLED: "cancelled"}.get(c.finish_reason, "succeeded")
     return end_event(status, finish_reason=c.finish_reason.value, prompt_tokens=c.num_prompt_tokens,
-                     completion_tokens=c.num_generated_tokens, error=c.error)
+                     completion_tokens=c.num_generated_tokens, cached_tokens=c.num_cached_tokens, error=c.error)
 
 
 def to_generation_request(row: store.StoredRequest) -> GenerationRequest:

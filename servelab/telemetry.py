@@ -21,7 +21,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                generate_latest, start_http_server, values)
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from servelab.outputs import Completion
+from servelab.outputs import BatchTimings, Completion
 from servelab.request import FinishReason
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,10 @@ KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "KV-cache budget the running rows
 PREEMPTIONS = _counter("num_preemptions", "Rows taken out of the batch unfinished, to start over later.")
 PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens prefilled (a preempted row's prompt counts again).")
 GENERATION_TOKENS = _counter("generation_tokens", "Tokens generated, counted at the step that made them.")
+# NOTE: vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: the hit rate is rate(hits) / rate(queries);
+# a worker whose engine looks nothing up (prefix caching off, transformers' decoder) counts 0 queries: no rate
+PREFIX_CACHE_QUERIES = _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
 FINISHED = _counter("request_success", "Requests that finished, by finish reason (stop, length, error, cancelled; "
                     "as vLLM's counts its aborted ones).", ("model_name", "finished_reason"))
 STEP_TOKENS = _histogram("iteration_tokens_total", "Tokens per engine turn: newcomers' prompt tokens and the "
@@ -146,11 +150,13 @@ class WorkerMeter:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         labelled = (RUNNING, WAITING, KV_CACHE_USAGE, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, STEP_TOKENS,
-                    STEP_ROWS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, TTFT, ITL, TPOT, E2E, QUEUE_TIME)
+                    STEP_ROWS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, TTFT, ITL, TPOT, E2E, QUEUE_TIME,
+                    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
         # NOTE: children bound once: an observation is then a lock and an add, no label look-up
         (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
          self.step_tokens, self.step_rows, self.request_prompt_tokens, self.request_generation_tokens, self.ttft,
-         self.itl, self.tpot, self.e2e, self.queue_time) = (m.labels(model_name) for m in labelled)
+         self.itl, self.tpot, self.e2e, self.queue_time, self.prefix_queries, self.prefix_hits) = (
+            m.labels(model_name) for m in labelled)
 
     def turn(self, *, num_prompt_tokens: int, num_generated_tokens: int, num_step_rows: int, num_running: int,
              num_waiting: int, kv_cache_usage: float) -> None:
@@ -167,6 +173,12 @@ class WorkerMeter:
 
     def preempted(self, num_rows: int) -> None:
         self.preemptions.inc(num_rows)
+
+    def stretch(self, timings: BatchTimings) -> None:
+        """The engine's figures of a stretch of steps (what take_stats hands over, once): its prefix-cache
+        look-ups and hits, in tokens."""
+        self.prefix_queries.inc(timings.num_prefix_query_tokens)
+        self.prefix_hits.inc(timings.num_prefix_hit_tokens)
 
     def finished(self, completions: Iterable[Completion], *, enqueued_at: dict[str, datetime]) -> None:
         """Rows whose result is committed: counted by reason; those that ended normally also by their latencies."""

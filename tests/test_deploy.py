@@ -274,7 +274,8 @@ def test_the_grafana_dashboard_queries_only_names_and_labels_servelab_exports() 
     needed = {"servelab:time_to_first_token_seconds_bucket", "servelab:inter_token_latency_seconds_bucket",
               "servelab:e2e_request_latency_seconds_bucket", "servelab:request_queue_time_seconds_bucket",
               "servelab:generation_tokens_total", "servelab:submissions_total", "servelab:num_rows_per_step_bucket",
-              "servelab:kv_cache_usage_perc", "servelab:queue_depth", "servelab:request_success_total"}
+              "servelab:kv_cache_usage_perc", "servelab:queue_depth", "servelab:request_success_total",
+              "servelab:prefix_cache_queries_total", "servelab:prefix_cache_hits_total"}
     assert needed <= queried, needed - queried
 
 

@@ -4,6 +4,7 @@ change nothing; none is dropped in silence. On every edge: the API and a batch f
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from pydantic import ValidationError
 
 from servelab.outputs import Alternative, TokenLogprobs
 from servelab.protocol import (NO_EFFECT, NOT_HONOURED, Answer, ChatCompletionBody, Choice, CompletionBody, Rejection,
-                               chat_completion_object, completion_object, refuse_unhonoured, to_submission)
+                               chat_completion_object, completion_object, openai_usage, refuse_unhonoured,
+                               to_submission)
 from servelab.request import FinishReason
 from servelab.store.batch_jobs import LineError
 
@@ -177,8 +179,17 @@ def test_completion_logprobs_come_in_the_legacy_shape_with_the_chosen_token_amon
 
 
 def test_n_choices_are_indexed_in_order_and_the_prompt_is_counted_once() -> None:
-    answer = Answer("r1", "fp32", 0, 7, (Choice("a", FinishReason.STOP, 3), Choice("b", FinishReason.LENGTH, 5)))
+    answer = Answer("r1", "fp32", 0, 7, (Choice("a", FinishReason.STOP, 3), Choice("b", FinishReason.LENGTH, 5)), 4)
     body = chat_completion_object(answer)
     assert [(c["index"], c["message"]["content"], c["finish_reason"], c["logprobs"]) for c in body["choices"]] == [
         (0, "a", "stop", None), (1, "b", "length", None)]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_usage_says_the_cached_prompt_tokens_as_openai_does_and_a_running_usage_leaves_them_out() -> None:
+    answer = Answer("r1", "fp32", 0, 9, (Choice("a", FinishReason.STOP, 2),))
+    assert completion_object(answer)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}, "none cached: 0"
+    assert completion_object(replace(answer, num_cached_tokens=8))["usage"] == {
+        "prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert openai_usage(9, 1) == {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}

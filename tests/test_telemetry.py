@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
 from prometheus_client import generate_latest
 
-from servelab.outputs import Completion
+from servelab.outputs import BatchTimings, Completion
 from servelab.request import FinishReason
 from servelab.telemetry import (QUEUE_DEPTH, REGISTRY, SPECS, RequestTimes, WorkerMeter, count_submission,
                                 observe_streamed_ttft)
@@ -52,3 +53,20 @@ def test_the_spec_table_is_exactly_what_a_process_exports() -> None:
                               .decode(), flags=re.M))
     specified = {name for spec in SPECS.values() if spec.name != QUEUE_DEPTH for name in spec.sample_names}
     assert exported == specified
+
+
+def test_the_prefix_cache_counters_move_by_each_stretchs_look_ups_and_hits() -> None:
+    """Tokens, as vLLM's prefix_cache_queries / _hits; a stretch that looked nothing up (caching off) adds 0."""
+    model = f"prefix-{uuid.uuid4().hex[:6]}"
+    meter = WorkerMeter(model)
+
+    def counted() -> tuple[float | None, float | None]:
+        return tuple(REGISTRY.get_sample_value(f"servelab:prefix_cache_{kind}_total", {"model_name": model})
+                     for kind in ("queries", "hits"))
+
+    assert counted() == (0.0, 0.0), "exported from the worker's start, before any stretch"
+    stretch = BatchTimings(1.0, 2.0, (2, 2), 40, 2, num_prefix_query_tokens=40, num_prefix_hit_tokens=32)
+    meter.stretch(stretch)
+    meter.stretch(BatchTimings(1.0, 2.0, (1,), 7, 0))
+    meter.stretch(replace(stretch, num_prefix_query_tokens=9, num_prefix_hit_tokens=0))
+    assert counted() == (49.0, 32.0)

@@ -1,4 +1,5 @@
-"""KV cache: stored KV bytes against retained tokens, one straight line per config, with a run's requests on it.
+"""KV cache: stored KV bytes against retained tokens, one straight line per config, with a run's requests on it;
+then each run's prefix cache (its hit rate, n/a where nothing was looked up) and its blocks at the KV peak.
 
 At a fixed model and cache precision every retained token stores the same bytes (2 x layers x kv_heads x
 head_dim x bytes per element), so the cache grows on a line through the origin. The runs shown live in the
@@ -13,6 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, hints, reads
+from servelab.analysis.metrics import prefix_cache
 from servelab.store.queries import BatchPoint, RunListing, kv_bytes_per_token
 
 EXPLANATION = (
@@ -23,6 +25,13 @@ EXPLANATION = (
     "the least-squares fit through the origin; its slope is the bytes one retained token costs. The diamonds "
     "are the chosen run's requests, each at the tokens it kept when it finished (prompt + generated − 1: the "
     "last token is never fed back), placed on its config's line."
+)
+PREFIX_EXPLANATION = (
+    "**Prefix cache.** Of the prompt tokens the engine looked up in its prefix cache over a run's batches, the "
+    "share it found there and did not prefill (vLLM's prefix_cache_hits / prefix_cache_queries). *n/a* where "
+    "nothing was looked up: prefix caching off, transformers' decoder, or batches stored before it was counted; "
+    "that is no 0 %. Blocks are those of the run's batch with the most KV bytes: shared ones (read by two or "
+    "more rows) are counted once in its bytes; *not paged* where the cache has no blocks."
 )
 
 
@@ -86,6 +95,29 @@ def main() -> None:
         "largest gap to the line": f"{max(abs(p.kv_cache_bytes - slope * p.retained_tokens) / p.kv_cache_bytes for p in ps):.1%}",
     } for name, (slope, ps) in lines.items()]), hide_index=True, width="stretch")
     st.markdown(EXPLANATION)
+    st.subheader("Prefix cache and blocks")
+    st.dataframe(prefix_frame(reads.batch_points(tuple(run_ids)), listing), hide_index=True, width="stretch")
+    st.markdown(PREFIX_EXPLANATION)
+
+
+def prefix_frame(points: list[BatchPoint], listing: list[RunListing]) -> pd.DataFrame:
+    """One row per run: its prefix-cache hit rate over its batches and its blocks at its KV peak."""
+    by_run: dict[str, list[BatchPoint]] = defaultdict(list)
+    for p in points:
+        by_run[p.run_id].append(p)
+    names = {r.id: _label(r) for r in listing}
+    rows = []
+    for run_id, ps in by_run.items():
+        c = prefix_cache(ps)
+        paged = c.kv_block_size > 0
+        rows.append({"run": names.get(run_id, run_id[:8]),
+                     "prefix-cache hit rate": "n/a" if c.hit_rate is None else f"{c.hit_rate:.1%}",
+                     "prompt tokens looked up": c.num_query_tokens, "found in the cache": c.num_hit_tokens,
+                     # NOTE: text columns: a number or a word, one type per column
+                     "block size (tokens)": str(c.kv_block_size) if paged else "not paged",
+                     "blocks shared at the KV peak": str(c.kv_blocks_shared) if paged else "-",
+                     "blocks private at the KV peak": str(c.kv_blocks_private) if paged else "-"})
+    return pd.DataFrame(rows)
 
 
 main()

@@ -1,4 +1,5 @@
-"""A run's aggregates from its requests' measurements: throughput, latency percentiles, goodput, memory, cost.
+"""A run's aggregates from its requests' measurements: throughput, latency percentiles, goodput, memory, the
+prefix cache (hit rate, blocks shared and private), cost.
 
 Pure arithmetic on RequestSample / BatchSample dataclasses (which the store builds from rows):
 no database, no torch, no clock. Metric names follow the serving benchmarks people already read:
@@ -8,8 +9,10 @@ TTFT, TPOT, ITL, E2EL, queue time, goodput.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Protocol
 
 from servelab.analysis.stats import bootstrap, percentile, percentile_of
 from servelab.analysis.workload import SLOSpec
@@ -39,6 +42,11 @@ class BatchSample:
     kv_cache_bytes: int
     peak_working_bytes: int
     num_rows_per_step: tuple[int, ...] = ()  # rows that made a token at each pass
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # of those, found there (not prefilled)
+    kv_block_size: int = 0  # tokens per block; 0: the cache is not paged
+    kv_blocks_shared: int = 0  # at the batch's KV peak: blocks two or more rows read
+    kv_blocks_private: int = 0  # at the batch's KV peak: blocks one row holds
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,14 @@ class RunSummary:
     working_peak_bytes: int
     cost_per_request: float
     cost_per_1k_output_tokens: float
+    # NOTE: the prefix cache over the run's batches, in tokens; the hit rate is None when nothing was looked up
+    # (prefix caching off, transformers' decoder, batches stored before it was counted): n/a, never 0 %
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_hit_rate: float | None = None
+    kv_block_size: int = 0  # 0: not paged
+    kv_blocks_shared: int = 0  # at the run's KV peak (the batch holding the most KV bytes)
+    kv_blocks_private: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +100,7 @@ def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, 
     output_tokens = sum(r.num_output_tokens for r in ok)
     cost = price_per_hour * duration_s / 3600
     meets_slo = [meets(r, slo) for r in requests] if _has_slo(slo) else None
+    cache = prefix_cache(batches)
     return RunSummary(
         num_requests=len(requests), num_succeeded=len(ok), duration_s=duration_s, output_tokens=output_tokens,
         output_tokens_per_s=output_tokens / duration_s, requests_per_s=len(ok) / duration_s,
@@ -98,7 +115,50 @@ def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, 
         working_peak_bytes=max((b.peak_working_bytes for b in batches), default=0),
         cost_per_request=cost / max(len(ok), 1),
         cost_per_1k_output_tokens=cost / max(output_tokens, 1) * 1000,
+        prefix_cache_query_tokens=cache.num_query_tokens, prefix_cache_hit_tokens=cache.num_hit_tokens,
+        prefix_cache_hit_rate=cache.hit_rate, kv_block_size=cache.kv_block_size,
+        kv_blocks_shared=cache.kv_blocks_shared, kv_blocks_private=cache.kv_blocks_private,
     )
+
+
+class CacheFigures(Protocol):
+    """A batch's KV figures, as a BatchSample or the dashboard's BatchPoint holds them."""
+
+    kv_cache_bytes: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    kv_block_size: int
+    kv_blocks_shared: int
+    kv_blocks_private: int
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """A run's prefix cache over its batches (in tokens), and its paged cache's blocks at the run's KV peak."""
+
+    num_query_tokens: int
+    num_hit_tokens: int
+    hit_rate: float | None  # None: nothing was looked up
+    kv_block_size: int  # 0: not paged
+    kv_blocks_shared: int  # of the batch holding the most KV bytes
+    kv_blocks_private: int
+
+
+def prefix_cache(batches: Sequence[CacheFigures]) -> PrefixCache:
+    """Look-ups and hits summed over the batches; blocks of the batch with the most KV bytes (the first of equals)."""
+    queried, hit = sum(b.num_prefix_query_tokens for b in batches), sum(b.num_prefix_hit_tokens for b in batches)
+    peak = max(batches, key=lambda b: b.kv_cache_bytes, default=None)
+    blocks = (0, 0, 0) if peak is None else (peak.kv_block_size, peak.kv_blocks_shared, peak.kv_blocks_private)
+    return PrefixCache(queried, hit, prefix_hit_rate(queried, hit), *blocks)
+
+
+def prefix_hit_rate(num_query_tokens: int, num_hit_tokens: int) -> float | None:
+    """Hit tokens over the tokens looked up; None when none was looked up (the figure does not exist there:
+    a cache that was off did not miss). More hits than look-ups is the engine's error, said here."""
+    if not 0 <= num_hit_tokens <= num_query_tokens:
+        raise ValueError(f"{num_hit_tokens} prefix-cache hit tokens of {num_query_tokens} looked up: hits are "
+                         "counted among the look-ups, so they can be neither negative nor more")
+    return num_hit_tokens / num_query_tokens if num_query_tokens else None
 
 
 def _mean(values: list[int]) -> float:

@@ -68,9 +68,22 @@ def _format_summary(summary) -> str:
                      f"({summary.goodput_requests_per_s:.2f} req/s)")
     lines.append(f"  memory: weights {summary.weight_bytes / 1e6:.1f} MB, KV cache peak "
                  f"{summary.kv_cache_peak_bytes / 1e6:.2f} MB, working peak {summary.working_peak_bytes / 1e6:.1f} MB")
+    lines.append(f"  {prefix_cache_text(summary)}")
     lines.append(f"  cost: {summary.cost_per_request:.6f} per request, {summary.cost_per_1k_output_tokens:.6f} "
                  "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)")
     return "\n".join(lines)
+
+
+def prefix_cache_text(summary) -> str:
+    """The prefix cache's figures of a run: its hit rate (n/a where nothing was looked up), its blocks."""
+    rate = summary.prefix_cache_hit_rate
+    hits = ("prefix cache: n/a (no prompt token was looked up)" if rate is None else
+            f"prefix cache: {rate:.1%} hit ({summary.prefix_cache_hit_tokens} of {summary.prefix_cache_query_tokens} "
+            "prompt tokens looked up)")
+    if not summary.kv_block_size:
+        return f"{hits}; KV cache not paged"
+    return (f"{hits}; at the KV peak {summary.kv_blocks_shared} shared + {summary.kv_blocks_private} private "
+            f"blocks of {summary.kv_block_size} tokens")
 
 
 # NOTE: 2 stays every command's "bad input or failed step" (options.fail), so a CI job can tell the three apart.

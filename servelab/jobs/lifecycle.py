@@ -146,13 +146,15 @@ def _custom_id(raw: bytes) -> str | None:
 
 def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, output: files.FileWriter,
                  errors: files.FileWriter) -> Counts:
-    num_output = num_errors = input_tokens = output_tokens = 0
+    num_output = num_errors = input_tokens = output_tokens = cached_tokens = 0
     for r in store.iter_job_requests(session, job_id=job.id):
         if r.status is RequestStatus.SUCCEEDED and r.text is not None:
             input_tokens += r.num_prompt_tokens
             output_tokens += r.num_generated_tokens
+            cached_tokens += r.num_cached_tokens or 0
             answer = Answer(r.id, r.serving_config_name, int(r.finished_at.timestamp()), r.num_prompt_tokens,
-                            (Choice.of_stored(r.text, r.finish_reason, r.num_generated_tokens, r.logprobs),))
+                            (Choice.of_stored(r.text, r.finish_reason, r.num_generated_tokens, r.logprobs),),
+                            r.num_cached_tokens or 0)
             body = response_object(job.endpoint, answer)
             _line(output, r.id, r.custom_id, response={"status_code": 200, "request_id": r.id, "body": body})
             num_output += 1
@@ -168,7 +170,7 @@ def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, out
     for e in store.iter_line_errors(session, job_id=job.id):
         _line(errors, f"line-{e.line_no}", e.custom_id, error={"code": e.code, "message": e.message}, line=e.line_no)
         num_errors += 1
-    return Counts(num_output, num_errors, store.TokenUsage(input_tokens, output_tokens))
+    return Counts(num_output, num_errors, store.TokenUsage(input_tokens, output_tokens, cached_tokens))
 
 
 def _line(out: files.FileWriter, request_id: str, custom_id: str | None, *, response: dict | None = None,

@@ -116,7 +116,8 @@ def batch_samples(session: Session, *, request_ids: list[str]) -> list[BatchSamp
         RequestMetricsRow.request_id.in_([uuid.UUID(i) for i in request_ids])).distinct()
     rows = session.scalars(select(BatchRow).where(BatchRow.id.in_(batch_ids))).all()
     return [BatchSample(b.num_requests, b.weight_bytes, b.kv_cache_bytes, b.peak_working_bytes,
-                        tuple(b.num_rows_per_step)) for b in rows]
+                        tuple(b.num_rows_per_step), b.num_prefix_query_tokens, b.num_prefix_hit_tokens,
+                        b.kv_block_size, b.kv_blocks_shared, b.kv_blocks_private) for b in rows]
 
 
 def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:

@@ -188,9 +188,11 @@ def notify_done(client: redis.Redis, *, prefix: str, ends: dict[str, dict[str, A
 
 
 def end_event(status: str, *, finish_reason: str | None = None, prompt_tokens: int | None = None,
-              completion_tokens: int | None = None, error: str | None = None) -> dict[str, Any]:
+              completion_tokens: int | None = None, cached_tokens: int | None = None,
+              error: str | None = None) -> dict[str, Any]:
+    """cached_tokens: of the prompt tokens, those served from the prefix cache (the stream's final usage)."""
     return {"status": status, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens, "error": error}
+            "completion_tokens": completion_tokens, "cached_tokens": cached_tokens, "error": error}
 
 
 def wait_done(client: redis.Redis, *, prefix: str, request_id: str, timeout_s: float) -> bool:

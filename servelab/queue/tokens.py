@@ -131,6 +131,7 @@ class Ended:
     prompt_tokens: int | None
     completion_tokens: int | None
     error: str | None
+    cached_tokens: int | None = None  # of the prompt tokens, served from the prefix cache (an older worker: None)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class Relay:
             if self._starts > 1 and len(self._generation) < len(self.shown) and event.get("status") == "succeeded":
                 return [Diverged()]  # NOTE: the retried answer is shorter than the text already shown
             return [Ended(str(event.get("status")), event.get("finish_reason"), event.get("prompt_tokens"),
-                          event.get("completion_tokens"), event.get("error"))]
+                          event.get("completion_tokens"), event.get("error"), event.get("cached_tokens"))]
         return []
 
 

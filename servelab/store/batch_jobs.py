@@ -49,13 +49,16 @@ class RequestCounts:
 
 @dataclass(frozen=True)
 class TokenUsage:
-    """Tokens of a job's succeeded requests: the prompts read and the completions written."""
+    """Tokens of a job's succeeded requests: the prompts read (of them, those served from the prefix cache)
+    and the completions written."""
 
     input_tokens: int
     output_tokens: int
+    cached_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "cached_tokens": self.cached_tokens}
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class JobRequest:
     num_prompt_tokens: int | None
     num_generated_tokens: int | None
     logprobs: list[dict[str, Any]] | None = None  # as stored, when the line asked for them
+    num_cached_tokens: int | None = None  # of num_prompt_tokens, served from the prefix cache
 
 
 TIMESTAMPS = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
@@ -190,11 +194,12 @@ def sum_usage(session: Session, *, job_id: uuid.UUID) -> TokenUsage:
     """Tokens of the job's succeeded requests so far (the requests its output file answers)."""
     row = session.execute(
         select(func.coalesce(func.sum(ResultRow.num_prompt_tokens), 0),
-               func.coalesce(func.sum(ResultRow.num_generated_tokens), 0))
+               func.coalesce(func.sum(ResultRow.num_generated_tokens), 0),
+               func.coalesce(func.sum(ResultRow.num_cached_tokens), 0))
         .join(RequestRow, RequestRow.id == ResultRow.request_id)
         .where(RequestRow.batch_job_id == job_id, RequestRow.status == RequestStatus.SUCCEEDED)
     ).one()
-    return TokenUsage(int(row[0]), int(row[1]))
+    return TokenUsage(int(row[0]), int(row[1]), int(row[2]))
 
 
 def active_job_ids(session: Session) -> list[uuid.UUID]:
@@ -393,7 +398,8 @@ def iter_job_requests(session: Session, *, job_id: uuid.UUID, page_size: int = 1
     query = (
         select(RequestRow.id, RequestRow.custom_id, RequestRow.serving_config_name, RequestRow.status,
                RequestRow.error, RequestRow.finish_reason, RequestRow.finished_at, ResultRow.text,
-               ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens, ResultRow.logprobs)
+               ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens, ResultRow.logprobs,
+               ResultRow.num_cached_tokens)
         .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
         .where(RequestRow.batch_job_id == job_id).order_by(RequestRow.enqueued_at, RequestRow.id)
     )

@@ -56,6 +56,7 @@ STREAM_KIND = Enum(StreamKind, name="stream_kind", values_callable=_values)
 FINISH_REASON = Enum(FinishReason, name="finish_reason", values_callable=_values)
 
 Timestamp = DateTime(timezone=True)
+ZERO = text("0")  # NOTE: a server default for tables with a column named `text`, which hides the function there
 
 
 class Base(DeclarativeBase):
@@ -139,6 +140,9 @@ class ResultRow(Base):
     # text_offset and the top alternatives.
     logprobs: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True))
     created_at: Mapped[datetime] = mapped_column(Timestamp, server_default=func.now())
+    # Prompt tokens served from the prefix cache, not prefilled (migration 0012; rows before it read 0):
+    # the answer's usage.prompt_tokens_details.cached_tokens
+    num_cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=ZERO)
 
 
 class BatchRow(Base):
@@ -170,6 +174,14 @@ class BatchRow(Base):
     num_preempted: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     started_at: Mapped[datetime] = mapped_column(Timestamp)
     finished_at: Mapped[datetime] = mapped_column(Timestamp)
+    # NOTE: migration 0012: prompt tokens looked up in the prefix cache and, of those, found there (vLLM's
+    # prefix_cache_queries / _hits); 0 looked up (caching off, transformers' decoder, a batch stored before)
+    # leaves the hit rate undefined, never 0 %. Blocks at the KV peak; kv_block_size 0: the cache is not paged.
+    num_prefix_query_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    num_prefix_hit_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    kv_block_size: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    kv_blocks_shared: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    kv_blocks_private: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
 
 class RequestMetricsRow(Base):

@@ -76,6 +76,11 @@ class BatchPoint:
     retained_tokens: int
     weight_bytes: int
     peak_working_bytes: int
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache, and of those found there
+    num_prefix_hit_tokens: int = 0
+    kv_block_size: int = 0  # 0: the cache is not paged
+    kv_blocks_shared: int = 0  # at the batch's KV peak
+    kv_blocks_private: int = 0
 
 
 @dataclass(frozen=True)
@@ -240,13 +245,15 @@ def batch_points(session: Session, *, run_ids: list[str]) -> list[BatchPoint]:
         select(served.c.run_id, RunRow.serving_config_name, RunRow.config["weights"].astext,
                RunRow.config["kv_cache_dtype"].astext, BatchRow.num_requests, BatchRow.kv_cache_bytes,
                BatchRow.num_rows_per_step, BatchRow.num_prefill_tokens, BatchRow.weight_bytes,
-               BatchRow.peak_working_bytes, BatchRow.kv_cache_tokens)
+               BatchRow.peak_working_bytes, BatchRow.kv_cache_tokens, BatchRow.num_prefix_query_tokens,
+               BatchRow.num_prefix_hit_tokens, BatchRow.kv_block_size, BatchRow.kv_blocks_shared,
+               BatchRow.kv_blocks_private)
         .join(BatchRow, BatchRow.id == served.c.batch_id).join(RunRow, RunRow.id == served.c.run_id)
         .order_by(RunRow.serving_config_name, BatchRow.started_at)
     ).all()
     return [BatchPoint(str(run_id), name, weights or "-", kv or "-", num, kv_bytes,
-                       tokens if tokens is not None else peak_retained_tokens(steps, prefill), wb, work)
-            for run_id, name, weights, kv, num, kv_bytes, steps, prefill, wb, work, tokens in rows]
+                       tokens if tokens is not None else peak_retained_tokens(steps, prefill), wb, work, *cache)
+            for run_id, name, weights, kv, num, kv_bytes, steps, prefill, wb, work, tokens, *cache in rows]
 
 
 def peak_retained_tokens(num_rows_per_step: list[int], num_prefill_tokens: int) -> int:

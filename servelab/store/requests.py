@@ -126,6 +126,8 @@ def record_batch(
         kv_cache_bytes=m.kv_cache_bytes, kv_cache_allocated_bytes=m.kv_cache_allocated_bytes,
         peak_working_bytes=m.peak_working_bytes, peak_process_bytes=m.peak_process_bytes,
         kv_cache_tokens=m.kv_cache_tokens, num_preempted=t.num_preempted,
+        num_prefix_query_tokens=t.num_prefix_query_tokens, num_prefix_hit_tokens=t.num_prefix_hit_tokens,
+        kv_block_size=m.kv_block_size, kv_blocks_shared=m.kv_blocks_shared, kv_blocks_private=m.kv_blocks_private,
         started_at=started_at, finished_at=finished_at,
     ).on_conflict_do_nothing(index_elements=["id"]))
     return {c.request_id for c in result.completions
@@ -174,6 +176,7 @@ def _finish(session: Session, c: Completion, *, batch_id: uuid.UUID, started_at:
         request_id=uuid.UUID(c.request_id), text=c.text, num_prompt_tokens=c.num_prompt_tokens,
         num_generated_tokens=c.num_generated_tokens, token_ids=list(c.token_ids),
         logprobs=None if c.logprobs is None else [t.to_stored() for t in c.logprobs],
+        num_cached_tokens=c.num_cached_tokens,
     ).on_conflict_do_nothing(index_elements=["request_id"]))
     session.execute(insert(RequestMetricsRow).values(
         request_id=uuid.UUID(c.request_id), batch_id=batch_id,
@@ -304,6 +307,7 @@ class RequestView:
     num_generated_tokens: int | None
     timings_ms: dict[str, float | None] | None  # queue_ms, ttft_ms, tpot_ms, e2e_ms; streamed_ttft_ms, streamed_itl_ms
     logprobs: list[dict[str, Any]] | None = None  # as stored: TokenLogprobs.to_stored per generated token
+    num_cached_tokens: int | None = None  # of num_prompt_tokens, served from the prefix cache; None: no result
 
 
 def choice_ids(session: Session, *, request_id: str, tenant: str) -> list[str]:
@@ -338,5 +342,5 @@ def get_request_view(session: Session, *, request_id: str, tenant: str) -> Reque
         str(r.id), r.tenant, r.serving_config_name, r.status, r.priority, r.enqueued_at, r.started_at,
         r.first_token_at, r.finished_at, r.finish_reason, r.error, result.text if result else None,
         result.num_prompt_tokens if result else None, result.num_generated_tokens if result else None, timings,
-        result.logprobs if result else None,
+        result.logprobs if result else None, result.num_cached_tokens if result else None,
     )

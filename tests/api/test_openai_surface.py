@@ -360,7 +360,8 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
     assert batch.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outputs) > 0
     assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs) > 0
     assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
-    assert batch.usage.input_tokens_details.cached_tokens == 0
+    assert batch.usage.input_tokens_details.cached_tokens == sum(
+        o["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outputs)
     [refused] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
     assert refused["error"]["code"] == "unsupported_parameter" and "tools" in refused["error"]["message"]
     for file_id in (batch.output_file_id, batch.error_file_id):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import streamlit as st
+from sqlalchemy.orm import Session
 from streamlit.testing.v1 import AppTest
 
+from servelab.store.db import make_engine
+from servelab.store.models import RunRow
 from tests.conftest import REDIS_URL
 from tests.dashboard.conftest import APP
 
@@ -102,10 +106,24 @@ def test_every_page_renders_the_seeded_runs(open_app, seeded, page) -> None:
     elif page == "pages/kv_cache.py":
         assert charts(at) and "bytes per retained token" in at.dataframe[0].value.columns
         assert (at.dataframe[0].value["largest gap to the line"] == "0.0%").all()
+        shown_cache = at.dataframe[1].value
+        assert len(shown_cache) == len(at.multiselect[0].value) and "Prefix cache" in shown
+        assert list(shown_cache["prefix-cache hit rate"]) == expected_hit_rates(seeded, at.multiselect[0].value)
     elif page == "pages/jobs.py":
         frames = [d.value for d in at.dataframe]
         assert any(seeded.failure_reason in set(f.get("reason", [])) for f in frames)
         assert any("progress" in f.columns for f in frames) and any("interactive stream" in f.columns for f in frames)
+
+
+def expected_hit_rates(seeded, run_ids: list[str]) -> list[str]:
+    """Each run's hit rate as its stored summary says it: n/a where nothing was looked up."""
+    engine = make_engine(seeded.database_url)
+    try:
+        with Session(engine) as session:
+            rates = [session.get(RunRow, uuid.UUID(i)).summary["prefix_cache_hit_rate"] for i in run_ids]
+    finally:
+        engine.dispose()
+    return ["n/a" if rate is None else f"{rate:.1%}" for rate in rates]
 
 
 def test_runs_page_filters_live_in_the_url(open_app, seeded) -> None:

@@ -10,12 +10,13 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from servelab.analysis.metrics import prefix_cache
 from servelab.memory import ModelShape
 from servelab.lab import runsets
 from servelab.queue.streams import stream_depths
 from servelab.store import queries
 from servelab.store.db import make_engine
-from servelab.store.models import RunRequestRow
+from servelab.store.models import RunRequestRow, RunRow
 from servelab.store.requests import register_worker
 from tests.conftest import REDIS_URL
 
@@ -86,6 +87,18 @@ def test_retained_tokens_put_every_batch_on_its_configs_line(db, seeded) -> None
     requests = queries.request_tokens(db, run_ids=seeded.baseline_ids[:1])
     assert len(requests) == 6 and all(r.num_generated_tokens == 4 for r in requests)
     assert all(r.retained_tokens == r.num_prompt_tokens + 3 for r in requests)
+
+
+def test_a_runs_stored_prefix_cache_figures_are_its_batches(db, seeded) -> None:
+    """The run summary's hit rate and blocks, as the KV page rebuilds them from the batches it reads."""
+    for run_id in seeded.baseline_ids:
+        summary = db.get(RunRow, uuid.UUID(run_id)).summary
+        cache = prefix_cache(queries.batch_points(db, run_ids=[run_id]))
+        assert (summary["prefix_cache_query_tokens"], summary["prefix_cache_hit_tokens"],
+                summary["prefix_cache_hit_rate"]) == (cache.num_query_tokens, cache.num_hit_tokens, cache.hit_rate)
+        assert (summary["kv_block_size"], summary["kv_blocks_shared"], summary["kv_blocks_private"]) == (
+            cache.kv_block_size, cache.kv_blocks_shared, cache.kv_blocks_private)
+        assert (summary["prefix_cache_hit_rate"] is None) == (summary["prefix_cache_query_tokens"] == 0)
 
 
 def test_peak_retained_tokens_follow_the_batch_shape() -> None:

@@ -55,6 +55,9 @@ def test_the_workers_counts_agree_with_the_rows_it_stored(make_served) -> None:
     # each decode step of r rows makes r tokens: the rows observed per step add up to the stored decode tokens
     assert sample(served, "num_rows_per_step_sum") == sum(b.num_decode_tokens for b in batches)
     assert sample(served, "iteration_tokens_total_sum") == prompt_tokens + generated
+    # the prefix cache's look-ups and hits: each stretch's figures, counted once and stored once
+    assert sample(served, "prefix_cache_queries_total") == sum(b.num_prefix_query_tokens for b in batches)
+    assert sample(served, "prefix_cache_hits_total") == sum(b.num_prefix_hit_tokens for b in batches)
     for idle in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert sample(served, idle) == 0, idle
 

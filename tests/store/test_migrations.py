@@ -93,3 +93,37 @@ def test_files_are_cut_into_parts_on_the_way_up_and_joined_again_on_the_way_down
             assert dict(conn.execute(text("SELECT id, content FROM files")).all()) == contents
     finally:
         engine.dispose()
+
+
+def test_results_and_batches_stored_before_prefix_caching_read_as_nothing_cached_and_nothing_looked_up(
+    fresh_database_url: URL, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migration 0012: old rows read 0 (a hit rate of no look-ups is n/a, not 0 %); down drops the columns only."""
+    monkeypatch.chdir(tmp_path)
+    upgrade(fresh_database_url, "0011")
+    engine = make_engine(fresh_database_url)
+    try:
+        with engine.begin() as conn:
+            request_id = conn.scalar(text("INSERT INTO requests (serving_config_name, stream, prompt) "
+                                          "VALUES ('fp32', 'interactive', 'hi') RETURNING id"))
+            conn.execute(text("INSERT INTO results (request_id, text, num_prompt_tokens, num_generated_tokens, "
+                              "token_ids) VALUES (:id, 'yo', 2, 1, '{7}')"), {"id": request_id})
+            conn.execute(text("INSERT INTO batches (id, worker_name, serving_config_name, config_hash, num_requests, "
+                              "num_rows_per_step, prefill_ms, decode_ms, num_prefill_tokens, num_decode_tokens, "
+                              "device, weight_bytes, kv_cache_bytes, kv_cache_allocated_bytes, peak_working_bytes, "
+                              "peak_process_bytes, started_at, finished_at) VALUES (gen_random_uuid(), 'w', 'fp32', "
+                              "'h', 1, '{1}', 1, 1, 2, 1, 'cpu', 1, 1, 1, 1, 1, now(), now())"))
+        upgrade(fresh_database_url)
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT num_cached_tokens FROM results")) == 0
+            assert tuple(conn.execute(text(
+                "SELECT num_prefix_query_tokens, num_prefix_hit_tokens, kv_block_size, kv_blocks_shared, "
+                "kv_blocks_private FROM batches")).one()) == (0, 0, 0, 0, 0)
+        downgrade(fresh_database_url, "0011")
+        with engine.connect() as conn:
+            columns = {c["name"] for table in ("results", "batches") for c in inspect(conn).get_columns(table)}
+            assert not columns & {"num_cached_tokens", "num_prefix_query_tokens", "num_prefix_hit_tokens",
+                                  "kv_block_size", "kv_blocks_shared", "kv_blocks_private"}
+            assert conn.scalar(text("SELECT count(*) FROM results")) == 1, "the rows stay"
+    finally:
+        engine.dispose()
