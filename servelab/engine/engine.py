@@ -315,10 +315,14 @@ class Engine:
         # NOTE: while rows run, each keeps a block in reserve for its next token, so a newcomer does not take the
         # block a running row needs next (and the pool's preemption rarely has to act)
         reserve = sum(r.holds_blocks for r in self._rows)
+        prefix_caching = self.blocks.prefix_caching
+        prefilling = [r for r in self._rows if r.holds_blocks and r.num_pending > 1] if prefix_caching else []
         for row in self._rows:
             if row.holds_blocks:
                 continue
             tokens = row.tokens
+            if any(self._waits_for_prefix(tokens, other) for other in prefilling):
+                continue  # NOTE: it takes its blocks once they are computed and shared, not computed twice
             if self.blocks.blocks_to_admit(tokens) + reserve > self.blocks.num_free_blocks and reserve:
                 return  # NOTE: in order: a younger row never overtakes an older one for the pool
             try:
@@ -327,11 +331,21 @@ class Engine:
                 return
             reserve += 1
             row.holds_blocks, row.num_computed = True, cached
+            if prefix_caching and row.num_pending > 1:
+                prefilling.append(row)
             if not row.token_ids:  # its first admission: what the prompt found is its cached_tokens
                 row.num_cached_tokens = cached
                 if self.blocks.prefix_caching:
                     meter.num_prefix_query_tokens += len(tokens)
                     meter.num_prefix_hit_tokens += cached
+
+    def _waits_for_prefix(self, tokens: list[int], other: _Row) -> bool:
+        """Whether a newcomer starts with full blocks another row is still prefilling: it waits for them to be
+        cached (a bulk job's lines sharing a system prompt admitted together prefill it once, not once each)."""
+        bs = self.blocks.block_size
+        limit = min(len(tokens) - 1, len(other.prompt_ids))
+        common = next((i for i, (a, b) in enumerate(zip(tokens[:limit], other.prompt_ids[:limit])) if a != b), limit)
+        return common >= bs and other.num_computed < common // bs * bs
 
     def _room_for_decode(self, decoding: list[_Row]) -> list[_Row]:
         """Each decoding row's next column has a block; when the pool runs out, the newest row holding blocks
