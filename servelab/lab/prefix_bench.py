@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -60,6 +60,7 @@ class PrefixJob:
     output_tokens: int
     queries: float | None  # prompt tokens the worker looked up in its prefix cache during the job; None: no counter
     hits: float | None  # of those, tokens found there
+    answers: dict[str, str] = field(default_factory=dict, repr=False)  # custom_id -> the answer's text
 
     @property
     def hit_rate(self) -> float | None:
@@ -125,7 +126,7 @@ def bench_stack(settings: Settings, config_paths: list[Path], *, progress: Calla
         env = {"SERVELAB_REDIS_URL": runtime.urls.redis_url, "SERVELAB_DATABASE_URL": runtime.urls.database_url,
                "SERVELAB_KEY_PREFIX": runtime.settings.key_prefix, "SERVELAB_STATE_DIR": folder,
                "SERVELAB_CACHE_DIR": str(Path(settings.cache_dir).resolve()), "SERVELAB_CONFIGS_DIR": folder,
-               "SERVELAB_JOBS_POLL_S": str(POLL_S)}
+               "SERVELAB_JOBS_POLL_S": str(POLL_S), "SERVELAB_WORKER_METRICS_PORT": "8001"}  # NOTE: or the next free
         port = free_port()
         progress(f"starting the api on port {port}, the jobs-worker, beat and a worker for each of {', '.join(names)}")
         try:
@@ -195,8 +196,20 @@ def _run_job(client: httpx.Client, metrics_url: str, name: str, round_no: int, c
     after = prefix_cache_counts(httpx.get(metrics_url, timeout=10).text)
     queries, hits = (None if a is None else a - (b or 0.0) for a, b in zip(after, before))
     counts, usage = batch["request_counts"], batch["usage"]
+    output = client.get(f"/v1/files/{batch['output_file_id']}/content") if batch["output_file_id"] else None
+    if output is not None and output.status_code >= 400:
+        _checked(output)
     return PrefixJob(name, round_no, wall_s, counts["completed"], counts["failed"], usage["input_tokens"],
-                     usage["output_tokens"], queries, hits)
+                     usage["output_tokens"], queries, hits, answers(output.content if output is not None else b""))
+
+
+def answers(output_file: bytes) -> dict[str, str]:
+    """A chat batch's output file -> each line's answer text, by custom_id."""
+    found = {}
+    for raw in output_file.splitlines():
+        record = json.loads(raw)
+        found[record["custom_id"]] = record["response"]["body"]["choices"][0]["message"]["content"]
+    return found
 
 
 def _checked(response: httpx.Response) -> dict:
@@ -224,6 +237,13 @@ def format_prefix_table(jobs: list[PrefixJob], names: list[str]) -> str:
             ratio = statistics.median(ratios)
             lines.append(f"{name} against {base}: wall time x{ratio:.3f} (median of {len(ratios)} round(s); "
                          f"{1 / ratio:.2f} times as fast)")
+        same, common = 0, 0
+        for r in sorted({j.round_no for j in jobs}):
+            if (name, r) in by_round and (base, r) in by_round:
+                theirs, ours = by_round[(base, r)].answers, by_round[(name, r)].answers
+                common += len(theirs.keys() & ours.keys())
+                same += sum(theirs[k] == ours[k] for k in theirs.keys() & ours.keys())
+        lines.append(f"{name} against {base}: identical greedy answers on {same} of {common} lines")
     lines.append("hit rate: servelab:prefix_cache_hits_total / servelab:prefix_cache_queries_total over the job, "
                  "from the worker's /metrics (n/a: the worker exports no such counter)")
     return "\n".join(lines)

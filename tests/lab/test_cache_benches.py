@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from servelab.analysis.workload import system_prompt
 from servelab.cli import app
 from servelab.lab.chunked_bench import ChunkedBenchError, ChunkedShape, format_chunked_table, run_chunked_bench
-from servelab.lab.prefix_bench import PrefixJob, batch_lines, format_prefix_table, prefix_cache_counts, round_order
+from servelab.lab.prefix_bench import (PrefixJob, answers, batch_lines, format_prefix_table, prefix_cache_counts,
+                                       round_order)
 from servelab.request import GenerationRequest, SamplingParams
 
 
@@ -36,6 +37,15 @@ def test_every_line_of_the_prefix_job_opens_with_the_workloads_system_prompt_and
     assert len(set(tails)) == 70, "more lines than questions: the ticket number still tells them apart"
 
 
+def test_the_answers_are_read_from_the_output_file_by_custom_id() -> None:
+    def line(custom_id: str, text: str) -> str:
+        return json.dumps({"id": "batch_req_x", "custom_id": custom_id, "error": None, "response": {
+            "status_code": 200, "body": {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}}})
+
+    assert answers(f"{line('line-1', 'Yes.')}\n{line('line-0', 'No.')}\n".encode()) == {"line-1": "Yes.", "line-0": "No."}
+    assert answers(b"") == {}
+
+
 def test_the_counters_are_read_summed_over_labels_and_missing_ones_are_none() -> None:
     queries, hits = "servelab:prefix_cache_queries", "servelab:prefix_cache_hits"
     page = exposition((queries, "on", 1200.0), (queries, "other", 300.0), (hits, "on", 900.0),
@@ -44,15 +54,18 @@ def test_the_counters_are_read_summed_over_labels_and_missing_ones_are_none() ->
     assert prefix_cache_counts(exposition(("servelab:request_success", "on", 7.0))) == (None, None)
 
 
-def test_the_table_gives_each_job_and_the_ratio_and_says_n_a_without_counters() -> None:
-    jobs = [PrefixJob("off", 1, 40.0, 10, 0, 6000, 40, None, None), PrefixJob("on", 1, 10.0, 10, 0, 6000, 40, 6000, 5400),
-            PrefixJob("on", 2, 12.0, 10, 0, 6000, 40, 6000, 5700), PrefixJob("off", 2, 36.0, 10, 0, 6000, 40, 0, 0)]
+def test_the_table_gives_each_job_the_ratio_and_the_answers_agreement_and_says_n_a_without_counters() -> None:
+    said = {"line-0": "Yes.", "line-1": "No."}
+    jobs = [PrefixJob("off", 1, 40.0, 10, 0, 6000, 40, None, None, said),
+            PrefixJob("on", 1, 10.0, 10, 0, 6000, 40, 6000, 5400, {**said, "line-1": "Maybe."}),
+            PrefixJob("on", 2, 12.0, 10, 0, 6000, 40, 6000, 5700, said), PrefixJob("off", 2, 36.0, 10, 0, 6000, 40, 0, 0, said)]
     table = format_prefix_table(jobs, ["off", "on"])
     rows = [line.split() for line in table.splitlines()[1:5]]
     assert [(r[0], r[1], r[-1]) for r in rows] == [("1", "off", "n/a"), ("1", "on", "%"), ("2", "off", "n/a"),
                                                    ("2", "on", "%")]
     assert "90.0 %" in table and "95.0 %" in table
     assert "on against off: wall time x0.292 (median of 2 round(s)" in table  # rounds 0.25 and 0.333
+    assert "on against off: identical greedy answers on 3 of 4 lines" in table
     assert round_order(["off", "on"], 1) == ["off", "on"] and round_order(["off", "on"], 2) == ["on", "off"]
 
 
