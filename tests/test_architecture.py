@@ -15,7 +15,8 @@ PURE_MODULES = ("servelab/config.py", "servelab/memory.py", "servelab/request.py
                 "servelab/outputs.py", "servelab/scheduler/policy.py", "servelab/scheduler/state.py",
                 "servelab/scheduler/scheduler.py", "servelab/analysis/verdict.py",
                 "servelab/analysis/metrics.py", "servelab/analysis/stats.py", "servelab/analysis/workload.py",
-                "servelab/analysis/roofline.py", "servelab/idempotency.py", "servelab/jobs/share.py")
+                "servelab/analysis/roofline.py", "servelab/idempotency.py", "servelab/jobs/share.py",
+                "servelab/jobs/prefix_groups.py")
 HEAVY = ("torch", "transformers", "redis", "sqlalchemy", "celery", "gptqmodel")
 
 

@@ -42,8 +42,8 @@ COST_METRICS = ("cost_per_request", "cost_per_1k_output_tokens")
 GAIN_METRICS = THROUGHPUT_METRICS + MEMORY_METRICS + COST_METRICS
 # NOTE: the factors a comparison varies; a candidate should change exactly one of them.
 FACTORS = {"model": ("model",), "weight precision": ("weights", "awq"), "cache precision": ("kv_cache_dtype",),
-           "batching": ("batching",), "decoding limits": ("decoding",), "device": ("device",),
-           "threads": ("num_threads",)}
+           "KV blocks and prefix caching": ("kv_cache",), "batching": ("batching",), "decoding limits": ("decoding",),
+           "device": ("device",), "threads": ("num_threads",)}
 HARDWARE_KEYS = ("cpu", "gpu", "num_cpus", "memory_bytes", "device")
 LAMBADA_PASSAGES = 5153
 Outcome = Literal["pass", "fail", "unsure"]

@@ -1,9 +1,10 @@
-"""Workloads: a prompt set, output caps, an arrival process, an optional bulk backlog and SLOs, replayed
-identically for every config.
+"""Workloads: a prompt set, an optional shared system prompt, output caps, an arrival process, an optional bulk
+backlog and SLOs, replayed identically for every config.
 
-Knows the YAML format, the built-in prompt sets, the seeded arrival schedule and the fingerprint
-(prompts, lengths and arrival times) that keeps runs on different workloads from being compared.
-Pure: no clock, no queue, no torch. Bad files get a WorkloadError naming the field and the fix.
+Knows the YAML format, the built-in prompt sets and system prompts (the benches reuse them: `system_prompt`,
+`builtin_prompts`), the seeded arrival schedule and the fingerprint (prompts, lengths and arrival times) that
+keeps runs on different workloads from being compared. Pure: no clock, no queue, no torch. Bad files get a
+WorkloadError naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from servelab.config import describe_validation_error, read_yaml_mapping
 from servelab.request import SamplingParams
 
-BUILTIN_SETS = {"chat": Path(__file__).parent / "prompts" / "chat.jsonl"}
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+BUILTIN_SETS = {"chat": PROMPTS_DIR / "chat.jsonl", "library": PROMPTS_DIR / "library.jsonl"}
+# NOTE: a library help desk's instructions and worked examples, about 570 tokens for the bundled model's tokenizer:
+# the shared prefix of workloads/shared-prefix.yaml and of `servelab bench prefix` (what prefix caching reuses)
+BUILTIN_SYSTEM_PROMPTS = {"library": PROMPTS_DIR / "library-system.txt"}
 
 
 class WorkloadError(ValueError):
@@ -31,17 +36,35 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class SystemSpec(_Frozen):
+    """A system message sent before every prompt of the workload, bulk ones too: one shared prefix."""
+
+    set: Literal["library"] | None = Field(default=None, description="a built-in system prompt")
+    file: str | None = Field(default=None, description="a UTF-8 text file: its whole text is the system message")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SystemSpec:
+        if (self.set is None) == (self.file is None):
+            raise ValueError("give exactly one of 'set' (built-in: library) or 'file' (a text file's path)")
+        return self
+
+
 class PromptSpec(_Frozen):
-    set: Literal["chat"] | None = Field(default=None, description="a built-in prompt set")
+    set: Literal["chat", "library"] | None = Field(default=None, description="a built-in prompt set")
     file: str | None = Field(default=None, description="JSONL: {'prompt': ...} or {'messages': [...]} per line")
     num_prompts: int = Field(default=16, ge=1, le=100_000)
     seed: int = 0
     chat: bool = Field(default=True, description="wrap plain prompts as a user message in the chat template")
+    system: SystemSpec | None = Field(default=None, description="a system message before every prompt (a shared "
+                                                                "prefix, as a support desk's instructions are)")
 
     @model_validator(mode="after")
     def _one_source(self) -> PromptSpec:
         if (self.set is None) == (self.file is None):
-            raise ValueError("give exactly one of 'set' (built-in: chat) or 'file' (a JSONL path)")
+            raise ValueError("give exactly one of 'set' (built-in: chat, library) or 'file' (a JSONL path)")
+        if self.system is not None and not self.chat:
+            raise ValueError("system needs chat: true (a system message goes through the chat template; a plain "
+                             "prompt has none)")
         return self
 
 
@@ -124,26 +147,68 @@ def load_workload(path: str | Path) -> Workload:
 
 
 def build_workload(spec: WorkloadSpec, *, base_dir: Path = Path(".")) -> Workload:
-    prompts = _sample(_read_prompt_file(_prompt_path(spec.prompts, base_dir)), spec.prompts)
+    source = _read_prompt_file(_prompt_path(spec.prompts, base_dir))
+    system = _system_text(spec.prompts.system, base_dir, source, _prompt_path(spec.prompts, base_dir))
+    prompts = _sample(source, spec.prompts)
     offsets = arrival_offsets(spec.arrival, len(prompts))
     items = tuple(
-        WorkloadItem(i, *_as_prompt(record, spec.prompts.chat), int(record.get("max_new_tokens", spec.max_new_tokens)),
-                     offset)
+        WorkloadItem(i, *_as_prompt(record, spec.prompts.chat, system),
+                     int(record.get("max_new_tokens", spec.max_new_tokens)), offset)
         for i, (record, offset) in enumerate(zip(prompts, offsets))
     )
     if spec.bulk is not None:
-        items += _bulk_items(spec, base_dir, first_index=len(items))
+        items += _bulk_items(spec, source, system, first_index=len(items))
     return Workload(spec, items, fingerprint(spec, items))
 
 
-def _bulk_items(spec: WorkloadSpec, base_dir: Path, *, first_index: int) -> tuple[WorkloadItem, ...]:
+def _bulk_items(spec: WorkloadSpec, source: list[dict[str, Any]], system: str | None, *,
+                first_index: int) -> tuple[WorkloadItem, ...]:
     """The backlog: prompts from the same source (its own seeded draw), caps drawn between the bounds."""
     bulk = spec.bulk
     draw = spec.prompts.model_copy(update={"num_prompts": bulk.num_requests, "seed": bulk.seed})
-    records = _sample(_read_prompt_file(_prompt_path(spec.prompts, base_dir)), draw)
+    records = _sample(source, draw)
     caps = np.random.default_rng(bulk.seed).integers(bulk.min_new_tokens, bulk.max_new_tokens + 1, bulk.num_requests)
-    return tuple(WorkloadItem(first_index + i, *_as_prompt(record, spec.prompts.chat), int(cap), 0.0, is_bulk=True)
+    return tuple(WorkloadItem(first_index + i, *_as_prompt(record, spec.prompts.chat, system), int(cap), 0.0,
+                              is_bulk=True)
                  for i, (record, cap) in enumerate(zip(records, caps.tolist())))
+
+
+def system_prompt(name: str) -> str:
+    """A built-in system prompt's text (BUILTIN_SYSTEM_PROMPTS), for the benches that reuse a workload's prefix."""
+    if name not in BUILTIN_SYSTEM_PROMPTS:
+        raise WorkloadError(f"no built-in system prompt {name!r}; built-in: {', '.join(BUILTIN_SYSTEM_PROMPTS)}")
+    return BUILTIN_SYSTEM_PROMPTS[name].read_text(encoding="utf-8").strip()
+
+
+def builtin_prompts(name: str) -> list[str]:
+    """A built-in prompt set's plain prompts, in file order."""
+    if name not in BUILTIN_SETS:
+        raise WorkloadError(f"no built-in prompt set {name!r}; built-in: {', '.join(BUILTIN_SETS)}")
+    return [record["prompt"] for record in _read_prompt_file(BUILTIN_SETS[name]) if "prompt" in record]
+
+
+def _system_text(system: SystemSpec | None, base_dir: Path, source: list[dict[str, Any]],
+                 source_path: Path) -> str | None:
+    """The workload's system message, checked: a readable, non-empty text, and no prompt with one of its own."""
+    if system is None:
+        return None
+    if system.set is not None:
+        return system_prompt(system.set)
+    path = Path(system.file)
+    path = path if path.is_absolute() or path.exists() else base_dir / path
+    if not path.is_file():
+        raise WorkloadError(f"prompts.system.file: no such file {path}")
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"prompts.system.file: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text:
+        raise WorkloadError(f"prompts.system.file: {path} holds no text")
+    for k, record in enumerate(source, start=1):
+        if any(m["role"] == "system" for m in record.get("messages") or ()):
+            raise WorkloadError(f"{source_path}: prompt {k} has a system message of its own, and prompts.system "
+                                "gives every prompt one: drop one of the two")
+    return text
 
 
 def arrival_offsets(arrival: ArrivalSpec, num_requests: int) -> list[float | None]:
@@ -208,9 +273,11 @@ def _sample(records: list[dict[str, Any]], prompts: PromptSpec) -> list[dict[str
     return [records[order[i % len(order)]] for i in range(prompts.num_prompts)]
 
 
-def _as_prompt(record: dict[str, Any], chat: bool) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+def _as_prompt(record: dict[str, Any], chat: bool, system: str | None = None
+               ) -> tuple[str | None, tuple[dict[str, str], ...] | None]:
+    opening = ({"role": "system", "content": system},) if system is not None else ()
     if "messages" in record:
-        return None, tuple({"role": m["role"], "content": m["content"]} for m in record["messages"])
+        return None, opening + tuple({"role": m["role"], "content": m["content"]} for m in record["messages"])
     if chat:
-        return None, ({"role": "user", "content": record["prompt"]},)
+        return None, opening + ({"role": "user", "content": record["prompt"]},)
     return record["prompt"], None

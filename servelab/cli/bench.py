@@ -1,5 +1,6 @@
 """The `bench` group: engine against transformers, the speed steps, in-process against the queue,
-interactive calls behind a bulk job per admission policy, the API's submission rate, and batch-file ingest.
+interactive calls behind a bulk job per admission policy, the API's submission rate, batch-file ingest, and the
+KV cache's benches (prefix caching, chunked prefill: servelab/cli/cache_bench.py, registered here).
 
 Knows these commands' options and what they print. Does not know how anything is timed or started:
 servelab/lab/bench.py does. torch and the engine are imported inside the commands.
@@ -15,6 +16,7 @@ from typing import Annotated
 
 import typer
 
+from servelab.cli.cache_bench import bench_chunked, bench_prefix
 from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, connected, fail, load_config, load_engines,
                                   parse_ints, progress, service_settings, settings)
 
@@ -360,3 +362,8 @@ def _ingest_limits(slice_lines: int | None, num_lines: int):
     return IngestLimits(max_prompt_chars=limits.max_prompt_chars, max_job_in_flight=num_lines,
                         max_line_bytes=limits.max_request_bytes,
                         **({"max_lines_per_step": slice_lines} if slice_lines else {}))
+
+
+# NOTE: the KV cache's benches live in a module of their own (this one is near 400 lines); listed after the others
+app.command("prefix")(bench_prefix)
+app.command("chunked")(bench_chunked)

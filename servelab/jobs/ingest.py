@@ -3,7 +3,8 @@
 Knows the OpenAI batch line format ({"custom_id", "method": "POST", "url", "body"}), the reasons a line is
 refused (each becomes an error-file line), and back-pressure: a slice holds at most as many lines as the job
 may still have unfinished requests, so a 100,000-line file never floods Redis or memory. A slice's rows,
-bad lines and file offset commit together, so a re-run slice (a crashed task) resumes exactly there.
+bad lines and file offset commit together, so a re-run slice (a crashed task) resumes exactly there. A slice's
+requests go out with the lines that share a prompt prefix together (servelab/jobs/prefix_groups.py).
 Does not know Celery or the fair share: servelab/jobs/feed.py runs ingest_step for every job, each slice capped
 by the job's share; ingest_for reads one job alone until its file is read (the ingest bench).
 """
@@ -30,6 +31,7 @@ from servelab.config import describe_validation_error
 from servelab.protocol import (CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionBody, CompletionBody, Rejection,
                                body_model, to_submission)
 from servelab.catalog import Catalog, load_catalog
+from servelab.jobs.prefix_groups import grouped_by_prefix, prefix_key
 from servelab.request import UNKNOWN_BODY_FIELD, find_non_text
 from servelab.queue.streams import RequestStreams
 from servelab.store import batch_jobs as store
@@ -84,7 +86,8 @@ class IngestStep:
     num_bad_lines: int = 0
     is_done: bool = False  # the whole file is read, or the job no longer takes lines
     is_throttled: bool = False  # the job has max_job_in_flight unfinished requests: try again later
-    created: tuple[tuple[str, str], ...] = ()  # (request id, config) in file order: what was (or is to be) enqueued
+    # (request id, config): what was (or is to be) enqueued, lines sharing a prefix together, else in file order
+    created: tuple[tuple[str, str], ...] = ()
 
 
 def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
@@ -313,8 +316,8 @@ def fail_ingest(*, sessions: sessionmaker[Session], job_id: uuid.UUID, reason: B
 
 def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | None], catalog: Catalog,
             limits: IngestLimits) -> tuple[list[tuple[str, str]], int]:
-    """Create this slice's requests and record its bad lines -> ([(request id, config name)] in file order,
-    number bad)."""
+    """Create this slice's requests and record its bad lines -> ([(request id, config name)] with the lines that
+    share a prompt prefix together, in file order within a group, number bad)."""
     good: dict[str, tuple[int, store.NewRequest]] = {}
     errors: list[store.LineError] = []
 
@@ -339,8 +342,9 @@ def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | N
     errors += [store.LineError(good[custom_id][0], custom_id, "unstorable_line", why)
                for custom_id, why in added.unstorable.items()]
     store.add_line_errors(session, job_id=job.id, errors=sorted(errors, key=lambda e: e.line_no))
-    return ([(added.created[custom_id], r.serving_config_name) for custom_id, (_, r) in good.items()
-             if custom_id in added.created], len(errors))
+    ordered = grouped_by_prefix(good.values(), key=lambda found: prefix_key(found[1].prompt, found[1].messages))
+    return ([(added.created[r.custom_id], r.serving_config_name) for _, r in ordered if r.custom_id in added.created],
+            len(errors))
 
 
 def _duplicate(line_no: int, custom_id: str) -> store.LineError:

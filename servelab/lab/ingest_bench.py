@@ -216,13 +216,13 @@ def run_ingest_bench(runtime: Runtime, *, num_lines: int, model: str, configs_di
 
 
 @contextmanager
-def throwaway_stack(settings: Settings) -> Iterator[Runtime]:
+def throwaway_stack(settings: Settings, *, label: str = "ingest") -> Iterator[Runtime]:
     """A Runtime on the stack's servers (embedded ones started where no URL is set) with a database and a
-    key prefix of its own, both removed afterwards however the block ends."""
+    key prefix of its own (named after the bench's label), both removed afterwards however the block ends."""
     urls = resolve_urls(settings)
-    name = f"servelab_bench_ingest_{uuid.uuid4().hex[:12]}"
+    name = f"servelab_bench_{label}_{uuid.uuid4().hex[:12]}"
     database_url = make_url(urls.database_url).set(database=name).render_as_string(hide_password=False)
-    prefix = f"{settings.key_prefix}:bench-ingest-{uuid.uuid4().hex[:8]}"
+    prefix = f"{settings.key_prefix}:bench-{label}-{uuid.uuid4().hex[:8]}"
     runtime = connect(settings.model_copy(update={"redis_url": urls.redis_url, "database_url": database_url,
                                                   "key_prefix": prefix}))
     try:

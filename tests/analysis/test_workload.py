@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from servelab.analysis.workload import WorkloadError, load_workload
+from servelab.analysis.workload import WorkloadError, builtin_prompts, load_workload, system_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,3 +91,53 @@ def test_a_bulk_range_upside_down_is_named(tmp_path: Path) -> None:
     text = "prompts: {set: chat}\nbulk: {num_requests: 2, min_new_tokens: 50, max_new_tokens: 10}\n"
     with pytest.raises(WorkloadError, match="min_new_tokens \\(50\\) is above max_new_tokens \\(10\\)"):
         load_workload(write(tmp_path, text))
+
+
+def test_a_shared_system_prompt_opens_every_prompt_bulk_ones_too(tmp_path: Path) -> None:
+    (tmp_path / "desk.txt").write_text("You answer for the desk.\n")
+    text = ("prompts: {set: library, num_prompts: 5, seed: 1, system: {file: desk.txt}}\n"
+            "bulk: {num_requests: 7, min_new_tokens: 2, max_new_tokens: 9, seed: 2}\n")
+    workload = load_workload(write(tmp_path, text))
+    assert len(workload.items) == 12 and sum(it.is_bulk for it in workload.items) == 7
+    assert all(it.messages[0] == {"role": "system", "content": "You answer for the desk."} for it in workload.items)
+    assert all(it.messages[1]["role"] == "user" and it.messages[1]["content"] in builtin_prompts("library")
+               for it in workload.items)
+    (tmp_path / "desk.txt").write_text("You answer for the other desk.\n")
+    assert load_workload(write(tmp_path, text, "other.yaml")).fingerprint != workload.fingerprint
+    plain = load_workload(write(tmp_path, text.replace(", system: {file: desk.txt}", ""), "plain.yaml"))
+    assert [it.messages[1:] for it in workload.items] == [it.messages for it in plain.items]
+
+
+def test_the_built_in_system_prompt_is_the_shipped_workloads_and_the_benches_prefix() -> None:
+    workload = load_workload(REPO / "workloads" / "shared-prefix.yaml")
+    text = system_prompt("library")
+    assert all(it.messages[0] == {"role": "system", "content": text} for it in workload.items)
+    assert workload.spec.bulk is not None and any(not it.is_bulk for it in workload.items)
+    assert "Examples of good answers" in text and len(text.split()) > 300  # instructions and worked examples
+    questions = builtin_prompts("library")
+    assert len(questions) == len(set(questions)) == 64
+    with pytest.raises(WorkloadError, match="no built-in system prompt 'desk'; built-in: library"):
+        system_prompt("desk")
+
+
+@pytest.mark.parametrize(("system", "files", "message"), [
+    ("{set: library, file: desk.txt}", {}, "exactly one of 'set' \\(built-in: library\\)"),
+    ("{set: desk}", {}, "prompts.system.set: got 'desk'"),
+    ("{file: missing.txt}", {}, "prompts.system.file: no such file"),
+    ("{file: desk.txt}", {"desk.txt": " \n"}, "desk.txt holds no text"),
+    ("{file: desk.txt}", {"desk.txt": b"\xff\xfe"}, "desk.txt is not UTF-8 text"),
+    ("{file: desk.txt}", {"desk.txt": "Be kind.", "p.jsonl": '{"prompt": "a"}\n{"messages": [{"role": "system", '
+                          '"content": "x"}, {"role": "user", "content": "b"}]}\n'},
+     "p.jsonl: prompt 2 has a system message of its own"),
+])
+def test_a_bad_system_prompt_is_named(tmp_path: Path, system: str, files: dict, message: str) -> None:
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    source = "file: p.jsonl" if "p.jsonl" in files else "set: chat"
+    with pytest.raises(WorkloadError, match=message):
+        load_workload(write(tmp_path, f"prompts: {{{source}, system: {system}}}\n"))
+
+
+def test_a_system_prompt_needs_the_chat_template(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="system needs chat: true"):
+        load_workload(write(tmp_path, "prompts: {set: chat, chat: false, system: {set: library}}\n"))

@@ -1,0 +1,100 @@
+"""The KV cache's benchmarks in the `bench` group: `bench prefix` (prefix caching off against on, a batch job through
+the Batch API of a stack the bench starts) and `bench chunked` (running rows' inter-token time while a long
+newcomer is prefilled, in the engine).
+
+Knows these commands' options, their checks and what they print. Does not know how anything is started or timed:
+servelab/lab/prefix_bench.py and servelab/lab/chunked_bench.py do. torch and the engine are imported inside.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from servelab.cli.options import ConfigOption, fail, load_config, load_engines, progress, settings
+
+
+def bench_prefix(
+    baseline: Annotated[Path, typer.Option(help="serving config YAML with prefix caching off")]
+    = Path("configs/fp32-continuous-prefix-off.yaml"),
+    candidate: Annotated[Path, typer.Option(help="serving config YAML with prefix caching on")]
+    = Path("configs/fp32-continuous-prefix-on.yaml"),
+    lines: Annotated[int, typer.Option(min=1, max=100_000, help="lines in the batch job")] = 200,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens each line makes (EOS ignored)")] = 16,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds; the configs' order alternates")] = 1,
+) -> None:
+    """Prefix caching off against on: the same batch job (every line opens with the ~570-token system prompt of
+    workloads/shared-prefix.yaml) through the Batch API of a stack this bench starts on throwaway storage, one
+    worker per config; wall time of each job, their ratio, and the prefix-cache hit rate from each worker's
+    /metrics. Run it where nothing else loads the CPU: both workers share this machine."""
+    configs = [load_config(baseline), load_config(candidate)]
+    if configs[0].name == configs[1].name:
+        fail(f"--baseline and --candidate are both named {configs[0].name!r}: each config needs a stream of its own")
+    if max_new_tokens > min(c.decoding.max_new_tokens for c in configs):
+        fail(f"--max-new-tokens {max_new_tokens}: above a config's decoding.max_new_tokens")
+
+    from servelab.analysis.verdict import changed_factors
+    from servelab.lab.prefix_bench import PrefixBenchError, format_prefix_table, run_prefix_bench
+
+    try:
+        jobs = run_prefix_bench(settings(), [baseline, candidate], num_lines=lines, max_new_tokens=max_new_tokens,
+                                num_rounds=rounds, progress=progress)
+    except PrefixBenchError as exc:
+        fail(str(exc))
+    sides = ", ".join(f"{c.name} (prefix caching {'on' if c.uses_prefix_caching else 'off'}, {c.weights}, "
+                      f"{c.batching.policy}, {c.num_threads or 'default'} thread(s))" for c in configs)
+    typer.echo(f"a batch job of {lines} lines (one system prompt, a question each, {max_new_tokens} new tokens) per "
+               f"config and round, {rounds} round(s); {sides}; {os.cpu_count()} CPUs")
+    typer.echo(format_prefix_table(jobs, [c.name for c in configs]))
+    changed = changed_factors(configs[0].model_dump(mode="json"), configs[1].model_dump(mode="json"))
+    if changed != ["KV blocks and prefix caching"]:
+        typer.echo(f"warning: the configs differ in {', '.join(changed) or 'nothing'} (change the kv_cache section "
+                   "alone to see what prefix caching does)")
+
+
+def bench_chunked(
+    config: ConfigOption = Path("configs/fp32-continuous.yaml"),
+    max_prefill_tokens: Annotated[int | None, typer.Option(min=1, help="prompt tokens prefilled per step (the "
+                                                           "config's batching.max_prefill_tokens by default)")] = None,
+    rows: Annotated[int, typer.Option(min=1, help="rows decoding when the newcomer joins")] = 15,
+    newcomer_tokens: Annotated[int, typer.Option(min=1, help="the newcomer's prompt tokens")] = 1_500,
+    window: Annotated[int, typer.Option(min=2, help="decode steps measured with the rows alone")] = 32,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds; medians are printed")] = 3,
+    threads: Annotated[int | None, typer.Option(min=1, max=256, help="torch threads (default: the config's)")] = None,
+) -> None:
+    """Chunked prefill in the engine: the running rows' p95 inter-token time while a long newcomer is prefilled,
+    against the same rows alone, and the newcomer's TTFT; the per-step prompt budget is --max-prefill-tokens."""
+    serving = load_config(config)
+    if max_prefill_tokens is not None:
+        serving = serving.model_copy(update={"batching": serving.batching.model_copy(
+            update={"max_prefill_tokens": max_prefill_tokens})})
+
+    from servelab.lab.chunked_bench import ChunkedBenchError, ChunkedShape, format_chunked_table, run_chunked_bench
+
+    shape = ChunkedShape(num_rows=rows, newcomer_tokens=newcomer_tokens, window_steps=window)
+    budget, limits = serving.batching.max_prefill_tokens, serving.decoding
+    if rows + 1 > serving.batching.max_batch_size:
+        fail(f"--rows {rows}: the rows and the newcomer need {rows + 1} rows; the config's batching.max_batch_size "
+             f"is {serving.batching.max_batch_size}")
+    if shape.rows_max_new_tokens(budget) > limits.max_new_tokens:
+        fail(f"the rows must make up to {shape.rows_max_new_tokens(budget)} tokens (warm-up, --window {window}, one per "
+             f"prefill step of {budget} tokens), above the config's decoding.max_new_tokens ({limits.max_new_tokens}): "
+             "lower --window or --newcomer-tokens, or raise --max-prefill-tokens")
+    if newcomer_tokens + 1 > limits.max_context_tokens:
+        fail(f"--newcomer-tokens {newcomer_tokens}: the config's decoding.max_context_tokens is "
+             f"{limits.max_context_tokens}")
+    engine = load_engines([serving], threads)[0]
+    try:
+        result = run_chunked_bench(engine, shape, num_rounds=rounds, progress=progress)
+    except ChunkedBenchError as exc:
+        fail(str(exc))
+
+    import torch
+
+    typer.echo(f"config {serving.name} ({serving.weights}, {engine.kernel}), max_prefill_tokens {budget}, prefix "
+               f"caching {'on' if serving.uses_prefix_caching else 'off'}, threads {torch.get_num_threads()}; {rows} "
+               f"rows decoding, a {newcomer_tokens}-token newcomer joins; {rounds} round(s)")
+    typer.echo(format_chunked_table(result))
