@@ -39,8 +39,9 @@ class ChunkedShape:
 
     def rows_max_new_tokens(self, budget: int) -> int:
         """Tokens a row must be allowed to make: warm-up, window, and one per call until the newcomer's first token
-        and one after it (a chunked prefill takes about newcomer_tokens / budget calls)."""
-        return self.warmup_steps + self.window_steps + -(-self.newcomer_tokens // max(1, budget)) + 4
+        and one after it (a chunked prefill takes about newcomer_tokens / (budget - the decoding rows) calls: one
+        step's token budget covers the decode rows and the chunk)."""
+        return self.warmup_steps + self.window_steps + -(-self.newcomer_tokens // max(1, budget - self.num_rows)) + 4
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ def running_requests(round_no: int, num_rows: int, max_new_tokens: int) -> list[
 def run_chunked_round(engine: Engine, shape: ChunkedShape, *, round_no: int) -> ChunkedRound:
     if engine.num_live:
         raise ChunkedBenchError("the engine has rows running: the bench needs it to itself")
-    rows = running_requests(round_no, shape.num_rows, shape.rows_max_new_tokens(engine.config.batching.max_prefill_tokens))
+    budget = engine.config.batching.max_prefill_tokens
+    # NOTE: the rows' own prompts are prefilled in chunks too: the first rows make tokens while the last still prefill
+    own_prefill = sum(len(engine.encode(r)) for r in running_requests(round_no, shape.num_rows, 1)) // budget + 2
+    rows = running_requests(round_no, shape.num_rows, shape.rows_max_new_tokens(budget) + own_prefill)
     newcomer = newcomer_request(engine, round_no, shape.newcomer_tokens)
     made = dict.fromkeys((r.request_id for r in rows), 0)  # tokens each running row has made so far
     ended: list[Completion] = []  # the newcomer's completion, once it has one
