@@ -134,3 +134,30 @@ def test_it_holds_a_request_while_it_waits_or_runs_and_not_after_it_ends() -> No
     assert s.holds("r0")
     s.finish(["r0"])
     assert not s.holds("r0")
+
+
+class _Pool:
+    """A paged cache's room as the scheduler reads it: blocks of 4 tokens, nothing cached."""
+
+    def __init__(self, num_free_blocks: int) -> None:
+        self.num_free_blocks = num_free_blocks
+        self.usage = 0.0
+
+    def blocks_to_admit(self, token_ids) -> int:
+        return -(-(len(token_ids) + 1) // 4)
+
+
+def test_with_a_block_pool_newcomers_join_while_its_free_blocks_hold_them() -> None:
+    s = Scheduler(replace(CONTINUOUS, max_batch_size=8), _Pool(num_free_blocks=10))
+    s.add([cand(0, prompt=39, interactive=False)])  # 10 blocks: a newcomer into an empty batch always joins
+    assert ids(s.schedule(0.0).prefill) == ["r0"]
+    s.room.num_free_blocks = 6
+    # one block kept in reserve for r0's next token: 5 left; r1 takes 3 (+1 reserved), r2's 2 do not fit
+    s.add([cand(1, prompt=11, interactive=False), cand(2, prompt=7, interactive=False),
+           cand(3, prompt=1, interactive=False)])
+    plan = s.schedule(0.1)
+    assert ids(plan.prefill) == ["r1"] and ids(s.waiting) == ["r2", "r3"]  # r3 would fit, but does not overtake
+    s.room.num_free_blocks = 20
+    assert ids(s.schedule(0.2).prefill) == ["r2", "r3"]
+    s.room.usage = 0.25
+    assert s.kv_cache_usage == 0.25  # the pool's own figure, not the policy's worst-case token count
