@@ -149,6 +149,9 @@ class ServingWorker:
             finished += self._after(outputs[-1], started=started, ended=finished,
                                     publish=any(self._is_streamed(r) for r in started))
         num_step_rows = self.engine.num_live
+        if num_step_rows and self.scheduler.room is not None:
+            # NOTE: when the pool runs out mid-decode, the engine takes blocks back as admission would preempt
+            self.engine.set_preemption_order(self.scheduler.preemption_order())
         if num_step_rows:
             outputs.append(self.engine.step())
             finished += self._after(outputs[-1], started=[], ended=finished)

@@ -339,6 +339,16 @@ class Engine:
                     meter.num_prefix_query_tokens += len(tokens)
                     meter.num_prefix_hit_tokens += cached
 
+    def set_preemption_order(self, request_ids: Sequence[str]) -> None:
+        """Which rows give their blocks back first when the pool runs out mid-decode (the scheduler's order: the
+        newest bulk row first); rows not named go after them, newest first."""
+        self._preemption_order = list(request_ids)
+
+    def _pool_victim(self) -> _Row:
+        holding = {r.request.request_id: r for r in self._rows if r.holds_blocks}
+        named = [holding[i] for i in getattr(self, "_preemption_order", ()) if i in holding]
+        return named[0] if named else next(r for r in reversed(self._rows) if r.holds_blocks)
+
     def _waits_for_prefix(self, tokens: list[int], other: _Row) -> bool:
         """Whether a newcomer starts with full blocks another row is still prefilling: it waits for them to be
         cached (a bulk job's lines sharing a system prompt admitted together prefill it once, not once each)."""
@@ -357,7 +367,7 @@ class Engine:
                     self.blocks.grow(row.request.request_id, row.num_computed + 1)
                     break
                 except OutOfBlocks:
-                    victim = next(r for r in reversed(self._rows) if r.holds_blocks)
+                    victim = self._pool_victim()
                     self._release(victim)
                     victim.holds_blocks, victim.num_computed = False, 0
                     self._open_meter().num_preempted += 1

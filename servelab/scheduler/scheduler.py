@@ -148,6 +148,12 @@ class Scheduler:
             return self.room.usage
         return self.policy.batch_tokens(self.running) / self.policy.max_batch_tokens
 
+    def preemption_order(self) -> list[str]:
+        """Running rows in the order they give the pool's blocks back when it runs out mid-decode: bulk before
+        interactive, the newest first (the engine recomputes such a row when room returns; it keeps its tokens)."""
+        newest_first = list(reversed(self.running))
+        return [r.request_id for r in sorted(newest_first, key=lambda r: r.is_interactive)]
+
     def _within_room(self, joining: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """The newcomers, in order, while the pool's free blocks hold them; each running row keeps one block in
         reserve for its next token. A newcomer into an empty batch always joins (the pool holds one request of

@@ -161,3 +161,13 @@ def test_with_a_block_pool_newcomers_join_while_its_free_blocks_hold_them() -> N
     assert ids(s.schedule(0.2).prefill) == ["r2", "r3"]
     s.room.usage = 0.25
     assert s.kv_cache_usage == 0.25  # the pool's own figure, not the policy's worst-case token count
+
+
+def test_the_pool_takes_blocks_back_from_the_newest_bulk_row_first() -> None:
+    s = Scheduler(replace(CONTINUOUS, max_batch_size=8), _Pool(num_free_blocks=100))
+    s.add([cand(0, interactive=False), cand(1, interactive=False)])
+    s.schedule(0.0)
+    s.add([cand(2, interactive=True), cand(3, interactive=True)])
+    s.schedule(0.1)
+    assert ids(s.running) == ["r0", "r1", "r2", "r3"]
+    assert s.preemption_order() == ["r1", "r0", "r3", "r2"]
