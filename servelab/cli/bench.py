@@ -80,6 +80,11 @@ def bench_steps_command(
 
     sizes = parse_ints(batch_sizes, "--batch-sizes")
     with_threads = settings().model_copy(update={"num_threads": threads})
+    # NOTE: every row decodes from the same step: the batch is prefilled whole (no chunks, so no row starts early
+    # and none decodes the tail alone) and its identical prompts are each computed (no prefix shared)
+    serving = serving.model_copy(update={
+        "batching": serving.batching.model_copy(update={"max_prefill_tokens": max(sizes) * (prompt_tokens + 1)}),
+        "kv_cache": serving.kv_cache.model_copy(update={"prefix_caching": False})})
     engines, skipped = {}, []
     for step, overrides in STEPS:
         try:
