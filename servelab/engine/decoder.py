@@ -461,14 +461,14 @@ class LlamaDecoder:
 
     @staticmethod
     def _decode_places(batch: PagedBatch, bs: int) -> tuple[torch.Tensor, ...]:
-        """The decode rows' (blocks, offsets) of their new column (B,), of every column (B, S), and the mask."""
+        """The decode rows' new column (block, offset) (B,) each, their block tables cut to the longest row's blocks
+        (B, nb), and the mask of their columns (B, nb x block_size)."""
         lengths = batch.positions[:batch.num_decode]
-        table = batch.block_table[:batch.num_decode].long()
-        columns = torch.arange(int(lengths.max()) + 1, device=table.device)
-        all_blocks = table.gather(1, (columns // bs).clamp(max=table.shape[1] - 1).expand(len(lengths), -1))
+        num_blocks = int(lengths.max()) // bs + 1
+        table = batch.block_table[:batch.num_decode, :num_blocks].long()
         new_blocks = table.gather(1, (lengths // bs).view(-1, 1)).view(-1)
-        return new_blocks, lengths % bs, all_blocks, (columns % bs).expand(len(lengths), -1), \
-            columns[None, :] <= lengths[:, None]
+        mask = torch.arange(num_blocks * bs, device=table.device)[None, :] <= lengths[:, None]
+        return new_blocks, lengths % bs, table, mask
 
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int) -> torch.Tensor:
         """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. -> attention out (T, H x D)."""
@@ -487,10 +487,10 @@ class LlamaDecoder:
     def _torch_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, place) -> torch.Tensor:
         """Decode rows without the fused kernel (another device or dtype): plain torch gathers from the pool."""
         B, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        new_blocks, new_offsets, blocks, offsets, mask = place
+        new_blocks, new_offsets, table, mask = place
         qk = _rotate(x[:, : H + H_kv].unsqueeze(1), cos.view(B, 1, 1, D), sin.view(B, 1, 1, D))[:, 0]  # (B, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
-        keys, values = cache.read(layer, blocks, offsets)  # (B, H_kv, S, D)
+        keys, values = cache.read_blocks(layer, table)  # (B, H_kv, nb x block_size, D)
         return self._attend(qk[:, :H].unsqueeze(2), keys, values, mask).view(B, H * D)
 
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:

@@ -392,7 +392,9 @@ class Engine:
         if not decoding and not chunks:
             return StepOutput((), ())
         tables = [self.blocks.table(r.request.request_id) for r in [*decoding, *(c for c, _ in chunks)]]
-        self._paged.reach(tables)
+        growth = sum(max(0, self.blocks.blocks_for(r.num_columns) - len(self.blocks.table(r.request.request_id)))
+                     for r in self._rows if r.holds_blocks)
+        self._paged.reach(tables, expected=self.blocks.num_used_blocks + growth)
         ids, positions, chunk_spans, logit_rows, sampled = [], [], [], [], []
         for i, row in enumerate(decoding):
             ids.append(row.token_ids[-1] if row.token_ids else row.prompt_ids[-1])

@@ -185,9 +185,11 @@ class PagedKVCache:
     def block_bytes(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
-    def reach(self, tables: list[list[int]]) -> None:
-        """The tensors hold every block these tables name (grown, the held blocks copied, when one is past them)."""
-        needed = max((max(t) for t in tables if t), default=-1) + 1
+    def reach(self, tables: list[list[int]], *, expected: int = 0) -> None:
+        """The tensors hold every block these tables name (grown, the held blocks copied, when one is past them);
+        expected: blocks the running rows will reach by their end, so a batch that grows is copied once, at
+        admission, not in the middle of its decode steps."""
+        needed = max(max((max(t) for t in tables if t), default=-1) + 1, min(expected, self.manager.num_blocks))
         have = self.num_allocated_blocks
         if needed <= have:
             return
@@ -221,6 +223,15 @@ class PagedKVCache:
         k = self.keys[layer][blocks, :, offsets]  # (..., S, H_kv, D)
         v = self.values[layer][blocks, :, offsets]
         return k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def read_blocks(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' whole blocks, table (B, nb) -> keys, values (B, H_kv, nb x block_size, D) in the storage dtype: a
+        gather of whole blocks (contiguous copies), then one transpose copy; columns past a row's end are masked
+        by the caller."""
+        B, nb = table.shape
+        k = self.keys[layer][table].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
+        v = self.values[layer][table].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
+        return k, v
 
     def clear(self) -> None:
         """No row holds a block and none is cached: the tensors are dropped."""
