@@ -159,7 +159,8 @@ def key_prefix() -> str:
 
 @pytest.fixture
 def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
+    """A client whose connections carry the key prefix as their name (a worker's teardown finds its reads by it)."""
+    client = redis.Redis.from_url(REDIS_URL, client_name=key_prefix)
     client.ping()
     try:
         yield client
