@@ -24,10 +24,10 @@ from tests.jobs.conftest import register, wait_until
 PROMPTS = ["once upon a time", "the river ran", "seven blue houses"]
 
 
-@pytest.fixture
-def streaming(stack):
-    with api_process(stack) as url:
-        yield stack, url
+@pytest.fixture(scope="module")
+def streaming(module_stack, module_api):
+    """One stack and api process for the module's streaming tests: each reads back only its own requests."""
+    return module_stack, module_api
 
 
 def client_of(stack, url: str) -> openai.OpenAI:

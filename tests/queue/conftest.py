@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -66,14 +67,17 @@ def stop_and_join(worker: ServingWorker, thread: threading.Thread, client: redis
     assert not thread.is_alive(), "worker did not stop"
 
 
-@pytest.fixture
-def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
+@contextmanager
+def serving_workers(model: Engine, database, client: redis.Redis, key_prefix: str
+                    ) -> Iterator[Callable[..., Served]]:
+    """-> make(policy, faults): a worker on `model` serving a fresh config name; each started one is stopped at the
+    end (and must stop)."""
     started: list[Served] = []
 
     def make(policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(renew_every_s=0.2)) -> Served:
-        streams = RequestStreams(redis_client, prefix=key_prefix, config_name=f"tiny-{uuid.uuid4().hex[:8]}")
-        sessions = session_factory(engine)
-        worker = ServingWorker(engine=tiny_engine, streams=streams, sessions=sessions,
+        streams = RequestStreams(client, prefix=key_prefix, config_name=f"tiny-{uuid.uuid4().hex[:8]}")
+        sessions = session_factory(database)
+        worker = ServingWorker(engine=model, streams=streams, sessions=sessions,
                                name=f"w-{uuid.uuid4().hex[:6]}", policy=policy, faults=faults)
         served = Served(worker, streams, sessions)
         started.append(served)
@@ -84,4 +88,10 @@ def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_pref
         served.worker.stop.set()
     for served in started:
         if served.thread is not None:
-            stop_and_join(served.worker, served.thread, redis_client, key_prefix)
+            stop_and_join(served.worker, served.thread, client, key_prefix)
+
+
+@pytest.fixture
+def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
+    with serving_workers(tiny_engine, engine, redis_client, key_prefix) as make:
+        yield make
