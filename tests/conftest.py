@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -151,15 +152,15 @@ def session(engine: Engine) -> Iterator[Session]:
             outer.rollback()
 
 
-@pytest.fixture
-def key_prefix() -> str:
-    """A Redis key prefix of this test's own; every key under it is deleted afterwards."""
+def new_key_prefix() -> str:
     return f"servelab-test-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
+@contextmanager
+def redis_for(key_prefix: str) -> Iterator[redis.Redis]:
+    """A client whose connections carry the key prefix as their name (a worker's teardown finds its reads by it);
+    every key under the prefix is deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL, client_name=key_prefix)
     client.ping()
     try:
         yield client
@@ -170,13 +171,30 @@ def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
         client.close()
 
 
-@pytest.fixture
-def service_settings(database_url: URL, engine: Engine, key_prefix: str, tmp_path: Path) -> Settings:
-    """Settings pointing at the test database (migrated) and Redis, with this test's key prefix."""
+def settings_for(database_url: URL, key_prefix: str, state_dir: Path) -> Settings:
+    """Settings pointing at the test database and Redis, with the given key prefix."""
     return Settings(
         redis_url=REDIS_URL,
         database_url=database_url.render_as_string(hide_password=False),
         key_prefix=key_prefix,
-        state_dir=tmp_path / "state",
+        state_dir=state_dir,
         cache_dir=REPO / ".cache",  # the converted models, shared with tests/engine
     )
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A Redis key prefix of this test's own; every key under it is deleted afterwards."""
+    return new_key_prefix()
+
+
+@pytest.fixture
+def redis_client(key_prefix: str) -> Iterator[redis.Redis]:
+    with redis_for(key_prefix) as client:
+        yield client
+
+
+@pytest.fixture
+def service_settings(database_url: URL, engine: Engine, key_prefix: str, tmp_path: Path) -> Settings:
+    """Settings pointing at the test database (migrated) and Redis, with this test's key prefix."""
+    return settings_for(database_url, key_prefix, tmp_path / "state")

@@ -18,9 +18,11 @@ from tests.conftest import REPO
 from tests.jobs.conftest import (  # noqa: F401 (fixtures)
     Stack,
     bundled_folder,
+    control_plane,
     jobs_worker,
     make_served,
     make_stack,
+    module_stack,
     service_env,
     settings,
     stack,
@@ -73,4 +75,19 @@ def api_process(stack: Stack, started: list[subprocess.Popen] | None = None) -> 
 def served_api(jobs_worker: Stack) -> Iterator[str]:
     """The real api process beside an in-thread GPU worker and jobs-worker; -> its base URL."""
     with api_process(jobs_worker) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_api(module_stack: Stack) -> Iterator[str]:  # noqa: F811
+    """The real api process beside the module's stack, for the whole module; -> its base URL."""
+    with api_process(module_stack) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_served_api(module_stack: Stack) -> Iterator[str]:  # noqa: F811
+    """The real api, jobs-worker and beat processes beside the module's stack, for the whole module; -> the api's
+    base URL."""
+    with control_plane(module_stack), api_process(module_stack) as url:
         yield url

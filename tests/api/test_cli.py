@@ -63,11 +63,11 @@ def test_version_is_the_installed_package_s() -> None:
     assert result.exit_code == 0 and result.stdout.strip() == f"servelab {version('servelab')}"
 
 
-def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api, jobs_worker, tmp_path) -> None:
+def test_submit_waits_for_the_batch_and_results_downloads_its_output(module_served_api, module_stack, tmp_path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join([line(f"s{i}", "whatever") for i in range(12)] + ["{oops"]) + "\n")
-    options = ["--api-url", served_api.removesuffix("/v1"), "--api-key", jobs_worker.key("acme")]
-    submitted = CliRunner().invoke(app, ["submit", str(source), "--config", jobs_worker.model, *options])
+    options = ["--api-url", module_served_api.removesuffix("/v1"), "--api-key", module_stack.key("acme")]
+    submitted = CliRunner().invoke(app, ["submit", str(source), "--config", module_stack.model, *options])
     assert submitted.exit_code == 0, submitted.output
     batch_id = submitted.output.splitlines()[0]
     # NOTE: no progress bar off a terminal: stdout is the batch id and the outcome, nothing else
@@ -78,27 +78,27 @@ def test_submit_waits_for_the_batch_and_results_downloads_its_output(served_api,
     assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(f"s{i}" for i in range(12))
     assert [json.loads(x)["error"]["code"] for x in errors.read_text().splitlines()] == ["invalid_json"]
     # a file this key may no longer read: the command fails with the API's message and writes no error body
-    batch = httpx.get(f"{served_api}/batches/{batch_id}",
-                      headers={"Authorization": f"Bearer {jobs_worker.key('acme')}"}).json()
-    with session_scope(jobs_worker.runtime.sessions) as session:
+    batch = httpx.get(f"{module_served_api}/batches/{batch_id}",
+                      headers={"Authorization": f"Bearer {module_stack.key('acme')}"}).json()
+    with session_scope(module_stack.runtime.sessions) as session:
         session.execute(update(FileRow).where(FileRow.id == batch["output_file_id"]).values(tenant="someone-else"))
     gone = tmp_path / "gone.jsonl"
     failed = CliRunner().invoke(app, ["results", batch_id, "-o", str(gone), *options])
     assert failed.exit_code == 2 and "404" in failed.stderr and not gone.exists()
 
 
-def test_submit_no_wait_returns_the_batch_id_at_once(served_api, jobs_worker, tmp_path) -> None:
+def test_submit_no_wait_returns_the_batch_id_at_once(module_served_api, module_stack, tmp_path) -> None:
     source = tmp_path / "in.jsonl"
-    source.write_text(line("a", jobs_worker.model) + "\n")
-    options = ["--api-url", served_api.removesuffix("/v1"), "--api-key", jobs_worker.key("acme")]
+    source.write_text(line("a", module_stack.model) + "\n")
+    options = ["--api-url", module_served_api.removesuffix("/v1"), "--api-key", module_stack.key("acme")]
     submitted = CliRunner().invoke(app, ["submit", str(source), "--no-wait", *options])
     assert submitted.exit_code == 0 and submitted.output.strip().startswith("batch_")
 
 
-def test_a_wrong_key_is_one_clear_line_and_exit_code_2(served_api, tmp_path) -> None:
+def test_a_wrong_key_is_one_clear_line_and_exit_code_2(module_served_api, tmp_path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text(line("a", "fp32") + "\n")
-    result = CliRunner().invoke(app, ["submit", str(source), "--api-url", served_api.removesuffix("/v1"),
+    result = CliRunner().invoke(app, ["submit", str(source), "--api-url", module_served_api.removesuffix("/v1"),
                                       "--api-key", "sl-wrong"])
     assert result.exit_code == 2 and "401" in result.output and "not valid" in result.output
 

@@ -12,19 +12,21 @@ import pytest
 from tests.jobs.conftest import line
 
 
-@pytest.fixture
-def client(served_api, jobs_worker) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served_api, api_key=jobs_worker.key("acme"), max_retries=0, timeout=60)
+@pytest.fixture(scope="module")
+def client(module_served_api, module_stack) -> openai.OpenAI:
+    """One stack and its processes for the module: each test sends and reads back only its own requests, files
+    and batches."""
+    return openai.OpenAI(base_url=module_served_api, api_key=module_stack.key("acme"), max_retries=0, timeout=60)
 
 
-def test_completions_create_answers_with_text_and_usage(client, jobs_worker, settings) -> None:
+def test_completions_create_answers_with_text_and_usage(client, module_stack, settings) -> None:
     from servelab.engine.engine import Engine
     from servelab.request import GenerationRequest, SamplingParams
 
-    answer = client.completions.create(model=jobs_worker.model, prompt="The cat", max_tokens=5, temperature=0)
-    assert answer.object == "text_completion" and answer.model == jobs_worker.model
+    answer = client.completions.create(model=module_stack.model, prompt="The cat", max_tokens=5, temperature=0)
+    assert answer.object == "text_completion" and answer.model == module_stack.model
     # the text is the reference: the served model decoding the prompt greedily alone, outside the api and queue
-    reference_engine = Engine.from_config(jobs_worker.served.worker.engine.config, settings)  # NOTE: not the worker's
+    reference_engine = Engine.from_config(module_stack.served.worker.engine.config, settings)  # NOTE: not the worker's
     reference = reference_engine.generate([GenerationRequest("ref", prompt="The cat", params=SamplingParams(
         max_new_tokens=5))]).completions[0]
     assert answer.choices[0].text == reference.text and answer.choices[0].finish_reason == reference.finish_reason.value
@@ -33,24 +35,24 @@ def test_completions_create_answers_with_text_and_usage(client, jobs_worker, set
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
-def test_chat_completions_create_answers_as_the_assistant(client, jobs_worker) -> None:
-    answer = client.chat.completions.create(model=jobs_worker.model, max_tokens=4, temperature=0, seed=1,
+def test_chat_completions_create_answers_as_the_assistant(client, module_stack) -> None:
+    answer = client.chat.completions.create(model=module_stack.model, max_tokens=4, temperature=0, seed=1,
                                             messages=[{"role": "user", "content": "Say hi"}])
     assert answer.choices[0].message.role == "assistant" and answer.usage.completion_tokens >= 1
 
 
-def test_unknown_model_is_a_not_found_error_listing_known_models(client, jobs_worker) -> None:
+def test_unknown_model_is_a_not_found_error_listing_known_models(client, module_stack) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
-    assert jobs_worker.model in info.value.message and "fp32" in info.value.message
+    assert module_stack.model in info.value.message and "fp32" in info.value.message
 
 
-def test_models_list_shows_configs_with_a_live_worker(client, jobs_worker) -> None:
-    assert jobs_worker.model in [m.id for m in client.models.list()]
+def test_models_list_shows_configs_with_a_live_worker(client, module_stack) -> None:
+    assert module_stack.model in [m.id for m in client.models.list()]
 
 
-def test_batches_create_retrieve_and_files_content(client, jobs_worker) -> None:
-    lines = [line(f"c{i}", jobs_worker.model) for i in range(20)] + ["not json"]
+def test_batches_create_retrieve_and_files_content(client, module_stack) -> None:
+    lines = [line(f"c{i}", module_stack.model) for i in range(20)] + ["not json"]
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
                                   metadata={"run": "test"})
@@ -69,8 +71,8 @@ def test_batches_create_retrieve_and_files_content(client, jobs_worker) -> None:
     assert batch.id in [b.id for b in client.batches.list()]
 
 
-def test_files_and_batches_lists_page_with_a_cursor_to_the_end(client, jobs_worker) -> None:
-    made = [client.files.create(file=(f"p{i}.jsonl", io.BytesIO((line(f"p{i}", jobs_worker.model) + "\n").encode())),
+def test_files_and_batches_lists_page_with_a_cursor_to_the_end(client, module_stack) -> None:
+    made = [client.files.create(file=(f"p{i}.jsonl", io.BytesIO((line(f"p{i}", module_stack.model) + "\n").encode())),
                                 purpose="batch").id for i in range(5)]
     seen = [f.id for f in client.files.list(limit=2)]  # the client follows `after` while has_more is true
     assert len(seen) == len(set(seen)) and set(made) <= set(seen)  # every file once, and the loop ends

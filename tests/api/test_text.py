@@ -11,8 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.conftest import api_process
-
 # Every code point, lone surrogates included, with NUL, controls and surrogates drawn often.
 ANY_CHAR = st.one_of(st.sampled_from(["\x00", "\x01", "\x1b", "\x7f", "\ud800", "\udfff", "\ufdd0", "\ufeff"]),
                      st.characters(exclude_categories=()))
@@ -24,12 +22,12 @@ def is_text(value: str) -> bool:
     return not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
 
 
-@pytest.fixture
-def api(stack):
-    key = stack.key("acme")
-    with api_process(stack) as url, httpx.Client(base_url=url, timeout=60,
-                                                 headers={"Authorization": f"Bearer {key}"}) as client:
-        yield client, stack
+@pytest.fixture(scope="module")
+def api(module_stack, module_api):
+    """One stack and api process for the module: each example reads back only its own answer."""
+    key = module_stack.key("acme")
+    with httpx.Client(base_url=module_api, timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
+        yield client, module_stack
 
 
 def post(client: httpx.Client, path: str, body: dict) -> httpx.Response:

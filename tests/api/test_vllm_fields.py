@@ -13,17 +13,18 @@ from servelab.catalog import load_catalog
 from servelab.jobs.ingest import parse_line
 from servelab.request import SamplingParams
 from servelab.store.db import session_scope
-from tests.api.conftest import api_process, client_for
+from tests.api.conftest import client_for
 from tests.jobs.conftest import COMPLETIONS
 
 VLLM_FIELDS = {"ignore_eos": True, "min_tokens": 3, "stop_token_ids": [7, 9], "repetition_penalty": 1.1,
                "min_p": 0.05, "include_stop_str_in_output": True, "skip_special_tokens": False}
 
 
-@pytest.fixture
-def served(stack):
-    with api_process(stack) as url:
-        yield stack, openai.OpenAI(base_url=url, api_key=stack.key("acme"), max_retries=0, timeout=60)
+@pytest.fixture(scope="module")
+def served(module_stack, module_api):
+    """One stack and api process for the module: each test reads back only its own requests."""
+    return module_stack, openai.OpenAI(base_url=module_api, api_key=module_stack.key("acme"), max_retries=0,
+                                       timeout=60)
 
 
 def test_health_and_version_answer_as_vllms(make_stack) -> None:

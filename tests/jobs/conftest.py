@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
+from servelab.engine.engine import Engine
 from servelab.scheduler.policy import BatchPolicy
 from servelab.runtime import Runtime, connect
 from servelab.serving import FaultPolicy
@@ -27,8 +28,15 @@ from servelab.store import requests as request_store
 from servelab.store.batch_jobs import ACTIVE
 from servelab.store.db import session_scope
 from servelab.store.models import BatchJobRow, BatchStatus
-from tests.queue.conftest import Served, make_served  # noqa: F401 (fixtures)
-from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401 (fixtures)
+from tests.conftest import new_key_prefix, redis_for, settings_for
+from tests.queue.conftest import Served, make_served, serving_workers  # noqa: F401 (fixtures)
+from tests.engine.conftest import (  # noqa: F401 (fixtures)
+    bundled_folder,
+    make_config,
+    settings,
+    tiny_engine,
+    tiny_folder,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = dict(max_prompt_chars=2_000, max_request_bytes=64_000, max_file_bytes=2_000_000, max_batch_lines=5_000,
@@ -66,8 +74,10 @@ def service_settings_for(service_settings, **overrides) -> ServiceSettings:
                               **overrides})
 
 
-@pytest.fixture
-def make_stack(service_settings, make_served, tiny_engine) -> Iterator:  # noqa: F811
+@contextmanager
+def stacks(service_settings, make_served, model) -> Iterator:
+    """-> make(with_worker=, policy=, faults=, **overrides): a Stack, its worker (on `model`) started; at the end every
+    batch job left active is failed and every runtime closed."""
     runtimes: list[Runtime] = []
 
     def make(*, with_worker: bool = True, policy: BatchPolicy | None = None, faults: FaultPolicy | None = None,
@@ -79,7 +89,7 @@ def make_stack(service_settings, make_served, tiny_engine) -> Iterator:  # noqa:
         if with_worker:
             served = make_served(policy or BatchPolicy(max_batch_size=32, max_wait_ms=5, max_batch_tokens=100_000),
                                  faults or FaultPolicy(renew_every_s=0.2))
-            register(served, tiny_engine)
+            register(served, model)
             served.start()
         return Stack(service, runtime, served)
 
@@ -91,8 +101,28 @@ def make_stack(service_settings, make_served, tiny_engine) -> Iterator:  # noqa:
 
 
 @pytest.fixture
+def make_stack(service_settings, make_served, tiny_engine) -> Iterator:  # noqa: F811
+    with stacks(service_settings, make_served, tiny_engine) as make:
+        yield make
+
+
+@pytest.fixture
 def stack(make_stack) -> Stack:
     return make_stack()
+
+
+@pytest.fixture(scope="module")
+def module_stack(database_url, engine, tiny_folder, settings, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811
+    """One stack, its worker running, for a module's tests that each send and read back only their own requests,
+    files and jobs: its setup, and the processes a module starts beside it, are paid once per module, not per
+    test. Its worker decodes on an engine of its own, so the session's tiny engine stays free for the module's
+    other tests (a worker of their own, a reference decoding)."""
+    key_prefix = new_key_prefix()
+    model = Engine.from_config(make_config(str(tiny_folder)), settings)
+    with redis_for(key_prefix) as client, serving_workers(model, engine, client, key_prefix) as make_served, \
+            stacks(settings_for(database_url, key_prefix, tmp_path_factory.mktemp("state")), make_served,
+                   model) as make:
+        yield make()
 
 
 def service_env(service: ServiceSettings) -> dict[str, str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -43,14 +45,39 @@ def step_until_one_finishes(worker: ServingWorker, *, max_steps: int) -> int:
     return finished
 
 
-@pytest.fixture
-def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
+def unblock_reads(client: redis.Redis, name: str) -> None:
+    """End the blocking stream reads of the connections named `name` (this test's own) as if their wait ran out.
+
+    NOTE: an idle worker blocks up to a second on its streams before it sees a stop; CLIENT UNBLOCK answers that
+    read as a timeout would, so the worker leaves by the same path, without the wait.
+    """
+    for connection in client.client_list():
+        if connection.get("name") == name and "b" in connection.get("flags", ""):
+            client.client_unblock(int(connection["id"]))
+
+
+def stop_and_join(worker: ServingWorker, thread: threading.Thread, client: redis.Redis, name: str,
+                  timeout_s: float = 10.0) -> None:
+    """Stop a worker running in `thread` and wait for it to leave (a liveness guard, never a timing check)."""
+    worker.stop.set()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        unblock_reads(client, name)
+        thread.join(timeout=0.05)
+    assert not thread.is_alive(), "worker did not stop"
+
+
+@contextmanager
+def serving_workers(model: Engine, database, client: redis.Redis, key_prefix: str
+                    ) -> Iterator[Callable[..., Served]]:
+    """-> make(policy, faults): a worker on `model` serving a fresh config name; each started one is stopped at the
+    end (and must stop)."""
     started: list[Served] = []
 
     def make(policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(renew_every_s=0.2)) -> Served:
-        streams = RequestStreams(redis_client, prefix=key_prefix, config_name=f"tiny-{uuid.uuid4().hex[:8]}")
-        sessions = session_factory(engine)
-        worker = ServingWorker(engine=tiny_engine, streams=streams, sessions=sessions,
+        streams = RequestStreams(client, prefix=key_prefix, config_name=f"tiny-{uuid.uuid4().hex[:8]}")
+        sessions = session_factory(database)
+        worker = ServingWorker(engine=model, streams=streams, sessions=sessions,
                                name=f"w-{uuid.uuid4().hex[:6]}", policy=policy, faults=faults)
         served = Served(worker, streams, sessions)
         started.append(served)
@@ -61,5 +88,10 @@ def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_pref
         served.worker.stop.set()
     for served in started:
         if served.thread is not None:
-            served.thread.join(timeout=10)
-            assert not served.thread.is_alive(), "worker did not stop"
+            stop_and_join(served.worker, served.thread, client, key_prefix)
+
+
+@pytest.fixture
+def make_served(tiny_engine: Engine, engine, redis_client: redis.Redis, key_prefix: str) -> Iterator:
+    with serving_workers(tiny_engine, engine, redis_client, key_prefix) as make:
+        yield make

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,13 +22,14 @@ from servelab.request import SamplingParams
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import RequestRow, RequestStatus
 from tests.queue.exactly_once import assert_each_ran_to_one_end, deliveries, read_ledger, reference_token_ids
+from tests.queue.forked_worker import ForkedWorker
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_new_tokens=5)
 
 
 class WorkerProcesses:
-    """Starts real `python -m worker.gpu`-equivalent processes (with the faulty engine) and kills them."""
+    """Starts real worker processes (worker.gpu's main, with the faulty engine) and kills them."""
 
     def __init__(self, tmp_path: Path, tiny_folder: Path, service_settings, config_name: str,
                  policy: str = "window") -> None:
@@ -46,11 +45,12 @@ class WorkerProcesses:
                     "SERVELAB_CACHE_DIR": str(service_settings.cache_dir), "SERVELAB_NUM_THREADS": "1",
                     "SERVELAB_CLAIM_IDLE_MS": "1500", "SERVELAB_RENEW_EVERY_S": "0.2",
                     "SERVELAB_TEST_STALL_MARKER": str(self.marker), "PYTHONPATH": str(REPO)}
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[ForkedWorker] = []
 
-    def start(self, name: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.queue.faulty_worker", str(self.config)], cwd=REPO,
-                                env={**self.env, "SERVELAB_WORKER_NAME": name})
+    def start(self, name: str) -> ForkedWorker:
+        # NOTE: forked from a process that has imported the worker's code already (tests/queue/forked_worker.py):
+        # a fresh interpreter spends most of a worker's start importing torch, and these tests start many
+        proc = ForkedWorker(str(self.config), env={**self.env, "SERVELAB_WORKER_NAME": name}, cwd=str(REPO))
         self.procs.append(proc)
         return proc
 
@@ -103,7 +103,7 @@ def wait_status(queue, ids: list[str], status: RequestStatus, timeout_s: float =
     raise AssertionError(f"requests not {status} within {timeout_s} s")
 
 
-def wait_finished(queue, ids: list[str], *, timeout_s: float = 300.0, until_exit: subprocess.Popen | None = None) -> bool:
+def wait_finished(queue, ids: list[str], *, timeout_s: float = 300.0, until_exit: ForkedWorker | None = None) -> bool:
     """Poll until every request is finished (True) or the given process exits first (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
