@@ -53,10 +53,10 @@ class KVCacheConfig(_Frozen):
 
     block_size: int = Field(default=16, ge=1, le=1024, description=(
         "tokens per KV block: a row takes blocks as it grows; only full blocks are shared by prefix caching"))
-    prefix_caching: bool = Field(default=True, description=(
+    prefix_caching: bool | None = Field(default=None, description=(
         "reuse the KV blocks of a prompt prefix already computed (a shared system prompt is prefilled once); "
-        "off: every prompt is prefilled whole. transformers' decoder keeps its own cache: asking it for prefix "
-        "caching is refused"))
+        "false: every prompt is prefilled whole; unset: on wherever servelab's decoder serves. transformers' "
+        "decoder keeps its own cache: asking it for prefix caching (true) is refused"))
 
 
 class DecodingConfig(_Frozen):
@@ -137,15 +137,15 @@ class ServingConfig(_Frozen):
 
     @model_validator(mode="after")
     def _prefix_caching_needs_servelab_decoder(self) -> ServingConfig:
-        if self.decoder == "transformers" and self.kv_cache.prefix_caching and "prefix_caching" in self.kv_cache.model_fields_set:
+        if self.decoder == "transformers" and self.kv_cache.prefix_caching is True:
             raise ValueError("kv_cache.prefix_caching needs servelab's decoder (its paged cache); transformers' decoder "
                              "keeps its own cache: set decoder: auto, or prefix_caching: false")
         return self
 
     @property
     def uses_prefix_caching(self) -> bool:
-        """Whether prefix caching is asked: on by default, off under transformers' decoder unless asked by name."""
-        return self.kv_cache.prefix_caching and (self.decoder != "transformers")
+        """Whether prefix caching is asked: on unless set false, never under transformers' decoder."""
+        return self.kv_cache.prefix_caching is not False and self.decoder != "transformers"
 
     @property
     def config_hash(self) -> str:

@@ -67,3 +67,13 @@ def test_config_is_frozen_and_hash_ignores_the_name(tmp_path: Path) -> None:
 def test_awq_weights_get_default_awq_settings() -> None:
     config = ServingConfig.from_dict({"name": "q", "weights": "awq-int4"})
     assert config.awq is not None and config.awq.group_size == 64
+
+
+def test_prefix_caching_asked_of_transformers_decoder_is_refused_by_name_and_a_dumped_config_reloads() -> None:
+    with pytest.raises(ConfigError, match="kv_cache.prefix_caching needs servelab's decoder"):
+        ServingConfig.from_dict({"name": "t", "decoder": "transformers", "kv_cache": {"prefix_caching": True}})
+    config = ServingConfig.from_dict({"name": "t", "decoder": "transformers"})
+    assert not config.uses_prefix_caching  # unset: on only where servelab's paged cache serves
+    assert ServingConfig.from_dict(config.model_dump(mode="json")) == config  # a worker's dumped config reloads
+    assert ServingConfig.from_dict({"name": "t"}).uses_prefix_caching
+    assert not ServingConfig.from_dict({"name": "t", "kv_cache": {"prefix_caching": False}}).uses_prefix_caching

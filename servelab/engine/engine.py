@@ -153,7 +153,7 @@ class Engine:
                                        block_size, prefix_caching=config.uses_prefix_caching,
                                        namespace=cache_namespace(config, loaded.dtype))
             self._paged = self.decoder.new_paged_cache(self.blocks)
-        elif config.kv_cache.prefix_caching and "prefix_caching" in config.kv_cache.model_fields_set:
+        elif config.kv_cache.prefix_caching is True:
             raise ValueError(f"{config.name}: kv_cache.prefix_caching needs servelab's decoder (its paged cache), which "
                              f"does not cover this model ({self.decoder.name} decoder serves it): set prefix_caching: "
                              "false")
