@@ -391,8 +391,9 @@ class Engine:
                 budget -= n
         if not decoding and not chunks:
             return StepOutput((), ())
-        tables = [self.blocks.table(r.request.request_id) for r in [*decoding, *(c for c, _ in chunks)]]
-        growth = sum(max(0, self.blocks.blocks_for(r.num_columns) - len(self.blocks.table(r.request.request_id)))
+        held = {r.request.request_id: self.blocks.table(r.request.request_id) for r in self._rows if r.holds_blocks}
+        tables = [held[r.request.request_id] for r in [*decoding, *(c for c, _ in chunks)]]
+        growth = sum(max(0, self.blocks.blocks_for(r.num_columns) - len(held[r.request.request_id]))
                      for r in self._rows if r.holds_blocks)
         self._paged.reach(tables, expected=self.blocks.num_used_blocks + growth)
         ids, positions, chunk_spans, logit_rows, sampled = [], [], [], [], []

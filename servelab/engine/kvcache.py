@@ -233,10 +233,6 @@ class PagedKVCache:
         v = self.values[layer][table].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
         return k, v
 
-    def clear(self) -> None:
-        """No row holds a block and none is cached: the tensors are dropped."""
-        self.keys, self.values = [], []
-
 
 class TransformersBatchCache:
     """transformers' running batch: its dynamic cache with rows left-padded to a shared width, the padding
