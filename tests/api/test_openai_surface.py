@@ -79,7 +79,8 @@ def test_a_retried_completion_with_the_same_idempotency_key_runs_once(idle) -> N
         impatient.completions.create(model=stack.model, prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_headers=headers)
     assert sent == ["0", "1", "2"], "the client sent the request three times"
-    [row] = rows(stack)
+    # NOTE: the client gave up (no worker serves yet, so no answer could come); its rows are read once written
+    [row] = wait_until(lambda: rows(stack), timeout_s=30)
     assert row.status is RequestStatus.QUEUED, "a keyed request outlives its client's connection"
 
     served.start()
@@ -125,8 +126,8 @@ def test_a_client_that_leaves_before_its_request_starts_cancels_it(idle) -> None
     with pytest.raises(httpx.ReadTimeout):  # NOTE: a client that says no read timeout and gives up after 1.5 s
         httpx.post(f"{url}/completions", json={"model": stack.model, "prompt": PROMPT, "max_tokens": 4, "n": 2},
                    headers={"Authorization": f"Bearer {stack.key('acme')}"}, timeout=1.5)
-    left = rows(stack)
-    assert len(left) == 2
+    # NOTE: no worker serves yet, so the client's 1.5 s pass with no answer on any machine; its rows once written
+    left = wait_until(lambda: found if len(found := rows(stack)) == 2 else None, timeout_s=30)
     wait_until(lambda: all(r.status is RequestStatus.CANCELLED for r in rows(stack)), timeout_s=30)
     served.start()
     other = openai_client(stack, url).completions.create(model=stack.model, prompt="the river", max_tokens=3)

@@ -76,22 +76,60 @@ def test_thousand_line_file_with_bad_lines_completes_with_every_line_answered_on
         assert done.timestamps[stamp] is not None
 
 
-def test_cancel_mid_job_keeps_finished_results_and_ends_cancelled(make_stack) -> None:
-    stack = make_stack(policy=BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000),
-                       max_job_in_flight=40)
-    with control_plane(stack):
-        job = make_job(stack, "\n".join(line(f"r{i}", stack.model, max_tokens=8) for i in range(240)).encode())
-        wait_until(lambda: counts_now(stack, job.id).completed >= 20, state=state_of(stack, job.id))
-        with session_scope(stack.runtime.sessions) as session:
-            from datetime import UTC, datetime
+class HeldEngine:
+    """The tiny engine, except that once `hold` is set its next step waits (signalling `held`) until `release` is
+    set: a test can land a cancel while the worker is mid-job, however fast the machine serves."""
 
-            from servelab.jobs.lifecycle import cancel_job
-            assert cancel_job(session, job_id=job.id, tenant="acme", now=datetime.now(UTC)).status \
-                is BatchStatus.CANCELLING
-        done = wait_for_status(stack, job.id)
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.hold, self.held, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def step(self):
+        if self.hold.is_set() and not self.release.is_set():
+            self.held.set()
+            self.release.wait(timeout=120)
+        return self._engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_cancel_mid_job_keeps_finished_results_and_ends_cancelled(make_stack, tiny_engine) -> None:
+    from servelab.store.db import session_factory
+    from tests.queue.conftest import Served
+
+    stack = make_stack(with_worker=False, max_job_in_flight=40)
+    held = HeldEngine(tiny_engine)
+    streams = stack_streams(stack)
+    worker = ServingWorker(engine=held, streams=streams, sessions=session_factory(stack.runtime.db),
+                           name=f"w-{uuid.uuid4().hex[:6]}",
+                           policy=BatchPolicy(max_batch_size=4, max_wait_ms=5, max_batch_tokens=100_000),
+                           faults=FaultPolicy(renew_every_s=0.2))
+    stack.served = Served(worker, streams, worker.sessions)
+    register(stack.served, tiny_engine)
+    stack.served.start()
+    try:
+        with control_plane(stack):
+            job = make_job(stack, "\n".join(line(f"r{i}", stack.model, max_tokens=8) for i in range(240)).encode())
+            wait_until(lambda: counts_now(stack, job.id).completed >= 20, state=state_of(stack, job.id))
+            held.hold.set()  # NOTE: the worker stops between two steps, so the cancel lands mid-job on any machine
+            wait_until(held.held.is_set, timeout_s=60, state=state_of(stack, job.id))
+            finished_at_hold = counts_now(stack, job.id).completed
+            with session_scope(stack.runtime.sessions) as session:
+                from servelab.jobs.lifecycle import cancel_job
+                assert cancel_job(session, job_id=job.id, tenant="acme", now=datetime.now(UTC)).status \
+                    is BatchStatus.CANCELLING
+            held.release.set()
+            done = wait_for_status(stack, job.id)
+    finally:
+        held.release.set()
+        worker.stop.set()
+        stack.served.thread.join(timeout=10)  # NOTE: gone before the runtime's connections close
     assert done.status is BatchStatus.CANCELLED and done.timestamps["cancelled_at"] is not None
     output, errors = read_jsonl(stack, done.output_file_id), read_jsonl(stack, done.error_file_id)
-    assert len(output) >= 20 and len(output) < 240, "cancelled mid-job: some, not all, were served"
+    # NOTE: at the hold, at most the 40 lines in flight were past the queue; the rest were cancelled unread
+    assert finished_at_hold <= len(output) <= finished_at_hold + 40 < 240, \
+        "cancelled mid-job: the finished lines, and those already started, kept"
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert_every_line_answered_once(output, errors, 240)
 
