@@ -49,7 +49,7 @@ demo: $(STAMP)
 	@echo "What runs: $(SL) status    Stop everything: make stop"
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 # The engine's speed steps side by side (docs/performance.md, "Performance"); the peer engines: bench/peers/README.md.
 bench: $(STAMP)
