@@ -432,7 +432,7 @@ def batch_policy(engine: Engine) -> BatchPolicy:
     policy = BatchPolicy.from_config(engine.config.batching, engine.loaded.shape,
                                      bytes_per_element=engine.kv_bytes_per_element)
     if engine.blocks is not None:
-        policy = replace(policy, max_batch_tokens=engine.blocks.num_blocks * engine.blocks.block_size)
+        policy = replace(policy, max_batch_tokens=engine.blocks.num_blocks * engine.blocks.block_size, paged=True)
     return policy
 
 

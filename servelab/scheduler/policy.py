@@ -3,7 +3,9 @@ row makes room.
 
 Pure policy: no Redis, no clock of its own (time is an argument), no torch. Two policies share the same
 limits (max_batch_size, and the KV-cache token budget counted as the room the batch's cache holds:
-rows x the longest row's prompt + max_new_tokens):
+rows x the longest row's prompt + max_new_tokens; with a paged pool (`paged`), what the rows hold when they
+join, their prompts and one token each, since the pool's blocks grow with each row and a row that finds none
+mid-decode gives its blocks back and is recomputed later):
 - `window`: a batch forms within max_wait_ms after its first request, then runs closed until its last
   row ends (the card's time-window micro-batching);
 - `continuous`: waiting requests join at every step boundary while rows and the budget allow; an
@@ -37,6 +39,7 @@ class BatchPolicy:
     policy: AdmissionPolicy = "window"
     min_bulk_rows: int = 1
     max_prefill_tokens: int = 256
+    paged: bool = False  # the budget is a paged pool's tokens: rows are charged what they hold, not their worst case
 
     @classmethod
     def from_config(cls, batching: BatchingConfig, shape: ModelShape, *, bytes_per_element: float) -> BatchPolicy:
@@ -58,7 +61,10 @@ class BatchPolicy:
         return max(0, min(self.min_bulk_rows, self.max_batch_size - 1))
 
     def batch_tokens(self, rows: Sequence[ScheduledRequest]) -> int:
-        """The room the rows' cache holds: every row as long as the longest prompt + max_new_tokens."""
+        """The room the rows' cache holds: every row as long as the longest prompt + max_new_tokens; paged, each
+        row's prompt and its first token (the scheduler's room then counts blocks, prefix sharing included)."""
+        if self.paged:
+            return sum(c.num_prompt_tokens + 1 for c in rows)
         return len(rows) * max((c.num_columns for c in rows), default=0)
 
     def fits(self, rows: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:

@@ -88,6 +88,10 @@ def test_continuous_admits_into_a_running_batch_up_to_its_limits() -> None:
     tight = replace(CONTINUOUS, max_batch_tokens=3 * 20)
     batch, _ = tight.select([cand(2, prompt=40, interactive=False)], running=running)
     assert batch == []  # the room the cache would hold: 3 rows x 50 columns > 60
+    paged = replace(tight, paged=True)  # a pool's tokens: each row holds its prompt and its first token
+    batch, _ = paged.select([cand(2, prompt=37, interactive=False), cand(3, prompt=2, interactive=False)],
+                            running=running)
+    assert [c.entry_key for c in batch] == ["e2"]  # 11 + 11 + 38 = 60 fit; the worst case (3 x 47) would not
     assert CONTINUOUS.is_closed([cand(0)], [], first_seen_s=0.0, now_s=0.0)  # no window to wait for
 
 
