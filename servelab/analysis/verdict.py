@@ -41,8 +41,8 @@ THROUGHPUT_METRICS = ("output_tokens_per_s", "requests_per_s", "goodput_requests
 MEMORY_METRICS = ("weight_bytes", "kv_cache_peak_bytes", "working_peak_bytes")
 COST_METRICS = ("cost_per_request", "cost_per_1k_output_tokens")
 GAIN_METRICS = THROUGHPUT_METRICS + MEMORY_METRICS + COST_METRICS
-# NOTE: shown beside the gains, never judged: how the batch formed (rows per pass, rows preempted to free KV
-# blocks, the paged pool's peak share in use); what a cache factor (capacity, eviction) changes first
+# NOTE: shown beside the gains, never judged: how the batch formed (rows per pass, rows preempted, the paged
+# pool's share held at the KV peak); what a cache factor (capacity, eviction) changes first
 SHAPE_METRICS = ("mean_batch_size", "peak_rows", "num_preempted", "kv_pool_peak_use")
 HARDWARE_KEYS = ("cpu", "gpu", "num_cpus", "memory_bytes", "device")
 LAMBADA_PASSAGES = 5153

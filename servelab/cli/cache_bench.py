@@ -36,7 +36,7 @@ def bench_prefix(
     if max_new_tokens > min(c.decoding.max_new_tokens for c in configs):
         fail(f"--max-new-tokens {max_new_tokens}: above a config's decoding.max_new_tokens")
 
-    from servelab.analysis.factors import changed_factors
+    from servelab.analysis.verdict import changed_factors
     from servelab.lab.prefix_bench import PrefixBenchError, format_prefix_table, run_prefix_bench
 
     try:

@@ -32,6 +32,7 @@ from servelab.store.models import (
 )
 from servelab.store.run_settings import describe_settings
 
+
 @dataclass(frozen=True)
 class RunListing:
     """One run as the runs table and the pickers show it: its settings and headline figures."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from servelab.analysis.factors import FACTORS, changed_factors, field_value
@@ -58,3 +60,22 @@ def test_the_verdict_names_the_cache_factors_a_candidate_changes() -> None:
                            "kv_cache": {"eviction": "window", "window_tokens": 256}})
     warning = next(w for w in compare(BASE, cand, LIMITS).warnings if "factors" in w)
     assert "changes 3 factors (cache precision, cache capacity, cache eviction)" in warning
+
+
+def test_the_verdict_shows_how_the_batch_formed_beside_the_gains_without_judging_it() -> None:
+    """Mean batch, peak rows, rows preempted and the pool's peak use: figures, never criteria; a side at 0 has no
+    ratio, and runs stored before these were summarised show none."""
+    def with_shape(run_set, **shape):
+        return dataclasses.replace(run_set, summaries=tuple({**s, **shape} for s in run_set.summaries))
+    base = with_shape(BASE, mean_batch_size=15.0, peak_rows=16, num_preempted=0, kv_pool_peak_use=0.7)
+    cand = with_shape(run_set("small", tokens_per_s=(40.0,) * 4, tpot_ms=50.0, correct=34,
+                              config={"batching": {"max_batch_size": 16, "max_kv_cache_mib": 16}}),
+                      mean_batch_size=3.0, peak_rows=3, num_preempted=5, kv_pool_peak_use=0.9)
+    verdict = compare(base, cand, LIMITS)
+    figures = {f.name: f for f in verdict.figures}
+    assert figures["mean_batch_size"].ratio.value == pytest.approx(0.2)
+    assert (figures["num_preempted"].baseline, figures["num_preempted"].candidate) == pytest.approx((0, 5))
+    assert figures["num_preempted"].ratio is None
+    assert not {c.name for c in verdict.criteria} & {"mean_batch_size", "peak_rows", "num_preempted"}
+    assert "peak_rows" not in {f.name for f in compare(BASE, run_set("x", tokens_per_s=(1.0,) * 4, tpot_ms=50.0,
+                                                                     correct=34), LIMITS).figures}
