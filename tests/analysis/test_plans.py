@@ -8,7 +8,7 @@ from typing import get_args
 
 import pytest
 
-from servelab.analysis.plan import load_plan
+from servelab.analysis.plan import QualitySpec, load_plan
 from servelab.analysis.verdict import changed_factors
 from servelab.config import KVCacheConfig, KVCacheDtype
 
@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 # Each runs once that branch is merged; a plan still skipped after the merge names a field that does not exist.
 PENDING = {
     "kv-int8.yaml": ("kv_cache_dtype int8 (the kvint8 branch)", lambda: "int8" in get_args(KVCacheDtype)),
-    "kv-window.yaml": ("kv_cache.eviction, configs/fp32-continuous-window.yaml, workloads/long-generation.yaml "
-                       "(the window branch)",
+    "kv-window.yaml": ("kv_cache.eviction, quality.long_context_segments, configs/fp32-continuous-{long,window}.yaml "
+                       "and workloads/long-generation.yaml (the window branch)",
                        lambda: "eviction" in KVCacheConfig.model_fields
+                       and "long_context_segments" in QualitySpec.model_fields
                        and (REPO / "configs" / "fp32-continuous-window.yaml").is_file()
                        and (REPO / "workloads" / "long-generation.yaml").is_file()),
 }
