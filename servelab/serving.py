@@ -436,6 +436,15 @@ def batch_policy(engine: Engine) -> BatchPolicy:
     return policy
 
 
+def kv_pool(engine: Engine) -> dict[str, int]:
+    """The paged cache's pool as this worker sized it (from max_kv_cache_mib or max_batch_tokens), registered with
+    its hardware so a run records the capacity it was served with; nothing where the cache is not paged."""
+    if engine.blocks is None:
+        return {}
+    return {"kv_pool_blocks": engine.blocks.num_blocks, "kv_block_size": engine.blocks.block_size,
+            "kv_pool_bytes": engine.blocks.num_blocks * engine.decoder.kv_bytes_per_block(engine.blocks.block_size)}
+
+
 def default_worker_name() -> str:
     """Unique per process and host, so scaled-out workers never share a consumer name."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -463,7 +472,8 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     with session_scope(runtime.sessions) as session:
         store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
                               hardware={**describe_hardware().as_dict(), "device": str(engine.device),
-                                        "kernel": engine.kernel, "bandwidth_gbs": bandwidth_gbs},
+                                        "kernel": engine.kernel, "bandwidth_gbs": bandwidth_gbs,
+                                        **kv_pool(engine)},
                               software=software_versions())
         store.save_serving_config(session, config=config)
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),

@@ -13,7 +13,7 @@ PROCESS_PACKAGES = ("api", "worker", "dashboard")
 # NOTE: policy modules take time as an argument and import no I/O or tensor library.
 PURE_MODULES = ("servelab/config.py", "servelab/memory.py", "servelab/request.py",
                 "servelab/outputs.py", "servelab/scheduler/policy.py", "servelab/scheduler/state.py",
-                "servelab/scheduler/scheduler.py", "servelab/analysis/verdict.py",
+                "servelab/scheduler/scheduler.py", "servelab/analysis/verdict.py", "servelab/analysis/factors.py",
                 "servelab/analysis/metrics.py", "servelab/analysis/stats.py", "servelab/analysis/workload.py",
                 "servelab/analysis/roofline.py", "servelab/idempotency.py", "servelab/jobs/share.py",
                 "servelab/jobs/prefix_groups.py")

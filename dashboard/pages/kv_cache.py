@@ -1,5 +1,6 @@
 """KV cache: stored KV bytes against retained tokens, one straight line per config, with a run's requests on it;
-then each run's prefix cache (its hit rate, n/a where nothing was looked up) and its blocks at the KV peak.
+then each run's prefix cache (its hit rate, n/a where nothing was looked up), its blocks at the KV peak against
+the pool's size, and the rows preempted.
 
 At a fixed model and cache precision every retained token stores the same bytes (2 x layers x kv_heads x
 head_dim x bytes per element), so the cache grows on a line through the origin. The runs shown live in the
@@ -14,7 +15,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, hints, reads
-from servelab.analysis.metrics import prefix_cache
+from servelab.analysis.metrics import pool_peak_use, prefix_cache
 from servelab.store.queries import BatchPoint, RunListing, kv_bytes_per_token
 
 EXPLANATION = (
@@ -31,7 +32,10 @@ PREFIX_EXPLANATION = (
     "share it found there and did not prefill (vLLM's prefix_cache_hits / prefix_cache_queries). *n/a* where "
     "nothing was looked up: prefix caching off, transformers' decoder, or batches stored before it was counted; "
     "that is no 0 %. Blocks are those of the run's batch with the most KV bytes: shared ones (read by two or "
-    "more rows) are counted once in its bytes; *not paged* where the cache has no blocks."
+    "more rows) are counted once in its bytes; *not paged* where the cache has no blocks. The pool is the paged "
+    "cache's size as the run's worker built it (`batching.max_kv_cache_mib`, else `max_batch_tokens`); its peak use "
+    "is the share of it those blocks held. Rows preempted are those taken out unfinished over the run's batches "
+    "(the pool ran out mid-decode, or an interactive call needed the room): a pool that is too small shows here first."
 )
 
 
@@ -101,22 +105,28 @@ def main() -> None:
 
 
 def prefix_frame(points: list[BatchPoint], listing: list[RunListing]) -> pd.DataFrame:
-    """One row per run: its prefix-cache hit rate over its batches and its blocks at its KV peak."""
+    """One row per run: its prefix-cache hit rate over its batches, its blocks at its KV peak against its pool, and
+    the rows preempted."""
     by_run: dict[str, list[BatchPoint]] = defaultdict(list)
     for p in points:
         by_run[p.run_id].append(p)
     names = {r.id: _label(r) for r in listing}
+    pools = {r.id: r.kv_pool_blocks for r in listing}
     rows = []
     for run_id, ps in by_run.items():
         c = prefix_cache(ps)
         paged = c.kv_block_size > 0
+        pool = pools.get(run_id)
         rows.append({"run": names.get(run_id, run_id[:8]),
                      "prefix-cache hit rate": "n/a" if c.hit_rate is None else f"{c.hit_rate:.1%}",
                      "prompt tokens looked up": c.num_query_tokens, "found in the cache": c.num_hit_tokens,
                      # NOTE: text columns: a number or a word, one type per column
                      "block size (tokens)": str(c.kv_block_size) if paged else "not paged",
                      "blocks shared at the KV peak": str(c.kv_blocks_shared) if paged else "-",
-                     "blocks private at the KV peak": str(c.kv_blocks_private) if paged else "-"})
+                     "blocks private at the KV peak": str(c.kv_blocks_private) if paged else "-",
+                     "pool (blocks)": str(pool) if paged and pool else "-",
+                     "pool peak use": "-" if (use := pool_peak_use(c, pool)) is None else f"{use:.0%}",
+                     "rows preempted": sum(p.num_preempted for p in ps)})
     return pd.DataFrame(rows)
 
 

@@ -59,6 +59,7 @@ def main() -> None:
         "repeat": r.repeat_index, "plan": r.plan_name, "workload": r.workload_name, **r.settings,
         "hardware": r.hardware, "requests": r.num_requests, "succeeded": r.num_succeeded,
         "output tokens/s": r.output_tokens_per_s, "p95 TTFT ms": r.p95_ttft_ms, "p95 TPOT ms": r.p95_tpot_ms,
+        "p95 queue ms": r.p95_queue_ms, "mean batch": r.mean_batch_size, "rows preempted": r.num_preempted,
         "LAMBADA accuracy": r.lambada_accuracy, "configs on this workload": len(per_workload[r.workload_fingerprint]),
         "run id": r.id} for r in shown])
     st.caption(f"{len(shown)} of {len(listing)} runs. 'open' compares the run's config (all its repeats) against "
@@ -72,6 +73,8 @@ def main() -> None:
         "output tokens/s": st.column_config.NumberColumn(format="%.1f"),
         "p95 TTFT ms": st.column_config.NumberColumn(format="%.1f"),
         "p95 TPOT ms": st.column_config.NumberColumn(format="%.2f"),
+        "p95 queue ms": st.column_config.NumberColumn(format="%.1f"),
+        "mean batch": st.column_config.NumberColumn(format="%.2f"),
         "LAMBADA accuracy": st.column_config.NumberColumn(format="%.3f"),
     })
 

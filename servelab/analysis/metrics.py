@@ -47,6 +47,7 @@ class BatchSample:
     kv_block_size: int = 0  # tokens per block; 0: the cache is not paged
     kv_blocks_shared: int = 0  # at the batch's KV peak: blocks two or more rows read
     kv_blocks_private: int = 0  # at the batch's KV peak: blocks one row holds
+    num_preempted: int = 0  # rows taken out unfinished (the pool ran out, or an interactive call needed the room)
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,21 @@ class RunSummary:
     kv_block_size: int = 0  # 0: not paged
     kv_blocks_shared: int = 0  # at the run's KV peak (the batch holding the most KV bytes)
     kv_blocks_private: int = 0
+    # NOTE: the cache's capacity at work: rows preempted over the run's batches, the most rows of one pass, and
+    # the paged pool (its blocks, as the worker sized it; None where not paged or not recorded) and the share of
+    # it the run's KV peak held
+    num_preempted: int = 0
+    peak_rows: int = 0
+    kv_pool_blocks: int | None = None
+    kv_pool_peak_use: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, slo: SLOSpec,
-                  price_per_hour: float) -> RunSummary:
+                  price_per_hour: float, kv_pool_blocks: int | None = None) -> RunSummary:
+    """kv_pool_blocks: the paged pool's size as the serving worker built it (None: not paged, or not known)."""
     assert requests, "a run without requests has no summary"
     ok = [r for r in requests if r.is_success]
     start = min(r.submitted_at for r in requests)
@@ -118,7 +127,17 @@ def summarise_run(requests: list[RequestSample], batches: list[BatchSample], *, 
         prefix_cache_query_tokens=cache.num_query_tokens, prefix_cache_hit_tokens=cache.num_hit_tokens,
         prefix_cache_hit_rate=cache.hit_rate, kv_block_size=cache.kv_block_size,
         kv_blocks_shared=cache.kv_blocks_shared, kv_blocks_private=cache.kv_blocks_private,
+        num_preempted=sum(b.num_preempted for b in batches),
+        peak_rows=max((n for b in batches for n in b.num_rows_per_step), default=0),
+        kv_pool_blocks=kv_pool_blocks, kv_pool_peak_use=pool_peak_use(cache, kv_pool_blocks),
     )
+
+
+def pool_peak_use(cache: PrefixCache, kv_pool_blocks: int | None) -> float | None:
+    """The share of the paged pool the run's KV peak held (its blocks shared and private); None where no pool."""
+    if not kv_pool_blocks or not cache.kv_block_size:
+        return None
+    return (cache.kv_blocks_shared + cache.kv_blocks_private) / kv_pool_blocks
 
 
 class CacheFigures(Protocol):

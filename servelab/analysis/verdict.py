@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servelab.analysis.factors import changed_factors
 from servelab.analysis.metrics import LATENCY_METRICS, RequestSample, latency_values
 from servelab.analysis.stats import (
     Estimate,
@@ -40,10 +41,9 @@ THROUGHPUT_METRICS = ("output_tokens_per_s", "requests_per_s", "goodput_requests
 MEMORY_METRICS = ("weight_bytes", "kv_cache_peak_bytes", "working_peak_bytes")
 COST_METRICS = ("cost_per_request", "cost_per_1k_output_tokens")
 GAIN_METRICS = THROUGHPUT_METRICS + MEMORY_METRICS + COST_METRICS
-# NOTE: the factors a comparison varies; a candidate should change exactly one of them.
-FACTORS = {"model": ("model",), "weight precision": ("weights", "awq"), "cache precision": ("kv_cache_dtype",),
-           "KV blocks and prefix caching": ("kv_cache",), "batching": ("batching",), "decoding limits": ("decoding",),
-           "device": ("device",), "threads": ("num_threads",)}
+# NOTE: shown beside the gains, never judged: how the batch formed (rows per pass, rows preempted, the paged
+# pool's share held at the KV peak); what a cache factor (capacity, eviction) changes first
+SHAPE_METRICS = ("mean_batch_size", "peak_rows", "num_preempted", "kv_pool_peak_use")
 HARDWARE_KEYS = ("cpu", "gpu", "num_cpus", "memory_bytes", "device")
 LAMBADA_PASSAGES = 5153
 Outcome = Literal["pass", "fail", "unsure"]
@@ -339,7 +339,7 @@ def gain_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs) ->
 def figures(baseline: RunSet, candidate: RunSet, pairs=None) -> list[Figure]:
     """Every figure: per-run values averaged geometrically per side, the ratio with its interval over runs."""
     rows = []
-    measures = [(metric, summary_metric(metric)) for metric in GAIN_METRICS]
+    measures = [(metric, summary_metric(metric)) for metric in GAIN_METRICS + SHAPE_METRICS]
     measures += [(f"p{q} {metric}", run_percentile(metric, q)) for metric in LATENCY_METRICS for q in (50, 95, 99)]
     for name, measure in measures:
         b, c = _geometric_mean(baseline, measure), _geometric_mean(candidate, measure)
@@ -396,11 +396,6 @@ def run_spread(run_set: RunSet, metrics: tuple[str, ...] = ("ttft_ms", "tpot_ms"
         if len(values) >= 2 and statistics.fmean(values) > 0:
             parts.append(f"{name} {100 * statistics.stdev(values) / statistics.fmean(values):.1f} %")
     return f"{len(run_set.summaries)} runs; run-to-run spread (coefficient of variation): " + ", ".join(parts)
-
-
-def changed_factors(baseline_config: dict[str, Any], candidate_config: dict[str, Any]) -> list[str]:
-    return [factor for factor, keys in FACTORS.items()
-            if any(baseline_config.get(k) != candidate_config.get(k) for k in keys)]
 
 
 def _geometric_mean(run_set: RunSet, measure) -> float | None:

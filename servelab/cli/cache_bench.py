@@ -50,9 +50,9 @@ def bench_prefix(
                f"config and round, {rounds} round(s); {sides}; {os.cpu_count()} CPUs")
     typer.echo(format_prefix_table(jobs, [c.name for c in configs]))
     changed = changed_factors(configs[0].model_dump(mode="json"), configs[1].model_dump(mode="json"))
-    if changed != ["KV blocks and prefix caching"]:
-        typer.echo(f"warning: the configs differ in {', '.join(changed) or 'nothing'} (change the kv_cache section "
-                   "alone to see what prefix caching does)")
+    if changed != ["prefix caching"]:
+        typer.echo(f"warning: the configs differ in {', '.join(changed) or 'nothing'} (change "
+                   "kv_cache.prefix_caching alone to see what prefix caching does)")
 
 
 def bench_chunked(

@@ -69,6 +69,7 @@ def _format_summary(summary) -> str:
     lines.append(f"  memory: weights {summary.weight_bytes / 1e6:.1f} MB, KV cache peak "
                  f"{summary.kv_cache_peak_bytes / 1e6:.2f} MB, working peak {summary.working_peak_bytes / 1e6:.1f} MB")
     lines.append(f"  {prefix_cache_text(summary)}")
+    lines.append(f"  {capacity_text(summary)}")
     lines.append(f"  cost: {summary.cost_per_request:.6f} per request, {summary.cost_per_1k_output_tokens:.6f} "
                  "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)")
     return "\n".join(lines)
@@ -84,6 +85,18 @@ def prefix_cache_text(summary) -> str:
         return f"{hits}; KV cache not paged"
     return (f"{hits}; at the KV peak {summary.kv_blocks_shared} shared + {summary.kv_blocks_private} private "
             f"blocks of {summary.kv_block_size} tokens")
+
+
+def capacity_text(summary) -> str:
+    """The cache's capacity at work in a run: the paged pool and its peak use, the most rows of a pass, preemptions."""
+    if not summary.kv_pool_blocks:
+        pool = "KV pool: not paged"
+    elif summary.kv_pool_peak_use is None:
+        pool = f"KV pool: {summary.kv_pool_blocks} blocks"
+    else:
+        pool = (f"KV pool: {summary.kv_pool_blocks} blocks of {summary.kv_block_size} tokens, "
+                f"{summary.kv_pool_peak_use:.0%} held at the KV peak")
+    return f"{pool}; at most {summary.peak_rows} rows a pass; {summary.num_preempted} rows preempted"
 
 
 # NOTE: 2 stays every command's "bad input or failed step" (options.fail), so a CI job can tell the three apart.

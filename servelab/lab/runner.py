@@ -176,7 +176,8 @@ def run_workload(*, workload: Workload, config: ServingConfig, worker: WorkerPro
     with session_scope(runtime.sessions) as session:
         summary = summarise_run(runsets.request_samples(session, request_ids=request_ids),
                                 runsets.batch_samples(session, request_ids=request_ids),
-                                slo=workload.spec.slo, price_per_hour=runtime.settings.price_per_hour)
+                                slo=workload.spec.slo, price_per_hour=runtime.settings.price_per_hour,
+                                kv_pool_blocks=(hardware or {}).get("kv_pool_blocks"))
         run_id = store.record_run(
             session, config=config.model_dump(mode="json"), config_hash=config.config_hash,
             workload_name=workload.name, workload_fingerprint=workload.fingerprint,

@@ -117,7 +117,7 @@ def batch_samples(session: Session, *, request_ids: list[str]) -> list[BatchSamp
     rows = session.scalars(select(BatchRow).where(BatchRow.id.in_(batch_ids))).all()
     return [BatchSample(b.num_requests, b.weight_bytes, b.kv_cache_bytes, b.peak_working_bytes,
                         tuple(b.num_rows_per_step), b.num_prefix_query_tokens, b.num_prefix_hit_tokens,
-                        b.kv_block_size, b.kv_blocks_shared, b.kv_blocks_private) for b in rows]
+                        b.kv_block_size, b.kv_blocks_shared, b.kv_blocks_private, b.num_preempted) for b in rows]
 
 
 def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:

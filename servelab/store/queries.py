@@ -30,15 +30,7 @@ from servelab.store.models import (
     SweepRow,
     WorkerRow,
 )
-
-# The settings a review compares, in the order the design lists them; each is a path into the stored config.
-SETTING_PATHS = {
-    "model": ("model",), "weight precision": ("weights",), "cache precision": ("kv_cache_dtype",),
-    "batch policy": ("batching",), "decoding limits": ("decoding",), "device": ("device",),
-    "threads": ("num_threads",), "AWQ": ("awq",),
-}
-# NOTE: the engine has no eviction policy yet: a row keeps its whole cache until it finishes. Said, not hidden.
-NO_EVICTION = "none (a row keeps its whole cache until it finishes)"
+from servelab.store.run_settings import describe_settings
 
 
 @dataclass(frozen=True)
@@ -61,6 +53,10 @@ class RunListing:
     p95_ttft_ms: float | None
     p95_tpot_ms: float | None
     lambada_accuracy: float | None
+    p95_queue_ms: float | None = None
+    mean_batch_size: float | None = None
+    num_preempted: int | None = None  # None: a run stored before preemptions were summed
+    kv_pool_blocks: int | None = None  # the paged pool its worker built; None: not paged, or not recorded
 
 
 @dataclass(frozen=True)
@@ -81,6 +77,7 @@ class BatchPoint:
     kv_block_size: int = 0  # 0: the cache is not paged
     kv_blocks_shared: int = 0  # at the batch's KV peak
     kv_blocks_private: int = 0
+    num_preempted: int = 0  # rows taken out unfinished during the batch
 
 
 @dataclass(frozen=True)
@@ -179,20 +176,16 @@ def list_runs(session: Session, *, workload_fingerprint: str | None = None, limi
                cast(summary["num_succeeded"].astext, Integer), cast(summary["output_tokens_per_s"].astext, Float),
                cast(summary["latency"]["ttft_ms"]["p95"].astext, Float),
                cast(summary["latency"]["tpot_ms"]["p95"].astext, Float),
-               cast(RunRow.quality["accuracy"]["value"].astext, Float))
+               cast(RunRow.quality["accuracy"]["value"].astext, Float),
+               cast(summary["latency"]["queue_ms"]["p95"].astext, Float),
+               cast(summary["mean_batch_size"].astext, Float), cast(summary["num_preempted"].astext, Integer),
+               cast(RunRow.hardware["kv_pool_blocks"].astext, Integer))
         .order_by(RunRow.started_at.desc()).limit(limit)
     )
     if workload_fingerprint is not None:
         query = query.where(RunRow.workload_fingerprint == workload_fingerprint)
-    return [RunListing(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], describe_settings(r[8]),
+    return [RunListing(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], describe_settings(r[8], r[9]),
                        hardware_summary(r[9]), *r[10:]) for r in session.execute(query)]
-
-
-def describe_settings(config: dict[str, Any]) -> dict[str, str]:
-    """Every setting a review compares, as text; eviction is named even though the engine has none."""
-    shown = {name: _setting_text(_get(config, path)) for name, path in SETTING_PATHS.items()}
-    shown["eviction"] = _setting_text(config.get("eviction")) if config.get("eviction") else NO_EVICTION
-    return shown
 
 
 def hardware_summary(hardware: dict[str, Any]) -> str:
@@ -200,18 +193,6 @@ def hardware_summary(hardware: dict[str, Any]) -> str:
     device = hardware.get("device", "?")
     what = gpu if gpu else f"{hardware.get('cpu', '?')} ({hardware.get('num_cpus', '?')} CPUs)"
     return f"{device}: {what}"
-
-
-def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
-    for key in path:
-        data = data.get(key) if isinstance(data, dict) else None
-    return data
-
-
-def _setting_text(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    return "-" if value is None else str(value)
 
 
 def result_texts(session: Session, *, run_id: str) -> dict[int, str]:
@@ -247,7 +228,7 @@ def batch_points(session: Session, *, run_ids: list[str]) -> list[BatchPoint]:
                BatchRow.num_rows_per_step, BatchRow.num_prefill_tokens, BatchRow.weight_bytes,
                BatchRow.peak_working_bytes, BatchRow.kv_cache_tokens, BatchRow.num_prefix_query_tokens,
                BatchRow.num_prefix_hit_tokens, BatchRow.kv_block_size, BatchRow.kv_blocks_shared,
-               BatchRow.kv_blocks_private)
+               BatchRow.kv_blocks_private, BatchRow.num_preempted)
         .join(BatchRow, BatchRow.id == served.c.batch_id).join(RunRow, RunRow.id == served.c.run_id)
         .order_by(RunRow.serving_config_name, BatchRow.started_at)
     ).all()

@@ -9,14 +9,14 @@ import pytest
 
 from servelab.analysis.metrics import BatchSample, RequestSample, prefix_cache, prefix_hit_rate, summarise_run
 from servelab.analysis.workload import SLOSpec
-from servelab.cli.lab import prefix_cache_text
+from servelab.cli.lab import capacity_text, prefix_cache_text
 
 NOW = datetime(2026, 12, 3, tzinfo=UTC)
 
 
 def batch(kv_bytes: int, *, queried: int = 0, hit: int = 0, block_size: int = 0, shared: int = 0,
-          private: int = 0) -> BatchSample:
-    return BatchSample(2, 1_000, kv_bytes, 10, (2, 2), queried, hit, block_size, shared, private)
+          private: int = 0, rows: tuple[int, ...] = (2, 2), preempted: int = 0) -> BatchSample:
+    return BatchSample(2, 1_000, kv_bytes, 10, rows, queried, hit, block_size, shared, private, preempted)
 
 
 def test_the_hit_rate_is_hits_over_look_ups_and_undefined_without_look_ups() -> None:
@@ -56,3 +56,20 @@ def test_a_run_summary_records_the_prefix_cache() -> None:
                        slo=SLOSpec(), price_per_hour=1.0)
     assert prefix_cache_text(on) == ("prefix cache: 75.0% hit (18 of 24 prompt tokens looked up); at the KV peak "
                                      "1 shared + 2 private blocks of 16 tokens")
+
+
+def test_a_run_summary_records_the_cache_capacity_at_work() -> None:
+    """Preemptions summed over the batches, the most rows of a pass, and the share of the pool the KV peak held."""
+    requests = [RequestSample(f"r{i}", True, NOW, NOW + timedelta(seconds=1), 4, 1.0, 50.0, 10.0, 90.0, (10.0,) * 3)
+                for i in range(2)]
+    batches = [batch(4_096, block_size=16, shared=0, private=5, rows=(3, 5, 4), preempted=2),
+               batch(8_192, block_size=16, shared=2, private=9, rows=(2, 1), preempted=1)]
+    summary = summarise_run(requests, batches, slo=SLOSpec(), price_per_hour=0.0, kv_pool_blocks=22)
+    stored = summary.as_dict()
+    assert (stored["num_preempted"], stored["peak_rows"], stored["kv_pool_blocks"]) == (3, 5, 22)
+    assert stored["kv_pool_peak_use"] == pytest.approx(11 / 22), "the KV peak's blocks (shared + private)"
+    assert capacity_text(summary) == ("KV pool: 22 blocks of 16 tokens, 50% held at the KV peak; at most 5 rows a "
+                                      "pass; 3 rows preempted")
+    unpaged = summarise_run(requests, [batch(8_192)], slo=SLOSpec(), price_per_hour=0.0, kv_pool_blocks=None)
+    assert unpaged.kv_pool_peak_use is None and unpaged.num_preempted == 0
+    assert capacity_text(unpaged) == "KV pool: not paged; at most 2 rows a pass; 0 rows preempted"

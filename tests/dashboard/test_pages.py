@@ -66,6 +66,8 @@ def test_compare_link_shows_the_verdict_then_every_figure(open_app, seeded) -> N
     assert len(charts(at)) >= 8  # throughput x2, cost, three CDFs, memory, quality
     settings = at.dataframe[2].value
     assert settings.loc["weight precision", "differs"] == "✱" and settings.loc["model", "differs"] == ""
+    for cache_setting in ("cache precision", "cache eviction", "prefix caching", "cache block size", "cache capacity"):
+        assert cache_setting in settings.index, list(settings.index)
     assert at.query_params["baseline"] == ",".join(seeded.baseline_ids)
 
 

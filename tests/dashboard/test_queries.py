@@ -40,8 +40,14 @@ def test_runs_are_listed_newest_first_with_every_setting(db, seeded) -> None:
     base = by_id[seeded.baseline_ids[0]]
     assert base.settings["weight precision"] == "fp32" and by_id[seeded.candidate_ids[0]].settings[
         "weight precision"] == "bf16"
-    assert set(base.settings) >= {"model", "batch policy", "cache precision", "eviction"}
+    assert set(base.settings) >= {"model", "batch policy", "cache precision", "cache eviction", "prefix caching",
+                                  "cache block size", "cache capacity"}
     assert "max_batch_size=4" in base.settings["batch policy"]
+    # NOTE: the tiny model is served by servelab's decoder: a paged pool, sized by max_batch_tokens, that its
+    # worker registered with its hardware
+    assert base.kv_pool_blocks and f"pool {base.kv_pool_blocks} blocks x 16 tokens" in base.settings["cache capacity"]
+    assert base.settings["cache eviction"].startswith("none") and base.settings["prefix caching"] == "on (default)"
+    assert base.num_preempted == 0 and base.mean_batch_size > 0 and base.p95_queue_ms is not None
     assert base.num_succeeded == 6 and base.output_tokens_per_s > 0 and base.p95_ttft_ms > 0
     assert 0 <= base.lambada_accuracy <= 1 and by_id[seeded.other_workload_run_id].lambada_accuracy is None
     assert len(queries.list_runs(db, workload_fingerprint=base.workload_fingerprint)) == 4

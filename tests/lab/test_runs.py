@@ -72,6 +72,12 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert sum(size * n for size, n in ((int(k), v) for k, v in summary["batch_size_counts"].items())) == 6 * 4
     assert summary["goodput_fraction"] == 1.0
     assert summary["weight_bytes"] > 0 and summary["kv_cache_peak_bytes"] > 0
+    # the capacity it was served with: the worker's pool (the tiny Llama: 2 layers x 2 KV heads x head_dim 16, fp32,
+    # keys and values, 16-token blocks: 8 KiB a block), the share its KV peak held, the most rows of a pass
+    pool = run.hardware["kv_pool_blocks"]
+    assert summary["kv_pool_blocks"] == pool > 0 and run.hardware["kv_pool_bytes"] == pool * 2 * 2 * 2 * 16 * 16 * 4
+    assert 0 < summary["kv_pool_peak_use"] <= 1 and summary["num_preempted"] == 0
+    assert summary["peak_rows"] == max(int(k) for k in summary["batch_size_counts"])
 
 
 def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tmp_path, tiny_folder, runtime,
