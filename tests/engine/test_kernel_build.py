@@ -14,7 +14,7 @@ def test_a_build_baton_left_by_a_killed_builder_is_gone_before_the_next_build(tm
     isa = ISAS[0]
     batons_seen = []
 
-    def builder(*, name, sources, build_directory, extra_cflags, verbose):
+    def builder(*, name, sources, build_directory, extra_cflags, extra_ldflags, verbose):
         # NOTE: torch's builder would wait here while `lock` exists; this one only records it (no compiler needed)
         batons_seen.append(len(list((tmp_path / "kernels").glob("*/lock"))))
         return types.SimpleNamespace(isa=lambda: isa.name)
