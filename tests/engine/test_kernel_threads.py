@@ -9,6 +9,8 @@ them on one); torch's thread count and the grain are restored after each test.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -105,3 +107,25 @@ def test_threaded_norm_and_swiglu_equal_the_single_threaded_ones(kernel, dtype) 
         weight = torch.randn(64, generator=generator).to(dtype)
         assert_same_bits(at_threads(kernel.rms_norm, x, weight, 1e-5), f"rms_norm at {rows * 3} rows")
         assert_same_bits(at_threads(kernel.silu_mul, x.view(rows, 3 * 64)[:, :192].contiguous()), f"silu_mul at {rows} rows")
+
+
+def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings) -> None:
+    from servelab.config import ServingConfig
+    from servelab.engine.loader import apply_threads
+    from servelab.settings import _cpu_quota, available_cores
+
+    before, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(affinity)})  # this thread: as `servelab up` pins a worker to one core
+        assert available_cores() == 1
+        os.sched_setaffinity(0, affinity)
+        assert apply_threads(ServingConfig(name="t"), settings.model_copy(update={"num_threads": None})) == available_cores()
+        assert available_cores() <= len(affinity)
+        assert apply_threads(ServingConfig(name="t", num_threads=3), settings) == 3  # the config's count wins
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(before)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # docker run --cpus 1.5
+    assert _cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cpu_quota(tmp_path) is None
