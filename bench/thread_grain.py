@@ -1,4 +1,4 @@
-"""Where a second thread starts to pay in servelab's kernels (the grain, kMinThreadBytes in blocked.cpp): one fp32
+"""Where a second thread starts to pay in servelab's kernels (the grain, min_thread_bytes in blocked.cpp): one fp32
 matmul at one row (a decode step's shape: K = 576) of growing weight bytes, every thread count given, the grain
 set to 0 so every call splits; rounds interleaved, the fastest and the median of the rounds, and the speed-up
 over one thread. Also the whole pass over a decode step's projections at 1 and 16 rows with the default grain.

@@ -21,11 +21,12 @@
 // torch.set_num_threads governs servelab's kernels as it does torch's. The unit a thread takes is whole: a span of
 // output blocks (matmuls: every row's outputs of those blocks), a row (RMSNorm, SwiGLU, activation quantisation),
 // a block (dequantisation), computed by the same code in the same order whatever the thread count, so the results
-// do not depend on it. A second thread is woken only for at least kMinThreadBytes of work (grain_for).
+// do not depend on it. A second thread is woken only for at least min_thread_bytes of work (grain_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <cstring>
@@ -134,10 +135,11 @@ constexpr int kVecs = kBlock / kLanes;  // vectors per 16-output block line
 // The least work (bytes read, weights times row passes for a matmul) worth waking a thread for: waking the pool
 // and joining it costs a few microseconds, about what one core streams 32 KB in. thread_grain() sets it (the
 // grain measurement in bench/thread_grain.py); 0 splits any work.
-int64_t kMinThreadBytes = 32 << 10;
+std::atomic<int64_t> min_thread_bytes{32 << 10};
 // at::parallel_for's grain (items per thread at least) for items of `item_bytes` each.
 inline int64_t grain_for(int64_t item_bytes) {
-  return std::max<int64_t>(1, (kMinThreadBytes + std::max<int64_t>(item_bytes, 1) - 1) / std::max<int64_t>(item_bytes, 1));
+  const int64_t item = std::max<int64_t>(item_bytes, 1);
+  return std::max<int64_t>(1, (min_thread_bytes.load(std::memory_order_relaxed) + item - 1) / item);
 }
 
 inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
@@ -674,25 +676,25 @@ Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vec
     return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
   }
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-  std::vector<float> xf(group);
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* xg = X + m * K + g * group;
-      float amax = 0.f;
-      for (int64_t k = 0; k < group; ++k) {
-        xf[k] = static_cast<float>(xg[k]);
-        amax = std::max(amax, std::fabs(xf[k]));
+    std::vector<float> xf(group);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* xg = X + m * K + g * group;
+        float amax = 0.f;
+        for (int64_t k = 0; k < group; ++k) {
+          xf[k] = static_cast<float>(xg[k]);
+          amax = std::max(amax, std::fabs(xf[k]));
+        }
+        const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t total = 0;
+        for (int64_t k = 0; k < group; ++k) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(xf[k] * inv));
+          xi[m * K + g * group + k] = static_cast<int8_t>(q);
+          total += q;
+        }
+        d[m * groups + g] = step;
+        dsum[m * groups + g] = step * static_cast<float>(total);
       }
-      const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      for (int64_t k = 0; k < group; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xf[k] * inv));
-        xi[m * K + g * group + k] = static_cast<int8_t>(q);
-        total += q;
-      }
-      d[m * groups + g] = step;
-      dsum[m * groups + g] = step * static_cast<float>(total);
-    }
   });
   return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
 }
@@ -1332,9 +1334,7 @@ int64_t threads_used(int64_t items, int64_t item_bytes) {
 // The least work in bytes a second thread is woken for; `bytes` >= 0 sets it (a measurement's knob), -1 only reads
 // it. -> the value before.
 int64_t thread_grain(int64_t bytes) {
-  const int64_t before = kMinThreadBytes;
-  if (bytes >= 0) kMinThreadBytes = bytes;
-  return before;
+  return bytes >= 0 ? min_thread_bytes.exchange(bytes) : min_thread_bytes.load();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
