@@ -1,7 +1,8 @@
 """Where a second thread starts to pay in servelab's kernels (the grain, min_thread_bytes in blocked.cpp): one fp32
 matmul at one row (a decode step's shape: K = 576) of growing weight bytes, every thread count given, the grain
 set to 0 so every call splits; rounds interleaved, the fastest and the median of the rounds, and the speed-up
-over one thread. Also the whole pass over a decode step's projections at 1 and 16 rows with the default grain.
+over one thread. Also the four projections of a SmolLM2 layer at 1, 16 and 512 rows (decode, and a 512-token
+prefill's matmuls) with the default grain.
 
     python -m bench.thread_grain --threads 1,2 --rounds 15
 
@@ -71,11 +72,11 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         weights = [kernel.pack(torch.randn(n, k).to(dtype)) for n, k in DECODE_SHAPES]
         cases = {}
-        for rows in (1, 16):
+        for rows in (1, 16, 512):  # decode at batch 1 and 16; a 512-token prefill's matmuls
             xs = [torch.randn(rows, k).to(dtype) for _, k in DECODE_SHAPES]
-            cases[f"decode layer {str(dtype)[6:]} {rows} row(s)"] = (
+            cases[f"layer {str(dtype)[6:]} {rows} row(s)"] = (
                 lambda xs=xs: [kernel.linear(x, w) for x, w in zip(xs, weights)])
-        run(kernel, cases, args.threads, args.rounds, calls=20)
+        run(kernel, cases, args.threads, args.rounds, calls=3)
 
 
 if __name__ == "__main__":
