@@ -6,6 +6,8 @@ served or measured: that is ``ServingConfig`` (servelab/config.py), which is nev
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 from pydantic import Field
@@ -21,7 +23,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default=Path(".cache"), description="converted and quantised model files")
     state_dir: Path = Field(default=Path(".state"), description="embedded servers' data, logs, pids")
     key_prefix: str = Field(default="servelab", description="prefix of every Redis key this process uses")
-    num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: config or torch default")
+    num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: the config's, else every "
+                                    "core this process may run on (available_cores)")
     huge_pages: bool = Field(default=True, description="CPU: the weights a decode step reads on transparent huge pages")
     price_per_hour: float = Field(default=0.0, ge=0.0, description="hardware price, for cost per request")
     hf_hub_offline: bool = Field(default=True, description="never reach a model hub unless False")
@@ -84,3 +87,30 @@ class ServiceSettings(Settings):
     submit_wait_ms: float = Field(default=2.0, ge=0, le=100, description="the first submission of a group waits "
                                   "this long for others (one transaction, one Redis round trip for all)")
     max_submit_group: int = Field(default=256, ge=1, description="most submissions written in one transaction")
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset, `servelab up`'s split),
+    capped by a CPU quota (cgroup cpu.max, as `docker run --cpus` sets it), at least 1. What a worker's torch
+    threads default to when neither its config nor SERVELAB_NUM_THREADS names a count."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # NOTE: no affinity call on this platform
+        cores = os.cpu_count() or 1
+    quota = _cpu_quota()
+    return max(1, min(cores, math.ceil(quota)) if quota else cores)
+
+
+def _cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time the cgroup may use (cgroup v2 cpu.max, or v1's cfs quota / period), or None unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None

@@ -1,7 +1,8 @@
 """The local stack: the service processes of docker-compose.yml, started on this machine in the background.
 
 Knows how to start the api, jobs-worker, beat and one gpu-worker per config as detached processes with
-logs under the state folder, record each one's pid, start time and command, start again the ones that
+logs under the state folder, record each one's pid, start time and command, split this process's cores between
+the gpu-workers (each pinned to its own share, so two never run on one core unless asked), start again the ones that
 died, stop exactly the processes it started (a recorded pid that now belongs to another process is left
 alone), and read what runs: its processes, the servers, the workers' heartbeats and the queues' depths.
 Does not know what the processes do; the embedded servers are servelab/embedded.py's.
@@ -53,6 +54,7 @@ class StackProcess:
     args: tuple[str, ...] = ()  # after the interpreter: how `up` starts it again
     start_ticks: int | None = None  # /proc start time: the pid is still this process only while it matches
     health_url: str | None = None  # the api's /healthz
+    cpus: tuple[int, ...] | None = None  # a gpu-worker's cores (its CPU affinity); None: every core
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,9 @@ def read_stack(settings: Settings) -> list[StackProcess]:
     path = _record_path(settings)
     if not path.is_file():
         return []
-    return [StackProcess(**{**p, "args": tuple(p.get("args", ()))}) for p in json.loads(path.read_text())]
+    return [StackProcess(**{**p, "args": tuple(p.get("args", ())),
+                            "cpus": tuple(p["cpus"]) if p.get("cpus") is not None else None})
+            for p in json.loads(path.read_text())]
 
 
 def _write_stack(settings: Settings, processes: list[StackProcess]) -> None:
@@ -95,24 +99,33 @@ def stack_commands(config_paths: list[Path], api_port: int, api_workers: int | N
 
 
 def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[Path],
-                api_port: int, api_workers: int | None = None) -> list[StackChange]:
+                api_port: int, api_workers: int | None = None, share_cores: bool = False) -> list[StackChange]:
     """Make every process of the recorded stack and of this call run: those running are kept, those that died
-    are started again (with this call's command where it names them, else the recorded one), new ones started."""
+    are started again (with this call's command where it names them, else the recorded one), new ones started.
+    The gpu-workers started split the cores that running gpu-workers do not hold (worker_cores), unless
+    share_cores: then each may run on every core."""
     recorded = {p.name: p for p in read_stack(settings)}
     wanted = stack_commands(config_paths, api_port, api_workers)
     logs = Path(settings.state_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    names = [*wanted, *(n for n in recorded if n not in wanted)]
+    kept = {n for n in names if n in recorded and is_running(recorded[n])}
+    starting = [n for n in names if n.startswith("gpu-worker") and n not in kept
+                and (wanted.get(n) or recorded[n].args)]
+    held = {c for n in kept for c in (recorded[n].cpus or ())}
+    cores = {} if share_cores else worker_cores(starting, sorted(set(os.sched_getaffinity(0)) - held))
     changes = []
-    for name in [*wanted, *(n for n in recorded if n not in wanted)]:
+    for name in names:
         old = recorded.get(name)
-        if old is not None and is_running(old):
+        if name in kept:
             changes.append(StackChange(old, "running"))
             continue
         args = wanted.get(name) or list(old.args)
         if not args:
             continue  # NOTE: a dead process recorded without its command (an older record): nothing to start
         health_url = f"http://127.0.0.1:{api_port}/healthz" if name == "api" else None
-        changes.append(StackChange(_spawn(name, args, env, logs, health_url), "restarted" if old else "started", old))
+        changes.append(StackChange(_spawn(name, args, env, logs, health_url, cores.get(name)),
+                                   "restarted" if old else "started", old))
     _write_stack(settings, [c.process for c in changes])
     api = next((c for c in changes if c.process.name == "api"), None)
     if api is not None and api.action != "running" and api.process.health_url:
@@ -120,12 +133,46 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
     return changes
 
 
-def _spawn(name: str, args: list[str], env: dict[str, str], logs: Path, health_url: str | None) -> StackProcess:
+def worker_cores(names: list[str], free: list[int]) -> dict[str, tuple[int, ...]]:
+    """The free cores split between the gpu-workers `names` in contiguous shares, as even as they go (the first
+    shares one core more); a worker's torch threads default to its share (servelab.settings.available_cores).
+    Fewer free cores than workers: StackError, since two would share a core."""
+    if not names:
+        return {}
+    if len(free) < len(names):
+        raise StackError(f"{len(names)} gpu-worker(s) to start ({', '.join(names)}) and {len(free)} free core(s) "
+                         f"({format_cores(free) or 'none'}): each needs a core of its own; stop one, or pass "
+                         "--share-cores to let the workers share every core")
+    share, extra = divmod(len(free), len(names))
+    out, at = {}, 0
+    for i, name in enumerate(names):
+        size = share + (i < extra)
+        out[name] = tuple(free[at:at + size])
+        at += size
+    return out
+
+
+def format_cores(cores) -> str:
+    """(0, 1, 2, 5) -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _spawn(name: str, args: list[str], env: dict[str, str], logs: Path, health_url: str | None,
+           cpus: tuple[int, ...] | None = None) -> StackProcess:
     log = logs / f"{name}.log"
+    # NOTE: pinned before the interpreter starts, so every thread it makes (torch's pool) inherits the share
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**os.environ, **env}, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return StackProcess(name, proc.pid, str(log), tuple(args), _start_ticks(proc.pid), health_url)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=pin)
+    return StackProcess(name, proc.pid, str(log), tuple(args), _start_ticks(proc.pid), health_url, cpus)
 
 
 def _wait_for_api(url: str, api: StackProcess, timeout_s: float = 120.0) -> None:

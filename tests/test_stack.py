@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.settings import Settings
-from servelab.stack import StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
+from servelab.stack import (StackError, StackProcess, _start_ticks, _write_stack, format_cores, is_running, read_stack,
+                            start_stack, stop_stack, worker_cores)
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
 
 NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
@@ -51,6 +53,9 @@ def test_the_stack_starts_answers_and_stops_what_it_started(tmp_path: Path, tiny
         started = start_stack(settings, env=env, config_paths=[config], api_port=port)
         assert [c.process.name for c in started] == NAMES and {c.action for c in started} == {"started"}
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        worker = next(c.process for c in started if c.process.name.startswith("gpu-worker"))
+        assert worker.cpus == tuple(sorted(os.sched_getaffinity(0)))  # one worker: every core, pinned
+        assert os.sched_getaffinity(worker.pid) == set(worker.cpus)
         again = start_stack(settings, env=env, config_paths=[config], api_port=port)  # up twice: reused
         assert [c.process for c in again] == [c.process for c in started] and {c.action for c in again} == {"running"}
     finally:
@@ -153,3 +158,12 @@ def test_status_with_nothing_running_exits_1_and_starts_nothing(tmp_path: Path) 
     assert not report["is_up"] and any("nothing runs here" in p for p in report["problems"])
     assert [s["answers"] for s in report["servers"]] == [False, False]
     assert not (state / "redis").exists() and not (state / "pg").exists(), "status must not start a server"
+
+
+def test_gpu_workers_split_the_free_cores_and_never_share_one_unless_asked() -> None:
+    assert worker_cores(["a", "b"], [0, 1, 2, 3, 4]) == {"a": (0, 1, 2), "b": (3, 4)}
+    assert worker_cores(["a", "b"], [2, 3]) == {"a": (2,), "b": (3,)}
+    assert worker_cores([], []) == {}
+    with pytest.raises(StackError, match=r"3 gpu-worker\(s\) to start \(a, b, c\) and 2 free core\(s\) \(0-1\).*--share-cores"):
+        worker_cores(["a", "b", "c"], [0, 1])
+    assert format_cores((5, 0, 1, 2)) == "0-2,5" and format_cores(()) == ""

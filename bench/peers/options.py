@@ -25,7 +25,7 @@ class Options:
     precisions: tuple[str, ...] = PRECISIONS
     batch_sizes: tuple[int, ...] = (1, 16, 64)
     engines: tuple[str, ...] = ENGINES
-    threads: int = 1
+    threads: tuple[int, ...] = (1,)  # every count is a run of its own; the scaling table compares them
     rounds: int = 3
     prompt_tokens: int = 64
     new_tokens: int = 64
@@ -40,7 +40,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma list of {', '.join(PRECISIONS)}")
     parser.add_argument("--batch-sizes", default="1,16,64", help="comma list of positive integers")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
-    parser.add_argument("--threads", default="1", help="compute threads given to every engine (default 1)")
+    parser.add_argument("--threads", default="1", help="compute threads given to every engine: a comma list runs "
+                        "every engine at each count, and a table compares the counts (default 1)")
     parser.add_argument("--rounds", default="3", help="interleaved rounds; medians are reported")
     parser.add_argument("--prompt-tokens", default="64", help="prompt length in tokens, the same for every row")
     parser.add_argument("--new-tokens", default="64", help="generated tokens per row (EOS ignored), at least 2")
@@ -50,7 +51,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         precisions=_names(args.precisions, "--precisions", PRECISIONS),
         batch_sizes=tuple(_int(v, "--batch-sizes") for v in _items(args.batch_sizes, "--batch-sizes")),
         engines=_names(args.engines, "--engines", ENGINES),
-        threads=_int(args.threads, "--threads"),
+        threads=tuple(_int(v, "--threads") for v in _items(args.threads, "--threads")),
         rounds=_int(args.rounds, "--rounds"),
         prompt_tokens=_int(args.prompt_tokens, "--prompt-tokens"),
         new_tokens=_int(args.new_tokens, "--new-tokens"),
@@ -58,7 +59,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
     )
 
 
-def validate(*, precisions: tuple[str, ...], batch_sizes: tuple[int, ...], engines: tuple[str, ...], threads: int,
+def validate(*, precisions: tuple[str, ...], batch_sizes: tuple[int, ...], engines: tuple[str, ...],
+             threads: tuple[int, ...],
              rounds: int, prompt_tokens: int, new_tokens: int, json_path: Path | None) -> Options:
     if "servelab" not in engines:
         raise OptionError("--engines must include servelab: every ratio is taken against it")
@@ -67,8 +69,10 @@ def validate(*, precisions: tuple[str, ...], batch_sizes: tuple[int, ...], engin
             raise OptionError(f"--batch-sizes: each must be between 1 and {MAX_BATCH_SIZE}, got {size}")
     if len(set(batch_sizes)) != len(batch_sizes):
         raise OptionError(f"--batch-sizes: repeated value in {list(batch_sizes)}")
-    if threads < 1:
-        raise OptionError(f"--threads must be at least 1, got {threads}")
+    if min(threads) < 1:
+        raise OptionError(f"--threads must be at least 1, got {min(threads)}")
+    if len(set(threads)) != len(threads):
+        raise OptionError(f"--threads: repeated value in {list(threads)}")
     if rounds < 1:
         raise OptionError(f"--rounds must be at least 1, got {rounds}")
     if prompt_tokens < 1:
@@ -81,7 +85,8 @@ def validate(*, precisions: tuple[str, ...], batch_sizes: tuple[int, ...], engin
                           f"got {prompt_tokens + new_tokens}")
     if json_path is not None and not json_path.parent.is_dir():
         raise OptionError(f"--json: folder {json_path.parent} does not exist")
-    return Options(precisions, tuple(batch_sizes), engines, threads, rounds, prompt_tokens, new_tokens, json_path)
+    return Options(precisions, tuple(batch_sizes), engines, tuple(threads), rounds, prompt_tokens, new_tokens,
+                   json_path)
 
 
 def _items(value: str, option: str) -> list[str]:

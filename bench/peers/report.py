@@ -44,13 +44,14 @@ class Report:
     versions: dict[str, str]
     results: tuple[PrecisionResult, ...]
     notes: tuple[str, ...] = field(default=())  # run-wide remarks (conversions, timings)
+    threads: int = 1  # compute threads every engine had in this run
 
 
 def format_report(report: Report) -> str:
     o = report.options
     peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in report.peak_flops_per_s.items())
     lines = [
-        f"cpu: {report.cpu}; threads per engine: {o.threads}; memory bandwidth (measured): "
+        f"cpu: {report.cpu}; threads per engine: {report.threads}; memory bandwidth (measured): "
         f"{report.bandwidth_gbs:.1f} GB/s; matmul peak GFLOP/s: {peaks}",
         f"prompt {o.prompt_tokens} tokens (same ids for every engine and row), {o.new_tokens} new tokens per row, "
         f"greedy, EOS ignored; medians of {o.rounds} interleaved round(s)",
@@ -67,6 +68,25 @@ def format_report(report: Report) -> str:
         "FLOP roof = peak in servelab's compute dtype / (2 x matmul params + attention) FLOPs per token",
         *report.notes,
     ]
+    return "\n".join(lines)
+
+
+def format_scaling(reports: list[Report]) -> str:
+    """Runs at several thread counts side by side: each engine's decode tok/s per count, and its ratio to the same
+    engine at the first count."""
+    counts = [r.threads for r in reports]
+    lines = [f"decode tok/s by threads per engine ({', '.join(map(str, counts))}); x = against the same engine at "
+             f"{counts[0]} thread(s); each count a run of its own (medians of its rounds)"]
+    for i, result in enumerate(reports[0].results):
+        for b in reports[0].options.batch_sizes:
+            for slot in result.slots:
+                cells = [r.results[i].cells.get((b, slot.engine)) for r in reports]
+                speeds = [c.decode_tokens_per_s if c is not None and c.error is None else None for c in cells]
+                parts = []
+                for n, speed in zip(counts, speeds):
+                    x = ratio(speed, speeds[0])
+                    parts.append(f"{n}t {_num(speed):>7}" + (f" (x{x:.2f})" if x is not None else ""))
+                lines.append(f"  {result.precision:<5} batch {b:>3} {slot.engine:<9} " + " | ".join(parts))
     return "\n".join(lines)
 
 
@@ -119,7 +139,7 @@ def report_json(report: Report) -> dict[str, Any]:
     options["json_path"] = str(report.options.json_path) if report.options.json_path else None
     return {
         "options": options, "cpu": report.cpu, "bandwidth_gbs": report.bandwidth_gbs,
-        "peak_flops_per_s": report.peak_flops_per_s, "prompt_ids": list(report.prompt_ids),
+        "peak_flops_per_s": report.peak_flops_per_s, "prompt_ids": list(report.prompt_ids), "threads": report.threads,
         "versions": report.versions, "notes": list(report.notes),
         "results": [{
             "precision": r.precision,

@@ -23,7 +23,7 @@ from bench.peers.options import OptionError, Options, parse_options
 from bench.peers.peers import LOGS, PEERS, ROOT, Unavailable
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request
-from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
+from bench.peers.report import PrecisionResult, Report, Slot, format_report, format_scaling, report_json
 from servelab.analysis.stats import common_prefix_length
 
 LOAD_TIMEOUT_S = 1200  # vLLM compiles its model on load: minutes on a busy 2-core machine
@@ -44,27 +44,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop)
+    reports = []
     try:
-        report = run(options)
+        for threads in options.threads:  # NOTE: a run per count, each printed as it ends
+            reports.append(run(options, threads))
+            print(format_report(reports[-1]), flush=True)
     except KeyboardInterrupt:
         print("interrupted: every adapter was stopped", file=sys.stderr)
         return 130
-    print(format_report(report))
+    if len(reports) > 1:
+        print("\n" + format_scaling(reports))
     if options.json_path:
-        options.json_path.write_text(json.dumps(report_json(report), indent=1))
+        data = report_json(reports[0]) if len(reports) == 1 else {"runs": [report_json(r) for r in reports]}
+        options.json_path.write_text(json.dumps(data, indent=1))
         print(f"wrote {options.json_path}")
     return 0
 
 
-def run(options: Options) -> Report:
+def run(options: Options, threads: int) -> Report:
+    """Every engine at `threads` compute threads: one table."""
     folder = bundled_folder()
     say(f"model folder: {folder}")
     prompt = prompt_ids(folder, options.prompt_tokens)
-    say(f"measuring the machine at {options.threads} thread(s)")
-    machine = measure_machine(options.threads)
+    say(f"measuring the machine at {threads} thread(s)")
+    machine = measure_machine(threads)
     notes: list[str] = []
     slots, models = prepare(options, folder, notes)
-    processes = start(options, slots, models)
+    processes = start(options, slots, models, threads)
     try:
         ready = wait_ready(slots, processes)
         warm_up(options, processes, prompt)
@@ -78,7 +84,7 @@ def run(options: Options) -> Report:
     results = tuple(assemble(options, precision, slots, ready, machine, samples, firsts, errors)
                     for precision in options.precisions)
     return Report(options, machine.cpu, machine.bandwidth_gbs, machine.peak_flops_per_s, tuple(prompt), versions,
-                  results, tuple(notes))
+                  results, tuple(notes), threads)
 
 
 def assemble(options: Options, precision: str, slots: dict[Key, Slot], ready: dict[Key, dict],
@@ -154,8 +160,8 @@ def convert(engine: str, label: str, folder: Path, notes: list[str]) -> Path:
     return path
 
 
-def start(options: Options, slots: dict[Key, Slot], models: dict[Key, Path]) -> dict[Key, EngineProcess]:
-    args = {key: AdapterArgs(str(model), slots[key].label, options.threads, max(options.batch_sizes),
+def start(options: Options, slots: dict[Key, Slot], models: dict[Key, Path], threads: int) -> dict[Key, EngineProcess]:
+    args = {key: AdapterArgs(str(model), slots[key].label, threads, max(options.batch_sizes),
                              options.prompt_tokens + options.new_tokens) for key, model in models.items()
             if slots[key].note is None}
     say(f"starting {len(args)} adapter(s)")

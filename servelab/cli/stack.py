@@ -46,14 +46,18 @@ def up(
     port: Annotated[int, typer.Option(help="the API's port on 127.0.0.1")] = 8000,
     api_workers: Annotated[int | None, typer.Option(min=1, max=64, help="api processes behind the port (default: "
                                                     "SERVELAB_API_WORKERS, 1)")] = None,
+    share_cores: Annotated[bool, typer.Option("--share-cores", help="let the gpu-workers share every core (default: "
+                                              "each pinned to its own share of the cores)")] = False,
 ) -> None:
     """Start the local stack in the background, or start again what of it died.
 
     Redis and PostgreSQL (embedded unless SERVELAB_REDIS_URL / SERVELAB_DATABASE_URL are set), the schema, the
-    api (--api-workers processes on one port), the jobs-worker, beat and a gpu-worker per config. What runs is
-    kept; a process that died is started again. `servelab status` shows it, `servelab down` stops it.
+    api (--api-workers processes on one port), the jobs-worker, beat and a gpu-worker per config. The gpu-workers
+    started split the cores running ones do not hold, each pinned to its share (its threads default to it), so two
+    never share a core unless --share-cores. What runs is kept; a process that died is started again.
+    `servelab status` shows it (with each worker's cores), `servelab down` stops it.
     """
-    from servelab.stack import StackError, start_stack
+    from servelab.stack import StackError, format_cores, start_stack
 
     paths = config_paths(configs)
     for path in paths:
@@ -65,13 +69,14 @@ def up(
            "SERVELAB_STATE_DIR": str(Path(where.state_dir).resolve())}
     try:
         changes = start_stack(where, env=env, config_paths=paths, api_port=port,
-                              api_workers=api_workers or service_settings().api_workers)
+                              api_workers=api_workers or service_settings().api_workers, share_cores=share_cores)
     except StackError as exc:
         fail(str(exc))
     for change in changes:
         p = change.process
         was = f" (pid {change.was.pid} had died)" if change.action == "restarted" else ""
-        typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}")
+        cores = f" cores {format_cores(p.cpus)}" if p.cpus else ""
+        typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}{cores}")
     api = next((c.process for c in changes if c.process.name == "api"), None)
     if api is not None and api.health_url:
         typer.echo(f"API: {api.health_url.removesuffix('/healthz')}/v1 (OpenAI-compatible; model = a config name)")

@@ -38,6 +38,8 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="print the statu
 
 
 def _print_status(report, state_dir) -> None:
+    from servelab.stack import format_cores
+
     typer.secho(f"local stack ({state_dir}/stack.json)", bold=True)
     if not report.processes:
         typer.echo("  none recorded")
@@ -45,7 +47,8 @@ def _print_status(report, state_dir) -> None:
         p = s.process
         state = "running" if s.is_running else "NOT RUNNING"
         extra = "" if s.answers is None else (f"  answers {p.health_url}" if s.answers else "  DOES NOT ANSWER")
-        typer.echo(f"  {p.name:<24} pid {p.pid:<8} {state:<12}{extra}  log {p.log}")
+        cores = f"  cores {format_cores(p.cpus)}" if p.cpus else ""
+        typer.echo(f"  {p.name:<24} pid {p.pid:<8} {state:<12}{extra}{cores}  log {p.log}")
     typer.secho("servers", bold=True)
     for s in report.servers:
         where = f"embedded, pid {s.pid}" if s.is_embedded else ("set by URL" if s.url else "none")

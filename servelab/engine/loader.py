@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from servelab.config import ServingConfig
 from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
 from servelab.engine.model_files import ModelLoadError, ensure_bundled_folder, file_lock, resolve_model_folder
-from servelab.settings import Settings
+from servelab.settings import Settings, available_cores
 
 # NOTE: re-exported: engine, cli, linear, kernels, lab, bench and tests import these from here.
 __all__ = [
@@ -31,9 +31,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_threads(config: ServingConfig, settings: Settings) -> int:
-    num_threads = config.num_threads or settings.num_threads
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    """torch's threads (servelab's kernels run on them too): the config's num_threads, else SERVELAB_NUM_THREADS,
+    else every core this process may run on (its CPU affinity, capped by a CPU quota)."""
+    torch.set_num_threads(config.num_threads or settings.num_threads or available_cores())
     return torch.get_num_threads()
 
 

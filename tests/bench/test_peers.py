@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from bench.peers.measure import Cell, Sample, median_cell, rooflines, schedule
 from bench.peers.options import OptionError, parse_options
 from bench.peers.process import EngineError, EngineProcess
 from bench.peers.protocol import AdapterArgs, Request, answer
-from bench.peers.report import PrecisionResult, Report, Slot, format_report, report_json
+from bench.peers.report import PrecisionResult, Report, Slot, format_report, format_scaling, report_json
 from servelab.analysis.stats import common_prefix_length
 
 PYTHON = Path(sys.executable)
@@ -63,7 +64,8 @@ def test_rooflines_come_from_servelabs_decode_cost():
 
 def test_default_options():
     options = parse_options([])
-    assert options.batch_sizes == (1, 16, 64) and options.threads == 1 and options.rounds == 3
+    assert options.batch_sizes == (1, 16, 64) and options.threads == (1,) and options.rounds == 3
+    assert parse_options(["--threads", "1,2,3"]).threads == (1, 2, 3)
     assert options.engines == ("servelab", "vllm", "llamacpp", "ct2", "ortgenai")
     assert (options.prompt_tokens, options.new_tokens) == (64, 64)
 
@@ -77,6 +79,7 @@ def test_default_options():
     (["--batch-sizes", "1,x"], "'x' is not an integer"),
     (["--batch-sizes", ","], "give at least one value"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--threads", "2,2"], "--threads: repeated value"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--new-tokens", "1"], "--new-tokens must be at least 2"),
     (["--prompt-tokens", "2000", "--new-tokens", "100"], "at most 2048"),
@@ -257,3 +260,19 @@ def test_held_adapters_end_with_a_runner_that_is_killed(tmp_path):
         assert not alive, "the adapter outlived its runner"
     finally:
         proc.kill()
+
+
+def test_runs_at_several_thread_counts_are_compared_engine_by_engine():
+    one = _report()
+    result = one.results[0]
+    faster = {**result.cells, (1, "servelab"): Cell(18.0, 15.0), (1, "ct2"): Cell(21.0, 16.0, agreement=8)}
+    two = replace(one, threads=2, results=(replace(result, cells=faster),))
+    assert "threads per engine: 2" in format_report(two)
+    lines = format_scaling([one, two]).splitlines()
+    assert lines[0].startswith("decode tok/s by threads per engine (1, 2)")
+    servelab = next(line for line in lines if "batch   1 servelab" in line)
+    assert "1t    10.0 (x1.00)" in servelab and "2t    18.0 (x1.80)" in servelab
+    ct2 = next(line for line in lines if "batch   1 ct2" in line)
+    assert "2t    21.0 (x1.40)" in ct2
+    failed = next(line for line in lines if "batch  16 ct2" in line)  # an error at every count: no ratio
+    assert "1t       -" in failed and "x" not in failed.split("ct2")[1]

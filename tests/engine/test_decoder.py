@@ -211,6 +211,17 @@ def test_auto_serves_each_batch_size_with_the_kernel_measured_fastest_there(tmp_
     cached.write_text(json.dumps({**record, "winners": ["torch", "torch", record["candidates"][0]]}))
     again = choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
     assert [k for _, k in again.by_rows] == ["torch", "torch", record["candidates"][0]]
+    # measured at the thread count it will serve at (servelab's kernels run on torch's threads): another count,
+    # another measurement
+    assert record["threads"] == torch.get_num_threads() and record["parallel"] is True
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        choose_linear_kernel("auto", device=CPU, dtype=torch.float32, cache_dir=tmp_path, shapes=shapes)
+    finally:
+        torch.set_num_threads(before)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "kernels" / "choices").glob("*.json")]
+    assert sorted(r["threads"] for r in records) == [before, before + 1]
 
 
 def test_auto_keeps_one_layout_of_the_weights() -> None:

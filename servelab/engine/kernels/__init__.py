@@ -1,5 +1,8 @@
 """servelab's CPU kernels for decoding (blocked.cpp: matmul, decode attention, RMSNorm), built per instruction set.
 
+Both builds are compiled with OpenMP (PARALLEL_FLAGS), so the kernels run on torch's thread pool: torch.set_num_threads
+(a worker's num_threads) governs them.
+
 Knows the two builds of the one source (AVX-512, and AVX2 + FMA), which of them this CPU can run (its flags,
 capped by the instruction set torch itself dispatches to, so ATEN_CPU_CAPABILITY=avx2 makes an AVX-512
 machine behave as an AVX2 one), how to build one with torch's extension builder into the cache (keyed by
@@ -40,6 +43,10 @@ ISAS = (
     Isa("avx2", "AVX2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c", "-mtune=native")),
 )
 ISA_NAMES = tuple(isa.name for isa in ISAS)
+# NOTE: at::parallel_for is inline OpenMP in torch's CPU builds: compiled without -fopenmp it runs every kernel on
+# the calling thread whatever torch.set_num_threads says (measured: no gain from a second thread). Linked with it,
+# the extension shares torch's own OpenMP runtime (libgomp.so.1, already loaded by torch), so one pool serves both.
+PARALLEL_FLAGS = ("-fopenmp",)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,10 @@ class BlockedKernel:
 
     @property
     def label(self) -> str:
-        return f"servelab {self.isa.label} kernel" if self.isa else "servelab kernel"
+        name = f"servelab {self.isa.label} kernel" if self.isa else "servelab kernel"
+        if self.module is not None and not self.module.parallel():
+            return f"{name} (one thread: built without OpenMP)"
+        return name
 
     def bf16_note(self) -> str:
         """How bf16 weights run in this build."""
@@ -126,30 +136,40 @@ def load_blocked_kernel(cache_dir: Path, isa_name: str | None = None) -> Blocked
 
 
 def _build(cache_dir: Path, isa: Isa) -> BlockedKernel:
+    """The build on torch's threads (OpenMP); where the compiler has no OpenMP, the same build on one thread."""
+    try:
+        return BlockedKernel(_compile(cache_dir, isa, PARALLEL_FLAGS), "", isa)
+    except Exception as exc:  # NOTE: no compiler, no ninja, no OpenMP, a broken toolchain: try without OpenMP
+        log.warning("servelab's %s kernel could not be built with OpenMP (%s); building it for one thread", isa.label, exc)
+    try:
+        return BlockedKernel(_compile(cache_dir, isa, ()), "", isa)
+    except Exception as exc:  # NOTE: serve with another kernel
+        log.warning("servelab's %s kernel could not be built (%s)", isa.label, exc)
+        return BlockedKernel(None, f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", isa)
+
+
+def _compile(cache_dir: Path, isa: Isa, parallel_flags: tuple[str, ...]) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     from servelab.engine.loader import file_lock
 
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(isa.cflags).encode()
+        SOURCE.read_bytes() + torch.__version__.encode() + " ".join((*parallel_flags, *isa.cflags)).encode()
         + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]
     build_dir = (cache_dir / "kernels" / f"{isa.name}-{key}").resolve()
     build_dir.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
-    try:
-        with file_lock(build_dir / ".lock"):
-            # NOTE: torch's builder keeps a baton file (`lock`) for the length of its build and waits while one
-            # exists; a process killed mid-build leaves it, and every later start would wait forever. Under this
-            # flock (the kernel releases it when its holder dies) no other process builds here: a baton is stale.
-            (build_dir / "lock").unlink(missing_ok=True)
-            module = load(name=f"servelab_{isa.name}_{key}", sources=[str(SOURCE)], build_directory=str(build_dir),
-                          extra_cflags=["-O3", *isa.cflags], verbose=False)
-    except Exception as exc:  # NOTE: no compiler, no ninja, a broken toolchain: serve with another kernel
-        log.warning("servelab's %s kernel could not be built (%s)", isa.label, exc)
-        return BlockedKernel(None, f"build failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", isa)
+    with file_lock(build_dir / ".lock"):
+        # NOTE: torch's builder keeps a baton file (`lock`) for the length of its build and waits while one
+        # exists; a process killed mid-build leaves it, and every later start would wait forever. Under this
+        # flock (the kernel releases it when its holder dies) no other process builds here: a baton is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
+        module = load(name=f"servelab_{isa.name}_{key}", sources=[str(SOURCE)], build_directory=str(build_dir),
+                      extra_cflags=["-O3", *parallel_flags, *isa.cflags], extra_ldflags=list(parallel_flags),
+                      verbose=False)
     assert module.isa() == isa.name, f"built {module.isa()} for {isa.name}: check the compiler flags"
-    return BlockedKernel(module, "", isa)
+    return module
 
 
 def _put_ninja_on_path() -> None:

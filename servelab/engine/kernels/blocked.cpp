@@ -15,10 +15,18 @@
 // vdpbf16ps on bf16 activations; without it, each 32-bit lane of a line (two adjacent k of one output)
 // becomes two fp32 values by a shift and a mask, and the activations are fp32 (half the weight bytes of
 // fp32, fp32 arithmetic). Either way the result is rounded to bf16 once (round to nearest even).
+//
+// Threads. Every kernel splits its work with at::parallel_for, torch's own pool (OpenMP in torch's CPU builds; the
+// extension is compiled with -fopenmp, without which at::parallel_for runs everything on the calling thread), so
+// torch.set_num_threads governs servelab's kernels as it does torch's. The unit a thread takes is whole: a span of
+// output blocks (matmuls: every row's outputs of those blocks), a row (RMSNorm, SwiGLU, activation quantisation),
+// a block (dequantisation), computed by the same code in the same order whatever the thread count, so the results
+// do not depend on it. A second thread is woken only for at least min_thread_bytes of work (grain_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <cstring>
@@ -123,6 +131,16 @@ inline void vstore(at::BFloat16* p, Vec v) {  // round to nearest even; NaN stay
 #endif
 
 constexpr int kVecs = kBlock / kLanes;  // vectors per 16-output block line
+
+// The least work (bytes read, weights times row passes for a matmul) worth waking a thread for: waking the pool
+// and joining it costs a few microseconds, about what one core streams 32 KB in. thread_grain() sets it (the
+// grain measurement in bench/thread_grain.py); 0 splits any work.
+std::atomic<int64_t> min_thread_bytes{32 << 10};
+// at::parallel_for's grain (items per thread at least) for items of `item_bytes` each.
+inline int64_t grain_for(int64_t item_bytes) {
+  const int64_t item = std::max<int64_t>(item_bytes, 1);
+  return std::max<int64_t>(1, (min_thread_bytes.load(std::memory_order_relaxed) + item - 1) / item);
+}
 
 inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
   alignas(64) at::BFloat16 tmp[kLanes];
@@ -272,7 +290,8 @@ void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64
                 Kernel&& kernel) {
   const int64_t span = span_for(M);
   const int64_t num_spans = (num_blocks + span - 1) / span;
-  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+  const int64_t span_bytes = span * K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + kMaxRows - 1) / kMaxRows);
+  at::parallel_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
@@ -646,41 +665,48 @@ Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vec
   xi.resize(M * K);
   d.resize(M * groups);
   dsum.resize(M * groups);
+  const int64_t grain = grain_for(K * static_cast<int64_t>(sizeof(T)));  // rows per thread
   if (group % kLanes == 0) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < groups; ++g)
-        quantize_group(X + m * K + g * group, group, xi.data() + m * K + g * group, d[m * groups + g],
-                       dsum[m * groups + g]);
+    at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < groups; ++g)
+          quantize_group(X + m * K + g * group, group, xi.data() + m * K + g * group, d[m * groups + g],
+                         dsum[m * groups + g]);
+    });
     return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
   }
-  std::vector<float> xf(group);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* xg = X + m * K + g * group;
-      float amax = 0.f;
-      for (int64_t k = 0; k < group; ++k) {
-        xf[k] = static_cast<float>(xg[k]);
-        amax = std::max(amax, std::fabs(xf[k]));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    std::vector<float> xf(group);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* xg = X + m * K + g * group;
+        float amax = 0.f;
+        for (int64_t k = 0; k < group; ++k) {
+          xf[k] = static_cast<float>(xg[k]);
+          amax = std::max(amax, std::fabs(xf[k]));
+        }
+        const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t total = 0;
+        for (int64_t k = 0; k < group; ++k) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(xf[k] * inv));
+          xi[m * K + g * group + k] = static_cast<int8_t>(q);
+          total += q;
+        }
+        d[m * groups + g] = step;
+        dsum[m * groups + g] = step * static_cast<float>(total);
       }
-      const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      for (int64_t k = 0; k < group; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xf[k] * inv));
-        xi[m * K + g * group + k] = static_cast<int8_t>(q);
-        total += q;
-      }
-      d[m * groups + g] = step;
-      dsum[m * groups + g] = step * static_cast<float>(total);
-    }
+  });
   return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
 }
 
 // Every span of int4_span_for(M) blocks once from memory, `rows_per_pass` rows of x at a time against it while it
 // is in cache: fn(rows, blocks, first block, first row), rows and blocks as compile-time constants.
+// block_bytes: one block's weight bytes (the grain).
 template <typename Fn>
-void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, Fn&& fn) {
+void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, int64_t block_bytes, Fn&& fn) {
   const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-  at::parallel_for(0, num_spans, 2, [&](int64_t s0, int64_t s1) {
+  const int64_t span_bytes = span * block_bytes * ((M + rows_per_pass - 1) / rows_per_pass);
+  at::parallel_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
@@ -697,7 +723,7 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
   std::vector<float> d, dsum;
   const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
   const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
-  over_spans(M, num_blocks, kMaxRows, [&](auto r, auto c, int64_t b, int64_t m) {
+  over_spans(M, num_blocks, kMaxRows, block_bytes, [&](auto r, auto c, int64_t b, int64_t m) {
     const int64_t at = m * N + b * kBlock;
     block_int4<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
                                                        Z + b * block_groups, rows, group, m, Y + at, N,
@@ -715,12 +741,16 @@ void int4_float_path(const TX* X, const uint8_t* W, const at::Half* S, const uin
     XF = X;
   } else {
     converted.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) converted[i] = static_cast<float>(X[i]);
     XF = converted.data();
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += XF[m * K + k];
-  over_spans(M, num_blocks, kFloatRows, [&](auto r, auto c, int64_t b, int64_t m) {
+  at::parallel_for(0, M, grain_for(K * static_cast<int64_t>(sizeof(TX))), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if constexpr (!std::is_same_v<TX, float>)
+        for (int64_t k = 0; k < K; ++k) converted[m * K + k] = static_cast<float>(X[m * K + k]);
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += XF[m * K + k];
+    }
+  });
+  over_spans(M, num_blocks, kFloatRows, block_bytes, [&](auto r, auto c, int64_t b, int64_t m) {
     const int64_t at = m * N + b * kBlock;
     block_int4_float<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups,
                                                              Z + b * block_groups, XF, xsum.data(), K, groups, group, m,
@@ -735,7 +765,7 @@ torch::Tensor dequantize_all(const uint8_t* W, const at::Half* S, const uint8_t*
   const int64_t block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
   auto tile = torch::empty({num_blocks, K, kBlock}, torch::kFloat32);
   float* T = tile.data_ptr<float>();
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, num_blocks, grain_for(K * kBlock * static_cast<int64_t>(sizeof(float))), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       dequantize_block(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups, Z + b * block_groups, K, group,
                        T + b * K * kBlock);
@@ -796,7 +826,7 @@ void int8_path(const TX* X, const uint8_t* W, const float* S, TX* Y, const TX* r
   std::vector<float> d, dsum;
   const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
   const int64_t N = num_blocks * kBlock, block_bytes = K / 4 * kUnit;
-  over_spans(M, num_blocks, kMaxRows, [&](auto r, auto c, int64_t b, int64_t m) {
+  over_spans(M, num_blocks, kMaxRows, block_bytes, [&](auto r, auto c, int64_t b, int64_t m) {
     const int64_t at = m * N + b * kBlock;
     block_int8<decltype(r)::value, decltype(c)::value>(quad_at(W, b, num_blocks, block_bytes), S + b * kBlock, rows, group, m,
                                                        Y + at, N, res ? res + at : nullptr);
@@ -1099,7 +1129,8 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
 
 template <typename T>
 void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+  // NOTE: a row's exp costs about 4 times its bytes' worth of streaming, hence the grain of a quarter
+  at::parallel_for(0, M, grain_for(2 * I * static_cast<int64_t>(sizeof(T)) * 4), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* gate = X + m * 2 * I;
       const T* up = gate + I;
@@ -1186,7 +1217,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
   const T* X = x.data_ptr<T>();
   const T* W = weight.data_ptr<T>();
   T* Y = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, grain_for(2 * C * static_cast<int64_t>(sizeof(T))), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = X + r * C;
       Vec squares = vzero();
@@ -1281,12 +1312,42 @@ bool native_bf16() {
 
 std::string isa() { return kIsa; }
 
+// Whether at::parallel_for runs on torch's pool in this build (compiled with OpenMP), not on the calling thread alone.
+bool parallel() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+// How many threads at::parallel_for hands work to for `items` items of `item_bytes` each, at torch's thread count
+// now: what the kernels' grain gives (a check that a build runs in parallel, and of the grain).
+int64_t threads_used(int64_t items, int64_t item_bytes) {
+  std::vector<char> seen(std::max(1, at::get_num_threads()), 0);
+  at::parallel_for(0, items, grain_for(item_bytes), [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t used = 0;
+  for (char s : seen) used += s;
+  return used;
+}
+
+// The least work in bytes a second thread is woken for; `bytes` >= 0 sets it (a measurement's knob), -1 only reads
+// it. -> the value before.
+int64_t thread_grain(int64_t bytes) {
+  return bytes >= 0 ? min_thread_bytes.exchange(bytes) : min_thread_bytes.load();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W (N, K) -> the blocked16 layout");
   m.def("linear", &linear, "x (M, K) @ W^T (+ residual) with W in the blocked16 layout", py::arg("x"), py::arg("packed"),
         py::arg("residual") = py::none());
   m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512 or avx2");
+  m.def("parallel", &parallel, "whether the kernels run on torch's thread pool (built with OpenMP)");
+  m.def("threads_used", &threads_used, "threads the kernels' grain gives `items` items of `item_bytes` each, now",
+        py::arg("items"), py::arg("item_bytes"));
+  m.def("thread_grain", &thread_grain, "the least bytes of work a thread is woken for; bytes >= 0 sets it -> the old value",
+        py::arg("bytes") = -1);
   m.def("int4_pack", &int4_pack, "AWQ int4 values, scales and zeros -> the int4x16 layout");
   m.def("int4_linear", &int4_linear, "x (M, K) @ W^T (+ residual) with int4 W in the int4x16 layout", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("int_rows"),

@@ -1,0 +1,105 @@
+"""servelab at several thread counts side by side, in one process, rounds interleaved (the machine's load moves
+every count alike): per config, one engine per thread count (its `auto` kernel choice and int4 crossover are
+measured at that count, as a worker's are), then per round and count:
+
+- prefill: the time to the first token of one --prompt-tokens prompt (one row, one new token, the prompt in one
+  chunk, no prefix cache), as tok/s;
+- decode tok/s at each batch size: B x (N - 1) / (t_N - t_1), N = --new-tokens, EOS ignored.
+
+Medians of the rounds, and each count's ratio to the first per round (median). The CPU, its flags and the
+measured memory bandwidth head the table.
+
+    python -m bench.threads --configs configs/fp32.yaml,configs/bf16.yaml --threads 1,2 --batch-sizes 1,16
+
+NOTE: on a machine other processes share, a descheduled thread holds a whole step at the join of each
+parallel kernel: quote figures from an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.side_by_side import positive_ints
+from servelab.config import ServingConfig
+from servelab.engine.engine import Engine
+from servelab.hardware import describe_hardware, measure_bandwidth_gbs
+from servelab.request import GenerationRequest, SamplingParams
+from servelab.settings import Settings, available_cores
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _engine(path: str, threads: int, prompt_tokens: int, batch: int, settings: Settings) -> Engine:
+    config = ServingConfig.from_yaml(path)
+    config = config.model_copy(update={
+        "num_threads": threads,
+        "batching": config.batching.model_copy(update={
+            "max_batch_size": max(config.batching.max_batch_size, batch),
+            "max_prefill_tokens": max(prompt_tokens + 1, batch * 65),
+            "max_batch_tokens": max(config.batching.max_batch_tokens, batch * 130, prompt_tokens + 1)}),
+        "kv_cache": config.kv_cache.model_copy(update={"prefix_caching": False})})
+    return Engine.from_config(config, settings)
+
+
+def _timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
+    torch.set_num_threads(threads)  # NOTE: the engines share the process: each count set before its call
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    requests = [GenerationRequest(f"r{i}", prompt=prompt, params=params) for i in range(rows)]
+    started = time.perf_counter()
+    engine.generate(requests)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="configs/fp32.yaml,configs/bf16.yaml")
+    parser.add_argument("--threads", type=positive_ints, default=[1, 2])
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    settings = Settings(cache_dir=REPO / ".cache")
+    hardware = describe_hardware()
+    print(f"cpu: {hardware.cpu}; cores this process may run on: {available_cores()}; threads {args.threads}; "
+          f"memory bandwidth (measured, {torch.get_num_threads()} threads): "
+          f"{measure_bandwidth_gbs(torch.device('cpu')):.1f} GB/s; {args.rounds} rounds interleaved, medians", flush=True)
+    for path in args.configs.split(","):
+        engines = {n: _engine(path, n, args.prompt_tokens, max(args.batch_sizes), settings) for n in args.threads}
+        first = engines[args.threads[0]]
+        tokenizer = first.tokenizer
+        text = tokenizer.decode(tokenizer("The history of the city " * (args.prompt_tokens // 4 + 8))["input_ids"])
+        prompt = tokenizer.decode(tokenizer(text)["input_ids"][:args.prompt_tokens])
+        for n, engine in engines.items():
+            print(f"{first.config.name} ({first.config.weights}) at {n} thread(s): {engine.kernel}", flush=True)
+            _timed(engine, n, prompt, 2, 4)  # warm-up
+        prefill: dict[int, list[float]] = {n: [] for n in args.threads}
+        decode: dict[tuple[int, int], list[float]] = {(n, b): [] for n in args.threads for b in args.batch_sizes}
+        for _ in range(args.rounds):
+            for n, engine in engines.items():
+                prefill[n].append(args.prompt_tokens / _timed(engine, n, prompt, 1, 1))
+                for b in args.batch_sizes:
+                    one, full = _timed(engine, n, prompt[:200], b, 1), _timed(engine, n, prompt[:200], b, args.new_tokens)
+                    decode[(n, b)].append(b * (args.new_tokens - 1) / (full - one))
+        base = args.threads[0]
+
+        def cells(samples: dict, key) -> str:
+            ref = samples[(base, *key[1:]) if isinstance(key, tuple) else base]
+            ratio = statistics.median(s / r for s, r in zip(samples[key], ref))
+            return f"{statistics.median(samples[key]):8.1f} (x{ratio:.2f})"
+
+        print(f"  prefill {args.prompt_tokens} tokens, tok/s: "
+              + " | ".join(f"{n}t {cells(prefill, n)}" for n in args.threads), flush=True)
+        for b in args.batch_sizes:
+            print(f"  decode batch {b}, tok/s: " + " | ".join(f"{n}t {cells(decode, (n, b))}" for n in args.threads),
+                  flush=True)
+        del engines
+
+
+if __name__ == "__main__":
+    main()

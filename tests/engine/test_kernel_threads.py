@@ -1,0 +1,131 @@
+"""servelab's kernels on torch's threads (blocked.cpp, both builds this CPU runs): every build runs at::parallel_for
+on torch's pool (a build without OpenMP would run every kernel on one thread), the grain keeps small work on one
+thread, and every threaded kernel gives exactly the single-threaded bits at 2 threads and at an odd count (3):
+a thread takes whole output blocks or whole rows, computed in the same order whatever the count.
+
+The grain is set to 0 here so that these small shapes split across every thread (the default would keep most of
+them on one); torch's thread count and the grain are restored after each test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
+
+BUILDS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa_reason(isa) is not None, reason=f"{isa_reason(isa)}"))
+          for isa in ISAS]
+THREADS = (2, 3)  # against 1
+
+
+@pytest.fixture
+def kernel(request, settings):
+    module = load_blocked_kernel(settings.cache_dir, request.param).module
+    threads, grain = torch.get_num_threads(), module.thread_grain()
+    module.thread_grain(0)
+    yield module
+    module.thread_grain(grain)
+    torch.set_num_threads(threads)
+
+
+def at_threads(fn, *args, **kwargs) -> dict[int, torch.Tensor]:
+    out = {}
+    for n in (1, *THREADS):
+        torch.set_num_threads(n)
+        out[n] = fn(*args, **kwargs)
+    return out
+
+
+def assert_same_bits(results: dict[int, torch.Tensor | list[torch.Tensor]], what: str) -> None:
+    for n in THREADS:
+        got, want = results[n], results[1]
+        for g, w in zip(got if isinstance(got, list) else [got], want if isinstance(want, list) else [want]):
+            assert torch.equal(g, w), f"{what}: {n} threads differ from 1"
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+def test_every_build_runs_on_torchs_threads_and_the_grain_keeps_small_work_on_one(kernel) -> None:
+    assert kernel.parallel(), "built without OpenMP: at::parallel_for would run on the calling thread only"
+    for n in (1, *THREADS):
+        torch.set_num_threads(n)
+        assert kernel.threads_used(64, 1 << 20) == n
+        assert kernel.threads_used(1, 1 << 20) == 1  # one item: one thread
+    kernel.thread_grain(1 << 20)
+    assert kernel.threads_used(64, 1024) == 1  # 64 KB of work, below the grain: not worth a second thread
+    assert kernel.threads_used(4096, 1024) == 3  # 4 MB: every thread
+    torch.set_num_threads(1)
+    assert kernel.threads_used(4096, 1024) == 1
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "mixed"])
+def test_threaded_matmul_equals_the_single_threaded_one(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    w_dtype = torch.bfloat16 if dtype == "mixed" else dtype
+    x_dtype = torch.float32 if dtype == "mixed" else dtype
+    packed = kernel.pack(torch.randn(208, 96, generator=generator).to(w_dtype))  # 13 blocks: uneven splits
+    for rows in (1, 2, 5, 19):
+        x = torch.randn(rows, 96, generator=generator).to(x_dtype)
+        residual = torch.randn(rows, 208, generator=generator).to(x_dtype)
+        assert_same_bits(at_threads(kernel.linear, x, packed), f"linear {dtype} at {rows} rows")
+        assert_same_bits(at_threads(kernel.linear, x, packed, residual), f"linear + residual {dtype} at {rows} rows")
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_int4_and_int8_matmuls_equal_the_single_threaded_ones(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    N, K, group = 208, 128, 32
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(K // group, N, generator=generator) * 0.02 + 0.001).half().float()
+    zeros = torch.randint(0, 16, (K // group, N), generator=generator).float()
+    int4 = kernel.int4_pack(q, scales, zeros, group)
+    int8 = kernel.int8_pack(torch.randn(N, K, generator=generator))
+    for rows in (1, 3, 9, 19):  # activation quantisation splits by rows, the matmuls by blocks
+        x = torch.randn(rows, K, generator=generator).to(dtype)
+        for float_activations in (False, True):
+            assert_same_bits(at_threads(kernel.int4_linear, x, *int4, group, 1 << 30, float_activations=float_activations),
+                             f"int4 streamed ({'fp32' if float_activations else 'int8'} activations) at {rows} rows")
+        assert_same_bits(at_threads(kernel.int8_linear, x, *int8, group), f"int8 at {rows} rows")
+    # many rows: the dequantised tile (split by blocks: exact) times torch's GEMM, whose own threading may reorder
+    # its sums: within fp32 rounding of the single-threaded product
+    x = torch.randn(40, K, generator=generator).to(dtype)
+    tiles = at_threads(kernel.int4_linear, x, *int4, group, 0)
+    for n in THREADS:
+        torch.testing.assert_close(tiles[n].float(), tiles[1].float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_norm_and_swiglu_equal_the_single_threaded_ones(kernel, dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, 3, 64, generator=generator).to(dtype)
+        weight = torch.randn(64, generator=generator).to(dtype)
+        assert_same_bits(at_threads(kernel.rms_norm, x, weight, 1e-5), f"rms_norm at {rows * 3} rows")
+        assert_same_bits(at_threads(kernel.silu_mul, x.view(rows, 3 * 64)[:, :192].contiguous()), f"silu_mul at {rows} rows")
+
+
+def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings) -> None:
+    from servelab.config import ServingConfig
+    from servelab.engine.loader import apply_threads
+    from servelab.settings import _cpu_quota, available_cores
+
+    before, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(affinity)})  # this thread: as `servelab up` pins a worker to one core
+        assert available_cores() == 1
+        os.sched_setaffinity(0, affinity)
+        assert apply_threads(ServingConfig(name="t"), settings.model_copy(update={"num_threads": None})) == available_cores()
+        assert available_cores() <= len(affinity)
+        assert apply_threads(ServingConfig(name="t", num_threads=3), settings) == 3  # the config's count wins
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(before)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # docker run --cpus 1.5
+    assert _cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cpu_quota(tmp_path) is None
