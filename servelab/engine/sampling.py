@@ -2,9 +2,11 @@
 log-probabilities a row asked for.
 
 Knows greedy, vLLM's repetition penalty (over prompt and output), presence and frequency penalties (over the
-row's own generated tokens), tokens a row may not pick yet (min_tokens), temperature, min_p, top-k and top-p,
+row's own generated tokens), tokens a row may not pick yet (min_tokens), the tokens a row's grammar allows
+(structured output: llguidance's bitmask, unpacked here), temperature, min_p, top-k and top-p,
 and per-row seeded generators, so a row's samples depend only on its seed, its logits and its own
-tokens, never on its batch-mates. Rows that ask for no penalty and no sampling cost one argmax over the batch.
+tokens, never on its batch-mates. Rows that ask for no penalty, no constraint and no sampling cost one argmax over
+the batch.
 Log-probabilities are the model's: the raw log-softmax of the logits, before penalties and temperature.
 Does not know the model.
 """
@@ -12,10 +14,28 @@ Does not know the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from servelab.request import SamplingParams
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The tokens constrained rows may pick: for each listed row (an index into the batch), one bit per token,
+    packed in int32 words as llguidance writes them (R, ceil(V / 32))."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def unpacked(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """(R, V) bool on `device`: True where the token is allowed."""
+        bits = (self.bitmask.unsqueeze(-1) >> _BITS) & 1  # (R, W, 32)
+        return bits.view(len(self.rows), -1)[:, :vocab_size].bool().to(device)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -29,17 +49,22 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample_next(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     generated: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None,
-    suppressed: Sequence[Sequence[int]] | None = None,
+    suppressed: Sequence[Sequence[int]] | None = None, allowed: Allowed | None = None,
 ) -> torch.Tensor:
     """logits (B, V), each row's generated token ids so far (and its prompt's, for repetition_penalty), the token
-    ids a row may not pick now (min_tokens: EOS and stop_token_ids) -> next token ids (B,). `logits` is not
-    changed. vLLM's order: suppressed tokens, penalties (repetition, then frequency and presence), temperature,
-    min_p, top-k, top-p."""
+    ids a row may not pick now (min_tokens: EOS and stop_token_ids), the tokens constrained rows may pick (their
+    grammars') -> next token ids (B,). `logits` is not changed. vLLM's order: the grammar's mask, suppressed
+    tokens, penalties (repetition, then frequency and presence), temperature, min_p, top-k, top-p."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
     next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
-    rows = [i for i, p in enumerate(params) if p.has_penalties or (suppressed is not None and suppressed[i])]
+    constrained = dict(zip(allowed.rows, range(len(allowed.rows)))) if allowed is not None else {}
+    rows = [i for i, p in enumerate(params)
+            if p.has_penalties or (suppressed is not None and suppressed[i]) or i in constrained]
     if rows:
         adjusted = penalised(logits, rows, params, generated, prompts)  # (R, V)
+        if constrained:
+            picked = [rows.index(i) for i in allowed.rows]
+            adjusted[picked] = adjusted[picked].masked_fill(~allowed.unpacked(logits.shape[-1], logits.device), float("-inf"))
         for j, i in enumerate(rows):
             if suppressed is not None and suppressed[i]:
                 adjusted[j, list(suppressed[i])] = float("-inf")
