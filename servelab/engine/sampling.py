@@ -16,26 +16,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from servelab.request import SamplingParams
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 @dataclass(frozen=True)
 class Allowed:
     """The tokens constrained rows may pick: for each listed row (an index into the batch), one bit per token,
-    packed in int32 words as llguidance writes them (R, ceil(V / 32))."""
+    packed in int32 words as llguidance writes them (R, ceil(V / 32)), on the CPU."""
 
     rows: list[int]
     bitmask: torch.Tensor
 
-    def unpacked(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """(R, V) bool on `device`: True where the token is allowed."""
-        bits = (self.bitmask.unsqueeze(-1) >> _BITS) & 1  # (R, W, 32)
-        return bits.view(len(self.rows), -1)[:, :vocab_size].bool().to(device)
+    def allows(self, k: int, token_id: int) -> bool:
+        return bool((int(self.bitmask[k, token_id >> 5]) >> (token_id & 31)) & 1)
+
+    def unpacked(self, ks: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+        """(len(ks), V) bool on `device`: True where listed row k's token is allowed (numpy unpacks the bits
+        little-endian, as llguidance packs them, about 10x faster than shifts in torch)."""
+        words = self.bitmask[ks].numpy().view(np.uint8)  # (K, 4W) little-endian bytes
+        bits = np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits).view(torch.bool).to(device)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -63,8 +66,7 @@ def sample_next(
     if rows:
         adjusted = penalised(logits, rows, params, generated, prompts)  # (R, V)
         if constrained:
-            picked = [rows.index(i) for i in allowed.rows]
-            adjusted[picked] = adjusted[picked].masked_fill(~allowed.unpacked(logits.shape[-1], logits.device), float("-inf"))
+            _mask(adjusted, rows, allowed, generators)
         for j, i in enumerate(rows):
             if suppressed is not None and suppressed[i]:
                 adjusted[j, list(suppressed[i])] = float("-inf")
@@ -75,6 +77,21 @@ def sample_next(
             row = adjusted[where[i]] if i in where else logits[i]  # (V,)
             next_ids[i] = _sample_row(row.float(), params[i], generator)
     return next_ids
+
+
+def _mask(adjusted: torch.Tensor, rows: list[int], allowed: Allowed, generators: list[torch.Generator | None]
+          ) -> None:
+    """Disallowed tokens to -inf in the constrained rows of `adjusted` (R, V), in place. A greedy row whose best token
+    its grammar allows is left as it is: masking cannot change its argmax (most steps of a model that writes the
+    JSON it was asked for), so only the others pay for the full-vocabulary mask."""
+    at = {i: j for j, i in enumerate(rows)}
+    need = [k for k, i in enumerate(allowed.rows)
+            if generators[i] is not None or not allowed.allows(k, int(adjusted[at[i]].argmax()))]
+    if not need:
+        return
+    picked = torch.tensor([at[allowed.rows[k]] for k in need], device=adjusted.device)
+    keep = allowed.unpacked(need, adjusted.shape[-1], adjusted.device)  # (K, V)
+    adjusted[picked] = adjusted.index_select(0, picked).masked_fill_(keep.logical_not_(), float("-inf"))
 
 
 def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
