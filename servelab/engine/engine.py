@@ -674,7 +674,12 @@ def _allowed(rows: list[_Row], vocab_size: int) -> Allowed | None:
         return None
     bitmask = torch.zeros((len(constrained), (vocab_size + 31) // 32), dtype=torch.int32)
     for k, j in enumerate(constrained):
-        rows[j].matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), bitmask.shape[1] * 4)
+        matcher = rows[j].matcher
+        matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), bitmask.shape[1] * 4)
+        if matcher.is_error() or not bitmask[k].any():
+            # NOTE: a grammar that failed (a lexer past llguidance's limits) allows nothing: the row picks freely,
+            # its matcher refuses the token, and the row alone ends with the grammar's error (never a NaN draw)
+            bitmask[k] = -1
     return Allowed(constrained, bitmask)
 
 
