@@ -43,6 +43,19 @@ def is_tool_call(constraint: str | None) -> bool:
     return constraint is not None and bool(json.loads(constraint).get("tools"))
 
 
+def _llguidance(call, *args, **kwargs):
+    """An llguidance call whose panic (pyo3's PanicException, a BaseException: the library failing on an input it
+    should refuse, such as cutting an error message inside a character) becomes a ValueError naming it."""
+    try:
+        return call(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except ValueError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 NOTE: PanicException cannot be named (pyo3 makes it at run time)
+        raise ValueError(f"llguidance failed on it ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
 def grammar_of(constraint: str) -> str:
     """llguidance's grammar for a stored constraint; ValueError when it is not one."""
     try:
@@ -55,12 +68,12 @@ def grammar_of(constraint: str) -> str:
     if not isinstance(schema, dict | bool):
         raise ValueError("the schema must be a JSON object (or true/false)")
     if not spec.get("text"):
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return _llguidance(LLMatcher.grammar_from_json_schema, schema, defaults=JSON_OPTIONS)
     # NOTE: free text that does not open with "{", or the JSON; the first token decides which, so the two never
     # overlap and a tool call is told from text by its first character
     lark = ('%llguidance {}\nstart: TEXT | answer\nTEXT: /[^{](.|\\n)*/\nanswer: %json '
             + json.dumps({**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema))
-    return LLMatcher.grammar_from_lark(lark)
+    return _llguidance(LLMatcher.grammar_from_lark, lark)
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,7 +85,10 @@ def check_constraint(constraint: str) -> str | None:
         grammar = grammar_of(constraint)
     except ValueError as exc:
         return str(exc)
-    return LLMatcher.validate_grammar(grammar, None) or None
+    try:
+        return _llguidance(LLMatcher.validate_grammar, grammar, None) or None
+    except ValueError as exc:
+        return str(exc)
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,7 +124,7 @@ class Grammars:
         compiled = self._compiled.get(constraint)
         if compiled is None:
             tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
-            compiled = LLMatcher(tokenizer, grammar_of(constraint), log_level=0)
+            compiled = _llguidance(LLMatcher, tokenizer, grammar_of(constraint), log_level=0)
             if compiled.is_error():
                 raise ValueError(compiled.get_error())
             self.num_compiled += 1
