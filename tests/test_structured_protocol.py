@@ -189,7 +189,7 @@ def test_any_json_as_a_schema_is_checked_without_raising() -> None:
     schemas = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
         st.sampled_from(KEYWORDS) | st.text(max_size=4), inner, max_size=4), max_leaves=12)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.dictionaries(st.sampled_from(KEYWORDS), schemas, max_size=4))
     def check(schema: dict) -> None:
         for constraint in (constraint_json(schema), constraint_json(schema, text=True, tools=True)):

@@ -5,7 +5,7 @@ the group, apart from the running rows) and joins them to the batch's cache; `st
 step for every live row. Both return each row's new token and the rows that finished, whose cache space
 is free at once. `generate(requests)` is a closed batch: add, then step until every row has finished.
 Knows tokenising, left-padded prefill groups, stop conditions, per-row timings, the log-probabilities a
-row asked for, and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
+row asked for, each constrained row's grammar matcher (structured output: grammar.py), and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
 how rows were chosen: a bad request fails alone, its batch-mates carry on. Past 400 lines as one piece: the
 running batch's rows and cache change together in add, step, preempt and cancel.
 """
