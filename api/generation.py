@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -46,6 +46,7 @@ from servelab.protocol import (
     chat_logprobs,
     checked_submission,
     find_config,
+    is_tool_call,
     max_new_tokens,
     response_object,
     to_submission,
@@ -355,7 +356,8 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
     read_view = partial(view, state, tenant, submitted.request_id)
     if body.stream:
         writer = ChunkWriter(endpoint, submitted.request_id, submission.serving_config_name, int(arrived_s),
-                             body.include_usage, body.continuous_usage)
+                             body.include_usage, body.continuous_usage,
+                             tool_calls=is_tool_call(submission.sampling.constraint))
         return openai_stream(http, state, writer=writer, arrived_s=arrived_s, read_view=read_view,
                              cancel_on_leave=submitted.cancel_on_leave, headers=submitted.headers)
     wait_s = wait_limit_s(state.settings.max_wait_s, http.headers.get(READ_TIMEOUT_HEADER))
@@ -363,7 +365,8 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
     done = await _wait_or_leave(http, state, submitted, read_views, wait_s)
     if done is None:
         return Response(status_code=499)  # NOTE: nginx's "client closed request": nobody reads it
-    return JSONResponse(response_object(endpoint, _answer(done, submitted, wait_s)), headers=submitted.headers)
+    answer = replace(_answer(done, submitted, wait_s), tool_calls=is_tool_call(submission.sampling.constraint))
+    return JSONResponse(response_object(endpoint, answer), headers=submitted.headers)
 
 
 @router.post("/v1/completions", response_model=None, tags=["openai"])

@@ -160,7 +160,8 @@ def _openai_event(item: RelayItem, writer: ChunkWriter, clock: StreamClock) -> l
     if isinstance(item, Shown):
         clock.mark(time.time())
         # NOTE: as vLLM's, the running usage has no cached count: the closing chunks' (the end event's) have it
-        return [sse(writer.text(item.text, usage(item.prompt_tokens, item.completion_tokens)))]
+        chunk = writer.text(item.text, usage(item.prompt_tokens, item.completion_tokens))
+        return [] if chunk is None else [sse(chunk)]  # NOTE: None: a tool call, held back until the end
     if isinstance(item, Restarted):
         return [(f": restarted: the worker serving this request stopped; attempt {item.attempt} generates it "
                  "again and the stream goes on after the text already sent\n\n").encode()]

@@ -4,15 +4,19 @@ Knows the OpenAI field names and defaults, the fields it does not honour (NOT_HO
 never dropped), and turns a body into what the queue stores (prompt or messages, sampling, how many choices)
 after checking it against the named config's limits: one Rejection per bad body, naming the field and the fix.
 Renders answers in OpenAI's shapes, log-probabilities included (chat's `content` list, completions' legacy
-arrays). Shared by the API and batch-file ingest, so both accept the same bodies. One module past 400 lines
-on purpose: a body's fields and the answer's shape are one contract (what logprobs asks, the answer returns).
-Does not know HTTP status codes or tokenizers (the worker counts tokens exactly).
+arrays) and tool calls (`tool_calls`, finish reason `tool_calls`). Structured output: response_format
+(json_object, json_schema) and tools (tool_choice none, auto, required or a named function) become one
+constraint on the answer (servelab/engine/grammar.py: a JSON schema, compiled to a grammar the sampler keeps
+to), its schema checked here so a bad one is a 400 naming the field; tools are described to the model in a
+system message. Shared by the API and batch-file ingest, so both accept the same bodies. One module past 400
+lines on purpose: a body's fields and the answer's shape are one contract (what logprobs or tools ask, the
+answer returns). Does not know HTTP status codes or tokenizers (the worker counts tokens exactly).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
@@ -24,6 +28,7 @@ from servelab.request import (MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_STO
                               FinishReason, bounded,
                               RequestError, SamplingParams, check_num_choices)
 from servelab.catalog import Catalog, UnknownModel
+from servelab.engine.grammar import check_constraint, constraint_json, is_tool_call
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -66,13 +71,8 @@ NOT_HONOURED: dict[str, NotHonoured] = {
     "best_of": NotHonoured((None, 1), "completions are not ranked: ask for n choices instead"),
     "echo": NotHonoured((None, False), "the prompt is not echoed back"),
     "suffix": NotHonoured((None, ""), "insertion (a suffix after the completion) is not supported"),
-    "tools": NotHonoured((None, []), "tool calling is not built: the served models answer with text only"),
-    "tool_choice": NotHonoured((None, "none"), "tool calling is not built: the served models answer with text only"),
-    "parallel_tool_calls": NotHonoured((None, True, False), "tool calling is not built"),
-    "functions": NotHonoured((None, []), "function calling is not built: the served models answer with text only"),
-    "function_call": NotHonoured((None, "none"), "function calling is not built"),
-    "response_format": NotHonoured((None, {"type": "text"}),
-                                   "structured output (json_object, json_schema) is not built: answers are free text"),
+    "functions": NotHonoured((None, []), "the deprecated functions field is not built: send tools instead"),
+    "function_call": NotHonoured((None, "none"), "the deprecated function_call field is not built: send tool_choice"),
     "modalities": NotHonoured((None, ["text"]), "the served models produce text only"),
     "audio": NotHonoured((None,), "the served models produce text only"),
     "prediction": NotHonoured((None,), "predicted outputs are not supported"),
@@ -98,6 +98,39 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(default=None, description="accepted; chunks are never padded")
     # NOTE: as vLLM reads it: with include_usage, every chunk carries the usage so far, not only the last one
     continuous_usage_stats: bool = Field(default=False, description="vLLM's: every chunk carries the usage so far")
+
+
+NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's and a json_schema's name
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON Schema; left out: "
+                                                                                     "any JSON object")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always kept to (a grammar)")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    @property
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer keeps to; None: free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return {"type": "object"}
+        return self.json_schema.schema_
 
 
 class _Body(BaseModel):
@@ -128,6 +161,8 @@ class _Body(BaseModel):
     skip_special_tokens: bool = Field(default=True, description="vLLM's: special tokens' text left out")
     stream: bool | None = Field(default=False, description="answer as server-sent events, chunk by chunk")
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(default=None, description=(
+        "json_object or json_schema: the answer is JSON (valid against the schema), by a grammar the sampler keeps"))
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Body:
@@ -169,7 +204,22 @@ class _Body(BaseModel):
                               stop_token_ids=tuple(self.stop_token_ids or ()),
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, constraint=self.constraint())
+
+    def constraint(self) -> str | None:
+        """The answer's constraint (servelab/engine/grammar.py's form), checked: a Rejection names the field."""
+        schema = self.response_format.answer_schema if self.response_format is not None else None
+        if schema is None:
+            return None
+        constraint = constraint_json(schema)
+        _check(constraint, "response_format.json_schema.schema" if self.response_format.type == "json_schema"
+               else "response_format")
+        return constraint
+
+
+def _check(constraint: str, param: str) -> None:
+    if problem := check_constraint(constraint):
+        raise Rejection(f"{param} cannot be served: {problem.strip().splitlines()[0]}", param=param)
 
 
 class CompletionBody(_Body):
@@ -205,14 +255,77 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string, as the answer gave them")
+
+
+class ToolCall(BaseModel):
+    """A tool call an earlier answer made, sent back in an assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class MessageBody(BaseModel):
     model_config = ConfigDict(extra="allow")  # NOTE: checked by refuse_unhonoured, as the body's are
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant message's earlier tool calls")
+    tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> MessageBody:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (an assistant message may give tool_calls "
+                             "instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """What the model reads: the content; an assistant's tool calls as the JSON it answers them with."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        calls = [json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                            ensure_ascii=False) for c in self.tool_calls or []]
+        return "\n".join(x for x in (content, *calls) if x)
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw  # NOTE: not JSON (the client's own making): the model reads it as the string it is
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON Schema of the arguments; left out: "
+                                                                        "no arguments")
+    strict: bool | None = Field(default=None, description="accepted; the arguments always keep to the schema")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionBody(_Body):
@@ -221,6 +334,11 @@ class ChatCompletionBody(_Body):
     logprobs: StrictBool | None = Field(default=None, description="each token's log-probability in the answer")
     top_logprobs: StrictInt | None = bounded("logprobs", None, description="alternatives per token; needs logprobs: "
                                                                            "true")
+    tools: list[Tool] | None = Field(default=None, max_length=128, description="functions the answer may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
+        "none: text; auto (the default with tools): a call or text, the model's pick; required: a call; a named "
+        "function: a call of it. One call per answer"))
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted; an answer makes at most one call")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -232,6 +350,66 @@ class ChatCompletionBody(_Body):
     @property
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def choice_of_tools(self) -> str | NamedToolChoice:
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def callable_tools(self) -> list[Tool]:
+        """The tools the answer may call (none when tool_choice is none); a Rejection for a bad pairing."""
+        choice = self.choice_of_tools
+        names = [t.function.name for t in self.tools or []]
+        if choice != "none" and not self.tools:
+            raise Rejection("tool_choice asks for a tool call and tools is empty: give tools or leave tool_choice out",
+                            param="tool_choice")
+        if len(set(names)) != len(names):
+            raise Rejection(f"tools names a function twice: {sorted({n for n in names if names.count(n) > 1})}",
+                            param="tools")
+        if choice == "none":
+            return []
+        if self.response_format is not None and self.response_format.type != "text":
+            raise Rejection("response_format and tools are not served together: an answer keeps to one grammar; "
+                            'send tool_choice "none" or leave response_format out', param="response_format")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise Rejection(f"tool_choice names {choice.function.name!r}, which tools does not define "
+                                f"(it defines {names})", param="tool_choice")
+            return [t for t in self.tools if t.function.name == choice.function.name]
+        return list(self.tools)
+
+    def constraint(self) -> str | None:
+        tools = self.callable_tools()
+        if not tools:
+            return super().constraint()
+        calls = []
+        for i, tool in enumerate(self.tools):
+            parameters = tool.function.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+            _check(constraint_json(parameters), f"tools.{i}.function.parameters")
+            if tool in tools:
+                calls.append({"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                               "arguments": parameters},
+                              "required": ["name", "arguments"], "additionalProperties": False})
+        constraint = constraint_json(calls[0] if len(calls) == 1 else {"anyOf": calls},
+                                     text=self.choice_of_tools == "auto", tools=True)
+        _check(constraint, "tools")
+        return constraint
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages the model reads: developer as system, and the callable tools described in a system
+        message of their own (after the caller's first system message, if any)."""
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+        tools = self.callable_tools()
+        if not tools:
+            return messages
+        described = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description or "",
+                                            "parameters": t.function.parameters or {}}, ensure_ascii=False)
+                               for t in tools)
+        how = ("To call a function, answer with only a JSON object {\"name\": <the function's name>, \"arguments\": "
+               "<its arguments>}" + (", or answer in plain text if no function helps." if self.choice_of_tools == "auto"
+                                      else "; answer with a function call."))
+        note = {"role": "system", "content": f"You can call these functions:\n{described}\n{how}"}
+        at = 1 if messages[0]["role"] == "system" else 0
+        return [*messages[:at], note, *messages[at:]]
 
 
 @dataclass(frozen=True)
@@ -274,7 +452,7 @@ def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog
     except RequestError as exc:
         raise Rejection(str(exc), param="n") from None
     if isinstance(body, ChatCompletionBody):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+        messages = body.chat_messages()
         requested = body.max_completion_tokens or body.max_tokens
         prompt = None
     else:
@@ -357,6 +535,7 @@ class Answer:
     num_prompt_tokens: int
     choices: tuple[Choice, ...]
     num_cached_tokens: int = 0  # of the prompt counted (the first choice's), tokens served from the prefix cache
+    tool_calls: bool = False  # the request offered tools: a choice whose text is a call is answered as tool_calls
 
     def usage(self) -> dict[str, Any]:
         """As OpenAI counts n choices: the prompt once (the first choice's, with its cached tokens), every
@@ -425,13 +604,38 @@ def completion_object(answer: Answer) -> dict[str, Any]:
     }
 
 
+def tool_call(text: str, call_id: str) -> dict[str, Any] | None:
+    """OpenAI's tool call for an answer's text when it is one (a whole JSON {"name", "arguments"}): the arguments
+    as a JSON string; None for a text answer (tool_choice auto) or one cut short by max_tokens."""
+    if not text.startswith("{"):
+        return None
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        return None
+    return {"id": call_id, "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+
+
+def call_id(request_id: str, index: int = 0) -> str:
+    return f"call_{request_id.replace('-', '')}_{index}"
+
+
+def _chat_choice(answer: Answer, i: int, c: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish_reason = _finish_reason(c.finish_reason)
+    if answer.tool_calls and (call := tool_call(c.text, call_id(answer.request_id, i))):
+        message, finish_reason = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {"index": i, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish_reason}
+
+
 def chat_completion_object(answer: Answer) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{answer.request_id}", "object": "chat.completion", "created": answer.created,
         "model": answer.model, "usage": answer.usage(),
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": chat_logprobs(c.logprobs), "finish_reason": _finish_reason(c.finish_reason)}
-                    for i, c in enumerate(answer.choices)],
+        "choices": [_chat_choice(answer, i, c) for i, c in enumerate(answer.choices)],
     }
 
 
@@ -440,7 +644,9 @@ class ChunkWriter:
     """The chunks of one streamed answer, as OpenAI sends them: chat opens with the assistant's role, every
     text piece is a chunk, the last choice chunk carries the finish reason, and with include_usage every
     chunk has `usage: null` and a last chunk with no choices carries the usage; with continuous_usage (vLLM's
-    continuous_usage_stats) every chunk carries the usage so far instead of null."""
+    continuous_usage_stats) every chunk carries the usage so far instead of null. With tool_calls (the request
+    offered tools) an answer that opens with "{" is a call: held back and sent whole at the end as one
+    `tool_calls` delta (finish reason tool_calls); one that opens with text streams as text."""
 
     endpoint: str
     request_id: str
@@ -448,6 +654,8 @@ class ChunkWriter:
     created: int
     include_usage: bool = False
     continuous_usage: bool = False
+    tool_calls: bool = False  # the request offered tools: a call is held back and sent whole at the end
+    _text: list[str] = field(default_factory=list)  # NOTE: with tool_calls, the text so far (a call's, held back)
 
     @property
     def is_chat(self) -> bool:
@@ -456,21 +664,38 @@ class ChunkWriter:
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""})] if self.is_chat else []
 
-    def text(self, piece: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    @property
+    def _holding(self) -> bool:
+        return self.tool_calls and bool(self._text) and self._text[0][:1] == "{"
+
+    def text(self, piece: str, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """A text piece's chunk; None while a tool call is held back."""
+        if self.tool_calls:
+            self._text.append(piece)
+            if self._holding:
+                return None
         chunk = self._chunk({"content": piece} if self.is_chat else piece)
         if self.continuous_usage:
             chunk["usage"] = usage
         return chunk
 
     def closing(self, finish_reason: FinishReason, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
-        last = self._chunk({} if self.is_chat else "", finish_reason=_finish_reason(finish_reason))
+        held, reason = [], _finish_reason(finish_reason)
+        if self._holding:
+            text = "".join(self._text)
+            call = tool_call(text, call_id(self.request_id))
+            delta = {"content": text} if call is None else {"tool_calls": [{"index": 0, **call}]}
+            held, reason = [self._chunk(delta)], reason if call is None else "tool_calls"
+            if self.continuous_usage:
+                held[0]["usage"] = usage
+        last = self._chunk({} if self.is_chat else "", finish_reason=reason)
         if self.continuous_usage:
             last["usage"] = usage
         if not self.include_usage:
-            return [last]
-        return [last, {**self._chunk(None), "choices": [], "usage": usage}]
+            return [*held, last]
+        return [*held, last, {**self._chunk(None), "choices": [], "usage": usage}]
 
-    def _chunk(self, delta: dict[str, str] | str | None, *, finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str | None, *, finish_reason: str | None = None) -> dict[str, Any]:
         if self.is_chat:
             head = {"id": f"chatcmpl-{self.request_id}", "object": "chat.completion.chunk"}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -152,6 +152,9 @@ class SamplingParams:
     min_p: float = 0.0  # after temperature, keep tokens with p >= min_p * max p
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text, not cut
     skip_special_tokens: bool = True  # special tokens' text left out of the answer
+    # structured output: servelab's constraint JSON (servelab/engine/grammar.py), the answer held to a JSON schema
+    # (response_format, tools); None: free text. Ends the answer when the grammar is complete.
+    constraint: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -176,6 +179,10 @@ class SamplingParams:
                                                                      for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids (0 or more), got "
                                f"{list(self.stop_token_ids)!r}")
+        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
+            raise RequestError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                               "structured output (response_format or tools): the grammar decides where the answer "
+                               "ends; leave it out")
         if self.min_tokens > self.max_new_tokens:
             raise RequestError(f"min_tokens is {self.min_tokens}, above max_tokens ({self.max_new_tokens}): lower "
                                "min_tokens or raise max_tokens")

@@ -58,11 +58,12 @@ def test_neutral_means_the_same_json_value_not_a_python_equal_one() -> None:
     assert refusal(CompletionBody.model_validate({**PLAIN, "best_of": True})).param == "best_of"
 
 
-def test_tools_and_response_format_are_refused_with_a_message_that_says_so() -> None:
+def test_the_deprecated_functions_fields_are_refused_pointing_at_tools() -> None:
+    functions = [{"name": "f", "parameters": {"type": "object"}}]
+    refused = refusal(ChatCompletionBody.model_validate({**CHAT, "functions": functions}))
+    assert refused.param == "functions" and "send tools instead" in str(refused)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert "tool calling is not built" in str(refusal(ChatCompletionBody.model_validate({**CHAT, "tools": tools})))
-    json_mode = ChatCompletionBody.model_validate({**CHAT, "response_format": {"type": "json_object"}})
-    assert "structured output" in str(refusal(json_mode)) and refusal(json_mode).param == "response_format"
+    assert refusal(ChatCompletionBody.model_validate({**CHAT, "tools": tools})) is None  # honoured: declared
 
 
 def test_an_unknown_field_is_refused_naming_it_and_labels_are_accepted() -> None:
@@ -88,9 +89,9 @@ def _line(body: dict) -> LineError | object:
                       max_line_bytes=10_000)
 
 
-def test_a_batch_line_asking_for_tools_goes_to_the_error_file_naming_them() -> None:
-    refused = _line({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 2})
-    assert isinstance(refused, LineError) and refused.code == "unsupported_parameter" and "tools" in refused.message
+def test_a_batch_line_asking_for_functions_goes_to_the_error_file_naming_them() -> None:
+    refused = _line({**CHAT, "functions": [{"name": "f"}], "max_tokens": 2})
+    assert isinstance(refused, LineError) and refused.code == "unsupported_parameter" and "functions" in refused.message
 
 
 def _submission(body: CompletionBody | ChatCompletionBody):

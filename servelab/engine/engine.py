@@ -5,7 +5,7 @@ the group, apart from the running rows) and joins them to the batch's cache; `st
 step for every live row. Both return each row's new token and the rows that finished, whose cache space
 is free at once. `generate(requests)` is a closed batch: add, then step until every row has finished.
 Knows tokenising, left-padded prefill groups, stop conditions, per-row timings, the log-probabilities a
-row asked for, and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
+row asked for, each constrained row's grammar matcher (structured output: grammar.py), and the memory of each stretch of steps (`take_stats`). Does not know queues, databases or
 how rows were chosen: a bad request fails alone, its batch-mates carry on. Past 400 lines as one piece: the
 running batch's rows and cache change together in add, step, preempt and cancel.
 """
@@ -17,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -37,7 +37,8 @@ from servelab.outputs import (Alternative, BatchResult, BatchTimings, Completion
                               TokenLogprobs, failed)
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
-from servelab.engine.sampling import make_generator, read_logprobs, sample_next
+from servelab.engine.grammar import Grammars
+from servelab.engine.sampling import Allowed, make_generator, read_logprobs, sample_next
 from servelab.settings import Settings
 
 
@@ -58,6 +59,8 @@ class _Row:
     num_computed: int = 0  # paged: tokens (prompt, then generated) whose keys and values the cache holds
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     holds_blocks: bool = False  # paged: False while it waits for the pool (new, or preempted by the pool running out)
+    matcher: Any = None  # structured output: its llguidance matcher, advanced with each token it takes
+    error: str | None = None  # why it failed mid-answer (its grammar)
 
     def __post_init__(self) -> None:
         if self.request.params.logprobs is not None and self.logprobs is None:
@@ -143,6 +146,7 @@ class Engine:
         if self.arena is not None:
             gc.collect()
             return_freed_memory()
+        self._grammars: Grammars | None = None  # compiled constraints, on the first constrained request
         self._rows: list[_Row] = []  # the running batch, in order of admission (transformers': row i of its cache)
         self._batch_cache: BatchKVCache | None = None
         self._meter: _Meter | None = None
@@ -230,11 +234,24 @@ class Engine:
             except RequestError as exc:
                 rejected.append(failed(request.request_id, str(exc)))
                 continue
+            try:
+                matcher = self._matcher(request.params.constraint)
+            except ValueError as exc:
+                rejected.append(failed(request.request_id, f"response_format: the schema cannot be served: {exc}"))
+                continue
             rows.append(_Row(request, list(request.prompt_token_ids), make_generator(request.params, self.device),
                              Detokenizer(self.tokenizer, request.params.stop,
                                          include_stop=request.params.include_stop_str_in_output,
-                                         skip_special_tokens=request.params.skip_special_tokens)))
+                                         skip_special_tokens=request.params.skip_special_tokens), matcher=matcher))
         return rows, rejected
+
+    def _matcher(self, constraint: str | None) -> Any:
+        """A constrained row's own matcher (its constraint compiled once per engine, kept in an LRU); None: free."""
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.loaded.shape.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars.matcher(constraint)
 
     # --- the running batch: add, step, preempt ---
 
@@ -518,7 +535,7 @@ class Engine:
         logits = logits.float()
         next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows],
                                [r.token_ids for r in rows], [r.prompt_ids for r in rows],
-                               [self._suppressed(r) for r in rows])
+                               [self._suppressed(r) for r in rows], _allowed(rows, logits.shape[-1]))
         read = self._read_logprobs(logits, next_ids, rows)
         now = time.perf_counter()
         tokens, texts, finished = [], [], []
@@ -594,9 +611,16 @@ class Engine:
         can_stop = len(row.token_ids) >= params.min_tokens
         is_stop_token = can_stop and ((token_id in self.eos_token_ids and not params.ignore_eos)
                                       or token_id in params.stop_token_ids)
+        # NOTE: a constrained row's grammar takes its token; a complete grammar (the JSON closed) ends the row
+        grammar_done = False
+        if row.matcher is not None and not is_stop_token:
+            if not row.matcher.consume_token(token_id):  # NOTE: the mask allowed it; a grammar's failure is reported
+                row.finish_reason, row.error = FinishReason.ERROR, f"structured output: {row.matcher.get_error()}"
+                return False
+            grammar_done = row.matcher.is_stopped()
         hit_stop_string = (row.detok.push(token_id, can_stop=can_stop)
                            if not is_stop_token or params.include_stop_str_in_output else False)
-        if is_stop_token or hit_stop_string:
+        if is_stop_token or hit_stop_string or grammar_done:
             row.finish_reason = FinishReason.STOP
         elif len(row.token_ids) >= params.max_new_tokens:
             row.finish_reason = FinishReason.LENGTH
@@ -639,7 +663,24 @@ class Engine:
             started_at_s=row.started_at_s,
             logprobs=None if row.logprobs is None else tuple(row.logprobs),
             num_cached_tokens=row.num_cached_tokens,
+            error=row.error,
         )
+
+
+def _allowed(rows: list[_Row], vocab_size: int) -> Allowed | None:
+    """The tokens each constrained row's grammar allows next (llguidance's bitmask); None when no row is."""
+    constrained = [j for j, r in enumerate(rows) if r.matcher is not None]
+    if not constrained:
+        return None
+    bitmask = torch.zeros((len(constrained), (vocab_size + 31) // 32), dtype=torch.int32)
+    for k, j in enumerate(constrained):
+        matcher = rows[j].matcher
+        matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), bitmask.shape[1] * 4)
+        if matcher.is_error() or not bitmask[k].any():
+            # NOTE: a grammar that failed (a lexer past llguidance's limits) allows nothing: the row picks freely,
+            # its matcher refuses the token, and the row alone ends with the grammar's error (never a NaN draw)
+            bitmask[k] = -1
+    return Allowed(constrained, bitmask)
 
 
 def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int) -> int:

@@ -2,9 +2,11 @@
 log-probabilities a row asked for.
 
 Knows greedy, vLLM's repetition penalty (over prompt and output), presence and frequency penalties (over the
-row's own generated tokens), tokens a row may not pick yet (min_tokens), temperature, min_p, top-k and top-p,
+row's own generated tokens), tokens a row may not pick yet (min_tokens), the tokens a row's grammar allows
+(structured output: llguidance's bitmask, unpacked here), temperature, min_p, top-k and top-p,
 and per-row seeded generators, so a row's samples depend only on its seed, its logits and its own
-tokens, never on its batch-mates. Rows that ask for no penalty and no sampling cost one argmax over the batch.
+tokens, never on its batch-mates. Rows that ask for no penalty, no constraint and no sampling cost one argmax over
+the batch.
 Log-probabilities are the model's: the raw log-softmax of the logits, before penalties and temperature.
 Does not know the model.
 """
@@ -12,10 +14,31 @@ Does not know the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from servelab.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The tokens constrained rows may pick: for each listed row (an index into the batch), one bit per token,
+    packed in int32 words as llguidance writes them (R, ceil(V / 32)), on the CPU."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def allows(self, k: int, token_id: int) -> bool:
+        return bool((int(self.bitmask[k, token_id >> 5]) >> (token_id & 31)) & 1)
+
+    def unpacked(self, ks: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+        """(len(ks), V) bool on `device`: True where listed row k's token is allowed (numpy unpacks the bits
+        little-endian, as llguidance packs them, about 10x faster than shifts in torch)."""
+        words = self.bitmask[ks].numpy().view(np.uint8)  # (K, 4W) little-endian bytes
+        bits = np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits).view(torch.bool).to(device)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -29,17 +52,21 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample_next(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     generated: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None,
-    suppressed: Sequence[Sequence[int]] | None = None,
+    suppressed: Sequence[Sequence[int]] | None = None, allowed: Allowed | None = None,
 ) -> torch.Tensor:
     """logits (B, V), each row's generated token ids so far (and its prompt's, for repetition_penalty), the token
-    ids a row may not pick now (min_tokens: EOS and stop_token_ids) -> next token ids (B,). `logits` is not
-    changed. vLLM's order: suppressed tokens, penalties (repetition, then frequency and presence), temperature,
-    min_p, top-k, top-p."""
+    ids a row may not pick now (min_tokens: EOS and stop_token_ids), the tokens constrained rows may pick (their
+    grammars') -> next token ids (B,). `logits` is not changed. vLLM's order: the grammar's mask, suppressed
+    tokens, penalties (repetition, then frequency and presence), temperature, min_p, top-k, top-p."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
     next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
-    rows = [i for i, p in enumerate(params) if p.has_penalties or (suppressed is not None and suppressed[i])]
+    constrained = dict(zip(allowed.rows, range(len(allowed.rows)))) if allowed is not None else {}
+    rows = [i for i, p in enumerate(params)
+            if p.has_penalties or (suppressed is not None and suppressed[i]) or i in constrained]
     if rows:
         adjusted = penalised(logits, rows, params, generated, prompts)  # (R, V)
+        if constrained:
+            _mask(adjusted, rows, allowed, generators)
         for j, i in enumerate(rows):
             if suppressed is not None and suppressed[i]:
                 adjusted[j, list(suppressed[i])] = float("-inf")
@@ -50,6 +77,21 @@ def sample_next(
             row = adjusted[where[i]] if i in where else logits[i]  # (V,)
             next_ids[i] = _sample_row(row.float(), params[i], generator)
     return next_ids
+
+
+def _mask(adjusted: torch.Tensor, rows: list[int], allowed: Allowed, generators: list[torch.Generator | None]
+          ) -> None:
+    """Disallowed tokens to -inf in the constrained rows of `adjusted` (R, V), in place. A greedy row whose best token
+    its grammar allows is left as it is: masking cannot change its argmax (most steps of a model that writes the
+    JSON it was asked for), so only the others pay for the full-vocabulary mask."""
+    at = {i: j for j, i in enumerate(rows)}
+    need = [k for k, i in enumerate(allowed.rows)
+            if generators[i] is not None or not allowed.allows(k, int(adjusted[at[i]].argmax()))]
+    if not need:
+        return
+    picked = torch.tensor([at[allowed.rows[k]] for k in need], device=adjusted.device)
+    keep = allowed.unpacked(need, adjusted.shape[-1], adjusted.device)  # (K, V)
+    adjusted[picked] = adjusted.index_select(0, picked).masked_fill_(keep.logical_not_(), float("-inf"))
 
 
 def penalised(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],

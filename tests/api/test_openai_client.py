@@ -84,3 +84,66 @@ def test_files_and_batches_lists_page_with_a_cursor_to_the_end(client, module_st
         client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     batches = [b.id for b in client.batches.list(limit=1)]
     assert len(batches) == len(set(batches)) >= 3
+
+
+# --- structured output: response_format and tools, as the client sends and reads them ---
+
+PET = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "indoor": {"type": "boolean"},
+                                        "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+       "required": ["kind", "indoor", "age"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "the time now"}},
+         {"type": "function", "function": {"name": "adopt", "parameters": PET}}]
+
+
+def test_a_json_schema_answer_parses_into_the_clients_own_model(client, module_stack) -> None:
+    """The client's parse(): a pydantic model sent as a strict json_schema, the answer read back into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        indoor: bool
+        age: int = Field(ge=0, le=9)
+
+    for seed in range(2):
+        answer = client.chat.completions.parse(model=module_stack.model, response_format=Pet, temperature=1.0,
+                                               seed=seed, max_tokens=40,
+                                               messages=[{"role": "user", "content": "A pet as JSON"}])
+        assert isinstance(answer.choices[0].message.parsed, Pet), answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "stop"
+
+
+def test_tool_calls_come_back_in_openais_shape_whole_and_streamed(client, module_stack) -> None:
+    import jsonschema
+
+    answer = client.chat.completions.create(model=module_stack.model, tools=TOOLS, tool_choice="required",
+                                            max_tokens=40, temperature=0,
+                                            messages=[{"role": "user", "content": "Adopt a dog"}])
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_time", "adopt")
+    jsonschema.validate(json.loads(call.function.arguments), PET if call.function.name == "adopt" else
+                        {"type": "object", "maxProperties": 0})
+    named = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(client.chat.completions.create(model=module_stack.model, tools=TOOLS, tool_choice=named,
+                                                 max_tokens=40, stream=True,
+                                                 messages=[{"role": "user", "content": "Time?"}]))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [d.tool_calls[0].function.name for d in deltas] == ["get_time"]
+    assert deltas[0].tool_calls[0].function.arguments == "{}" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices), "a held-back call shows no text"
+    # the call and its result sent back: the conversation goes on
+    again = client.chat.completions.create(model=module_stack.model, tools=TOOLS, tool_choice="none", max_tokens=4,
+                                           messages=[{"role": "user", "content": "Time?"}, choice.message,
+                                                     {"role": "tool", "tool_call_id": call.id, "content": "noon"}])
+    assert isinstance(again.choices[0].message.content, str) and again.choices[0].message.tool_calls is None
+
+
+def test_a_schema_that_cannot_be_served_is_a_bad_request_naming_it(client, module_stack) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=module_stack.model, max_tokens=4, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "s", "schema": {"type": "objekt"}}})
+    assert info.value.param == "response_format.json_schema.schema" and "objekt" in info.value.message

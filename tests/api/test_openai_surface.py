@@ -177,16 +177,19 @@ def test_an_upload_refuses_unknown_form_fields_and_bad_expiry_by_name(stack) -> 
 def test_newer_parameters_are_refused_by_name_and_their_neutral_values_accepted(idle) -> None:
     stack, served, url = idle
     client = openai_client(stack, url)
-    asked = [({"tools": TOOLS}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}}
+    asked = [({"functions": [{"name": "f"}]}, "functions"),
+             ({"response_format": bad_schema}, "response_format.json_schema.schema"),
              ({"logit_bias": {"50": 5}}, "logit_bias"), ({"extra_body": {"min_p": 1.5}}, "min_p"),
-             ({"tools": TOOLS, "stream": True}, "tools"), ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"),
+             ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+             ({"tool_choice": "required"}, "tool_choice"), ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"),
              ({"logprobs": True, "stream": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
              ({"presence_penalty": 2.5}, "presence_penalty")]
     for kwargs, param in asked:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, **kwargs)
         assert info.value.param == param and param in info.value.message, kwargs
-    assert "tool calling is not built" in _refusal(client, stack, tools=TOOLS)
+    assert "send tools instead" in _refusal(client, stack, functions=[{"name": "f"}])
     assert rows(stack) == [], "nothing refused was queued"
     served.start()
     answer = client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=2, temperature=0,
@@ -334,7 +337,10 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
     with_logprobs["body"].update(logprobs=True, top_logprobs=2)
     lines[0] = json.dumps(with_logprobs)
     lines.append(json.dumps({"custom_id": "t", "method": "POST", "url": CHAT,
-                             "body": {"model": stack.model, "messages": MESSAGES, "tools": TOOLS}}))
+                             "body": {"model": stack.model, "messages": MESSAGES, "functions": [{"name": "f"}]}}))
+    lines.append(json.dumps({"custom_id": "call", "method": "POST", "url": CHAT, "body": {
+        "model": stack.model, "messages": MESSAGES, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "weather"}}]}}))  # NOTE: no arguments: one answer
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch",
                                    expires_after={"anchor": "created_at", "seconds": 3_600})
     assert uploaded.expires_at == uploaded.created_at + 3_600
@@ -350,9 +356,13 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
         assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing"), batch
         time.sleep(0.3)
     outputs = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-    assert len(outputs) == 6 and batch.request_counts.failed == 1
+    assert len(outputs) == 7 and batch.request_counts.failed == 1
     for o in outputs:  # NOTE: the output line's body is the chat response, log-probabilities where asked
         body = o["response"]["body"]
+        if o["custom_id"] == "call":  # NOTE: a function of no arguments: the grammar leaves one answer to give
+            assert body["choices"][0]["finish_reason"] == "tool_calls", body
+            [call] = body["choices"][0]["message"]["tool_calls"]
+            assert call["function"] == {"name": "weather", "arguments": "{}"} and call["type"] == "function"
         if o["custom_id"] == "c0":
             content = body["choices"][0]["logprobs"]["content"]
             assert len(content) == body["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in content)
@@ -364,7 +374,7 @@ def test_a_finished_batch_has_openais_usage_and_its_files_expire_as_asked(served
     assert batch.usage.input_tokens_details.cached_tokens == sum(
         o["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outputs)
     [refused] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
-    assert refused["error"]["code"] == "unsupported_parameter" and "tools" in refused["error"]["message"]
+    assert refused["error"]["code"] == "unsupported_parameter" and "functions" in refused["error"]["message"]
     for file_id in (batch.output_file_id, batch.error_file_id):
         written = client.files.retrieve(file_id)
         assert written.expires_at == written.created_at + 7_200

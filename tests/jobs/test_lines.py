@@ -71,7 +71,11 @@ TRICKY = {
     "a label (no effect)": line({"model": "fp32", "messages": MESSAGES, "user": "u-1"}),
     "a refused field at a neutral value": line({"model": "fp32", "messages": MESSAGES, "logprobs": False}),
     "a refused field at 0 where false is neutral": line({"model": "fp32", "messages": MESSAGES, "logprobs": 0}),
-    "a refused field asking for something": line({"model": "fp32", "messages": MESSAGES, "tools": [{"x": 1}]}),
+    "a refused field asking for something": line({"model": "fp32", "messages": MESSAGES, "functions": [{"x": 1}]}),
+    "a tool call": line({"model": "fp32", "messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "required"}),
+    "a bad schema": line({"model": "fp32", "messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}}}),
     "an unknown field": line({"model": "fp32", "messages": MESSAGES, "typical_p": 0.1}),
     "n choices (one line, one choice)": line({"model": "fp32", "messages": MESSAGES, "n": 2}),
     "n of 1": line({"model": "fp32", "messages": MESSAGES, "n": 1}),
