@@ -50,10 +50,14 @@ RUN_TIMEOUT_S = 300
 
 
 def client_exe(name: str) -> Path:
-    exe = CLIENTS / name / "bin" / name
-    if not (CLIENTS / name / ".installed").exists() or not exe.exists():
-        pytest.skip(f"{name} is not installed in {CLIENTS / name}: run `make clients` (`make test` does)")
-    return exe
+    return CLIENTS / name / "bin" / name
+
+
+def installed(name: str):
+    """Skips (before the module's stack starts) where `make clients` has not installed the client."""
+    return pytest.mark.skipif(not ((CLIENTS / name / ".installed").exists() and client_exe(name).exists()),
+                              reason=f"{name} is not installed in {CLIENTS / name}: run `make clients` "
+                                     "(`make test` does)")
 
 
 def client_env(*, offline: bool) -> dict[str, str]:
@@ -123,6 +127,7 @@ def served(module_stack, module_api, tiny_folder):
     return module_stack, module_api, str(tiny_folder)
 
 
+@installed("aiperf")
 def test_aiperf_streams_a_short_benchmark_with_no_error_and_exact_lengths(served, tmp_path) -> None:
     exe = client_exe("aiperf")
     stack, url, tokenizer = served
@@ -152,6 +157,7 @@ def test_aiperf_streams_a_short_benchmark_with_no_error_and_exact_lengths(served
                round_trip_ms)
 
 
+@installed("guidellm")
 def test_guidellm_streams_a_short_benchmark_with_no_error_and_exact_lengths(served, tmp_path) -> None:
     exe = client_exe("guidellm")
     stack, url, tokenizer = served
