@@ -12,7 +12,7 @@ PIP_VERSION := 26.3
 
 CLIENTS := .cache/clients
 
-.PHONY: install lock demo test clients bench stop clean
+.PHONY: install lock demo test clients clients-lock bench stop clean
 
 # Every package at the version requirements.lock names (applied as pip constraints: the whole tree pinned).
 $(STAMP): pyproject.toml requirements-nodeps.txt $(LOCK)
@@ -52,15 +52,28 @@ demo: $(STAMP)
 	@echo "What runs: $(SL) status    Stop everything: make stop"
 
 # AIPerf and GuideLLM, each in a venv of its own (their pins clash with the lock), at the versions
-# bench/clients/requirements-NAME.txt pins: tests/api/test_bench_clients.py runs them against a live api.
-$(CLIENTS)/%/.installed: bench/clients/requirements-%.txt
+# bench/clients/requirements-NAME.txt pins, their trees at bench/clients/lock-NAME.txt's versions:
+# tests/api/test_bench_clients.py runs them against a live api.
+$(CLIENTS)/%/.installed: bench/clients/requirements-%.txt bench/clients/lock-%.txt
 	rm -rf $(CLIENTS)/$*
 	$(PYTHON) -m venv $(CLIENTS)/$*
 	$(CLIENTS)/$*/bin/python -m pip install --quiet pip==$(PIP_VERSION)
-	$(CLIENTS)/$*/bin/python -m pip install --quiet -r $<
+	$(CLIENTS)/$*/bin/python -m pip install --quiet -c bench/clients/lock-$*.txt -r $<
 	touch $@
 
 clients: $(CLIENTS)/aiperf/.installed $(CLIENTS)/guidellm/.installed
+
+# Write bench/clients/lock-NAME.txt again from a fresh resolve of requirements-NAME.txt, in a throwaway venv.
+clients-lock:
+	for name in aiperf guidellm; do \
+	  rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv && \
+	  .lock-venv/bin/python -m pip install --quiet pip==$(PIP_VERSION) && \
+	  .lock-venv/bin/python -m pip install --quiet -r bench/clients/requirements-$$name.txt && \
+	  sed -n '/^#/p' bench/clients/lock-$$name.txt > .lock-venv/lock.txt && \
+	  .lock-venv/bin/python -m pip freeze | sed -E 's/\+[A-Za-z0-9.]+$$//' >> .lock-venv/lock.txt && \
+	  mv .lock-venv/lock.txt bench/clients/lock-$$name.txt || exit 1; \
+	done
+	rm -rf .lock-venv
 
 test: $(STAMP) clients
 	$(PY) -m pytest --durations=25
