@@ -1,5 +1,6 @@
 # servelab: `make demo` runs the main job, `make test` runs the tests. Both create .venv on first use.
-# `make lock` writes requirements.lock again; `make stop` stops the local stack; `make clean` removes it all.
+# `make lock` writes requirements.lock again; `make stop` stops the local stack; `make clean` removes it all;
+# `make clients` installs the benchmark clients (AIPerf, GuideLLM) that `make test` runs against the API.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,9 @@ LOCK := requirements.lock
 EXTRAS := engine,dashboard,test,local
 PIP_VERSION := 26.3
 
-.PHONY: install lock demo test bench stop clean
+CLIENTS := .cache/clients
+
+.PHONY: install lock demo test clients clients-lock bench stop clean
 
 # Every package at the version requirements.lock names (applied as pip constraints: the whole tree pinned).
 $(STAMP): pyproject.toml requirements-nodeps.txt $(LOCK)
@@ -48,7 +51,31 @@ demo: $(STAMP)
 	@echo "Dashboard: $(SL) dashboard   then open http://127.0.0.1:8501"
 	@echo "What runs: $(SL) status    Stop everything: make stop"
 
-test: $(STAMP)
+# AIPerf and GuideLLM, each in a venv of its own (their pins clash with the lock), at the versions
+# bench/clients/requirements-NAME.txt pins, their trees at bench/clients/lock-NAME.txt's versions:
+# tests/api/test_bench_clients.py runs them against a live api.
+$(CLIENTS)/%/.installed: bench/clients/requirements-%.txt bench/clients/lock-%.txt
+	rm -rf $(CLIENTS)/$*
+	$(PYTHON) -m venv $(CLIENTS)/$*
+	$(CLIENTS)/$*/bin/python -m pip install --quiet pip==$(PIP_VERSION)
+	$(CLIENTS)/$*/bin/python -m pip install --quiet -c bench/clients/lock-$*.txt -r $<
+	touch $@
+
+clients: $(CLIENTS)/aiperf/.installed $(CLIENTS)/guidellm/.installed
+
+# Write bench/clients/lock-NAME.txt again from a fresh resolve of requirements-NAME.txt, in a throwaway venv.
+clients-lock:
+	for name in aiperf guidellm; do \
+	  rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv && \
+	  .lock-venv/bin/python -m pip install --quiet pip==$(PIP_VERSION) && \
+	  .lock-venv/bin/python -m pip install --quiet -r bench/clients/requirements-$$name.txt && \
+	  sed -n '/^#/p' bench/clients/lock-$$name.txt > .lock-venv/lock.txt && \
+	  .lock-venv/bin/python -m pip freeze | sed -E 's/\+[A-Za-z0-9.]+$$//' >> .lock-venv/lock.txt && \
+	  mv .lock-venv/lock.txt bench/clients/lock-$$name.txt || exit 1; \
+	done
+	rm -rf .lock-venv
+
+test: $(STAMP) clients
 	$(PY) -m pytest --durations=25
 
 # The engine's speed steps side by side (docs/performance.md, "Performance"); the peer engines: bench/peers/README.md.

@@ -350,7 +350,7 @@ async def _complete(http: Request, state: ApiState, tenant: str, body: Completio
                     endpoint: str, key: str | None) -> Response:
     """Queue the body's request (n choices: n rows, enqueued together), or join the one its Idempotency-Key made,
     then answer when every choice is done, or stream it."""
-    arrived_s = time.time()
+    arrived_s = getattr(http.state, "arrived_s", None) or time.time()  # NOTE: api.app.StampArrival's
     submission = await check(state, body)
     submitted = await submit(state, tenant, submission, endpoint=endpoint, **_keyed(key, endpoint, body))
     read_view = partial(view, state, tenant, submitted.request_id)

@@ -6,6 +6,7 @@ at the worker's next step; queued: it never starts); GET /v1/requests/{id} as an
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -133,6 +134,28 @@ def test_streamed_ttft_is_stored_beside_the_engines(streaming) -> None:
                          if _stream_metrics(stack, request_id) else None, timeout_s=30)
     assert timings["streamed_ttft_ms"] >= timings["ttft_ms"] > 0  # NOTE: seen by the client after it was made
     assert _stream_metrics(stack, request_id).num_chunks == len([c for c in _text_chunks(chunks) if c])
+
+
+def test_streamed_ttft_counts_from_the_requests_arrival_before_its_body_is_read(streaming) -> None:
+    """As its client counts it: a body that comes HELD_S after the headers is time to first token too (before
+    api.app.StampArrival, servelab's record started once the body was read and the key checked)."""
+    stack, url = streaming
+    held_s = 0.5
+    body = json.dumps({"model": stack.model, "prompt": PROMPTS[0], "max_tokens": 2, "stream": True}).encode()
+    host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {stack.key('acme')}\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        time.sleep(held_s)
+        sock.sendall(body)
+        answer = b""
+        while chunk := sock.recv(65_536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    request_id = json.loads(answer.split(b"data: ", 1)[1].split(b"\n", 1)[0])["id"].removeprefix("cmpl-")
+    streamed = wait_until(lambda: _stream_metrics(stack, request_id), timeout_s=30)
+    assert streamed.ttft_ms >= held_s * 1e3
 
 
 def test_bad_stream_options_are_refused_before_anything_is_queued(streaming) -> None:
