@@ -75,7 +75,9 @@ clients-lock:
 	done
 	rm -rf .lock-venv
 
-test: $(STAMP) clients
+# The two clients' venvs install side by side (each is mostly downloads and unpacking).
+test: $(STAMP)
+	$(MAKE) -j2 clients
 	$(PY) -m pytest --durations=25
 
 # The engine's speed steps side by side (docs/performance.md, "Performance"); the peer engines: bench/peers/README.md.
