@@ -107,10 +107,12 @@ class BlockManager:
         assert self.window is not None
         return max(self.window[0], position // self.block_size - self.window[1])
 
-    def evict(self, row: str, position: int) -> int:
+    def evict(self, row: str, position: int, *, cached_tokens: int = 0) -> int:
         """With a window, before the row computes a token at `position` (or a chunk starting there): the blocks
-        between its sinks and the first block that token attends to go back to the pool (a cached one to the
-        least-recently-used end, still findable) -> how many."""
+        between its sinks and the first block that token attends to go back to the pool -> how many. A block within
+        the first cached_tokens (its prompt) stays cached, findable by a later prompt, until the pool needs it;
+        a block of generated tokens is forgotten and free at once (no prompt starts with it: kept cached, freed
+        blocks would push the pool's tensors on as far as the pool reaches while the row's own blocks stay flat)."""
         if self.window is None:
             return 0
         state, sink = self._rows[row], self.window[0]
@@ -120,8 +122,9 @@ class BlockManager:
         dropped = state.blocks[sink:sink + drop]
         del state.blocks[sink:sink + drop]
         state.evicted += drop
-        for block in dropped:
-            self._drop_ref(block)
+        first = sink + state.evicted - drop  # the logical index of the first dropped block
+        for i, block in enumerate(dropped):
+            self._drop_ref(block, keep_cached=(first + i + 1) * self.block_size <= cached_tokens)
         return drop
 
     def _retained_hits(self, hits: list[int], start: int) -> list[bool]:
@@ -240,10 +243,13 @@ class BlockManager:
 
     # --- inside ---
 
-    def _drop_ref(self, block: int) -> None:
-        """A row lets go of a block: held by no row, a cached one becomes the most recently used evictable one."""
+    def _drop_ref(self, block: int, *, keep_cached: bool = True) -> None:
+        """A row lets go of a block: held by no row, a cached one becomes the most recently used evictable one (or,
+        not keep_cached, is forgotten and free at once)."""
         self._refs[block] -= 1
         if self._refs[block] == 0:
+            if block in self._hash_of and not keep_cached:
+                self._forget(block)
             if block in self._hash_of:
                 self._evictable[block] = None
             else:

@@ -368,7 +368,7 @@ class Engine:
         room returns, so nothing it released is released twice) -> the rows that still decode."""
         for row in list(decoding):
             if row.holds_blocks:  # NOTE: a window's middle blocks go back first: the row's next token no longer sees them
-                self.blocks.evict(row.request.request_id, row.num_computed)
+                self.blocks.evict(row.request.request_id, row.num_computed, cached_tokens=len(row.prompt_ids))
             while row.holds_blocks:
                 try:
                     self.blocks.grow(row.request.request_id, row.num_computed + 1)
@@ -388,7 +388,7 @@ class Engine:
         out = []
         for row, n in chunks:
             rid = row.request.request_id
-            self.blocks.evict(rid, row.num_computed)
+            self.blocks.evict(rid, row.num_computed, cached_tokens=len(row.prompt_ids))
             while row.holds_blocks:
                 try:
                     self.blocks.grow(rid, row.num_computed + n)
