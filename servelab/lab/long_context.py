@@ -4,7 +4,8 @@ distant context (window eviction drops it) shows, paired text by text between tw
 The texts are CPython's own reference documentation as the standard library ships it (`pydoc_data.topics`, PSF
 licence: what `help('topics')` reads), so nothing is downloaded and nothing is added to install: the topics of at
 least `length` tokens, a topic whose opening is inside a longer chosen one left out (the special-method names hold
-"customization", "attribute-access"...), cut into non-overlapping segments of `length` tokens. Each segment is
+"customization", "attribute-access"...), cut into non-overlapping segments of `length` tokens, taken topic by topic
+(each one's first segment, then each one's second...). Each segment is
 scored on its tokens from `scored_from` on (by default the second half: every scored token has 1,024 tokens behind
 it, beyond a 64 + 512 window), through the serving decoder's own forward with the config's attention window
 applied (the mask the paged cache applies; docs/engine.md, "Window eviction"). The texts change with Python's
@@ -59,7 +60,8 @@ def long_texts() -> dict[str, str]:
 
 
 def long_segments(tokenizer, *, length: int = 2048, num_segments: int = 16) -> list[Segment]:
-    """The first num_segments segments of `length` tokens, longest topics first (a topic's segments in order)."""
+    """num_segments segments of `length` tokens: every chosen topic's first segment (longest topics first), then
+    every one's second, and so on."""
     if length < 2:
         raise ValueError(f"a segment needs at least 2 tokens, got length {length}")
     encoded = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in long_texts().items()}
@@ -71,8 +73,10 @@ def long_segments(tokenizer, *, length: int = 2048, num_segments: int = 16) -> l
         opening = texts[name].split("\n", 3)[-1][:200]  # NOTE: past the title, which a containing topic words apart
         if not any(opening in texts[other] for other in chosen):
             chosen.append(name)
+    # NOTE: each topic's first segment, then each one's second...: a few segments already span several topics
     segments = [Segment(name, i, tuple(encoded[name][i * length:(i + 1) * length]))
-                for name in chosen for i in range(len(encoded[name]) // length)]
+                for i in range(len(encoded[chosen[0]]) // length if chosen else 0)
+                for name in chosen if i < len(encoded[name]) // length]
     if len(segments) < num_segments:
         raise ValueError(f"only {len(segments)} segments of {length} tokens in this Python's pydoc topics; ask for "
                          f"at most that many (or shorter segments)")
