@@ -42,3 +42,18 @@ def test_the_prefix_caching_plan_turns_prefix_caching_on_and_changes_nothing_els
     assert differences(without_name(base), without_name(cand)) == ["kv_cache.prefix_caching"]
     assert changed_factors(base, cand) == ["KV blocks and prefix caching"]
     assert plan.workload.name == "shared-prefix" and plan.spec.limits.gains
+
+
+def test_the_window_configs_differ_by_eviction_alone_and_the_workload_fits_them() -> None:
+    from servelab.analysis.plan import QualitySpec
+    from servelab.analysis.workload import load_workload
+    from servelab.config import ServingConfig
+
+    long = ServingConfig.from_yaml(REPO / "configs" / "fp32-continuous-long.yaml")
+    window = ServingConfig.from_yaml(REPO / "configs" / "fp32-continuous-window.yaml")
+    assert differences(without_name(long.model_dump(mode="json")), without_name(window.model_dump(mode="json"))) == [
+        "kv_cache.eviction"]
+    workload = load_workload(REPO / "workloads" / "long-generation.yaml")
+    assert all(item.max_new_tokens == 4000 <= window.decoding.max_new_tokens for item in workload.items)
+    with pytest.raises(ValueError, match=r"long_context_scored_from \(2048\) must be below long_context_tokens"):
+        QualitySpec(long_context_segments=4, long_context_scored_from=2048)
