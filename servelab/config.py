@@ -57,6 +57,37 @@ class KVCacheConfig(_Frozen):
         "reuse the KV blocks of a prompt prefix already computed (a shared system prompt is prefilled once); "
         "false: every prompt is prefilled whole; unset: on wherever servelab's decoder serves. transformers' "
         "decoder keeps its own cache: asking it for prefix caching (true) is refused"))
+    eviction: Literal["none", "window"] = Field(default="none", description=(
+        "none: a row keeps every token's keys and values; window: a row keeps its first sink_tokens (attention "
+        "sinks) and its most recent window_tokens, whole blocks between them are freed as it grows, so its KV "
+        "bytes stop growing at the bound (servelab's decoder only)"))
+    sink_tokens: int = Field(default=64, ge=0, le=1 << 20, description=(
+        "window: the first tokens every later token still attends to (attention sinks), rounded up to whole "
+        "blocks; 0: none (a plain sliding window), else at least block_size"))
+    window_tokens: int = Field(default=512, ge=1, le=1 << 20, description=(
+        "window: the most recent tokens every token attends to, rounded up to whole blocks; with the block being "
+        "filled a token sees between window blocks x block_size and one block more; at least block_size"))
+
+    @model_validator(mode="after")
+    def _window_in_blocks(self) -> KVCacheConfig:
+        if self.eviction == "window":
+            if self.window_tokens < self.block_size:
+                raise ValueError(f"kv_cache.window_tokens ({self.window_tokens}) must be at least block_size "
+                                 f"({self.block_size}): eviction frees whole blocks")
+            if 0 < self.sink_tokens < self.block_size:
+                raise ValueError(f"kv_cache.sink_tokens ({self.sink_tokens}) must be 0 or at least block_size "
+                                 f"({self.block_size}): sinks are kept as whole blocks")
+        return self
+
+    @property
+    def sink_blocks(self) -> int:
+        """Blocks kept at a row's start under window eviction (sink_tokens rounded up to whole blocks)."""
+        return -(-self.sink_tokens // self.block_size)
+
+    @property
+    def window_blocks(self) -> int:
+        """Full blocks kept behind the block being filled under window eviction (window_tokens rounded up)."""
+        return -(-self.window_tokens // self.block_size)
 
 
 class DecodingConfig(_Frozen):
@@ -142,6 +173,13 @@ class ServingConfig(_Frozen):
                              "keeps its own cache: set decoder: auto, or prefix_caching: false")
         return self
 
+    @model_validator(mode="after")
+    def _eviction_needs_servelab_decoder(self) -> ServingConfig:
+        if self.decoder == "transformers" and self.kv_cache.eviction != "none":
+            raise ValueError(f"kv_cache.eviction {self.kv_cache.eviction!r} needs servelab's decoder (its paged cache); "
+                             "transformers' decoder keeps its own cache: set decoder: auto, or eviction: none")
+        return self
+
     @property
     def uses_prefix_caching(self) -> bool:
         """Whether prefix caching is asked: on unless set false, never under transformers' decoder."""
@@ -154,6 +192,9 @@ class ServingConfig(_Frozen):
 
     def canonical_json(self, *, include_name: bool = True) -> str:
         data = self.model_dump(mode="json", exclude=None if include_name else {"name"})
+        if self.kv_cache.eviction == "none":  # NOTE: the window's sizes change nothing then: hashes stay as before
+            for key in ("eviction", "sink_tokens", "window_tokens"):
+                data["kv_cache"].pop(key)
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @classmethod

@@ -77,3 +77,23 @@ def test_prefix_caching_asked_of_transformers_decoder_is_refused_by_name_and_a_d
     assert ServingConfig.from_dict(config.model_dump(mode="json")) == config  # a worker's dumped config reloads
     assert ServingConfig.from_dict({"name": "t"}).uses_prefix_caching
     assert not ServingConfig.from_dict({"name": "t", "kv_cache": {"prefix_caching": False}}).uses_prefix_caching
+
+
+def test_window_eviction_is_checked_by_name_and_rounds_to_blocks() -> None:
+    with pytest.raises(ConfigError, match="kv_cache.eviction 'window' needs servelab's decoder"):
+        ServingConfig.from_dict({"name": "t", "decoder": "transformers", "kv_cache": {"eviction": "window"}})
+    with pytest.raises(ConfigError, match=r"kv_cache.window_tokens \(8\) must be at least block_size \(16\)"):
+        ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window", "window_tokens": 8}})
+    with pytest.raises(ConfigError, match=r"kv_cache.sink_tokens \(4\) must be 0 or at least block_size \(16\)"):
+        ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window", "sink_tokens": 4}})
+    with pytest.raises(ConfigError, match="kv_cache.eviction: got 'lru'"):
+        ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "lru"}})
+    kv = ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window", "sink_tokens": 20,
+                                                           "window_tokens": 500}}).kv_cache
+    assert (kv.sink_blocks, kv.window_blocks) == (2, 32)  # rounded up to whole blocks of 16
+    assert ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window", "sink_tokens": 0}}).kv_cache.sink_blocks == 0
+    # eviction none: the window's sizes change nothing, so they leave the hash as it was
+    plain = ServingConfig.from_dict({"name": "t"})
+    assert plain.config_hash == ServingConfig.from_dict({"name": "t", "kv_cache": {"window_tokens": 64}}).config_hash
+    assert plain.config_hash != ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window"}}).config_hash
+    assert "eviction" not in plain.canonical_json()

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from servelab.analysis.verdict import Limits
 from servelab.analysis.workload import Workload, load_workload
@@ -33,6 +33,18 @@ class QualitySpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     lambada_samples: int = Field(default=100, ge=0, le=5153, description="0 skips the quality measurement")
     seed: int = 0
+    long_context_segments: int = Field(default=0, ge=0, le=64, description=(
+        "long-context perplexity: segments of long_context_tokens tokens cut from pydoc's topics (the standard "
+        "library's reference documentation), scored from long_context_scored_from on; 0 skips it"))
+    long_context_tokens: int = Field(default=2048, ge=16, le=8192)
+    long_context_scored_from: int = Field(default=1024, ge=1)
+
+    @model_validator(mode="after")
+    def _scored_within(self) -> QualitySpec:
+        if self.long_context_scored_from >= self.long_context_tokens:
+            raise ValueError(f"long_context_scored_from ({self.long_context_scored_from}) must be below "
+                             f"long_context_tokens ({self.long_context_tokens})")
+        return self
 
 
 class PlanSpec(BaseModel):

@@ -87,6 +87,9 @@ class Limits(_Frozen):
     max_accuracy_drop: float | None = Field(default=0.02, ge=0, le=1, description=(
         "absolute LAMBADA accuracy points; null: no quality limit (the verdict then says nothing about quality)"))
     max_perplexity_ratio: float | None = Field(default=None, gt=0)
+    max_long_context_perplexity_ratio: float | None = Field(default=None, gt=0, description=(
+        "candidate / baseline perplexity over long texts scored far into each (quality.long_context_segments), "
+        "paired by segment; null: not judged"))
     latency: tuple[LatencyLimit, ...] = ()
     gains: tuple[GainGoal, ...] = Field(min_length=1)
     gain_rule: Literal["any", "all"] = "any"
@@ -124,6 +127,7 @@ class RunSet:
     repeat_indices: tuple[int, ...] = ()  # per run: the round it was measured in (pairs runs across configs)
     quality: QualityOutcome | None = None
     texts: dict[int, str] = field(default_factory=dict)  # workload item -> greedy text (first repeat)
+    long_context: dict[str, Any] | None = None  # per-segment NLL over long texts (servelab.lab.long_context)
 
     def pooled(self) -> list[RequestSample]:
         return [s for run in self.samples for s in run]
@@ -173,7 +177,8 @@ def compare(baseline: RunSet, candidate: RunSet, limits: Limits, *, paired_round
             "run both on the same workload file"
         )
     pairs = paired_runs(baseline, candidate) if paired_rounds else None
-    criteria = [*quality_criteria(baseline, candidate, limits), *latency_criteria(baseline, candidate, limits, pairs),
+    criteria = [*quality_criteria(baseline, candidate, limits), *long_context_criteria(baseline, candidate, limits),
+                *latency_criteria(baseline, candidate, limits, pairs),
                 *gain_criteria(baseline, candidate, limits, pairs)]
     decision, reason = overall(criteria, limits)
     checks = tuple(f"{s.name}: {run_spread(s)}" for s in (baseline, candidate))
@@ -265,6 +270,28 @@ def run_percentile(metric: str, q: float):
         values = latency_values([s for s in run_set.samples[i] if s.is_success], metric)
         return percentile(values, q) if values else None
     return measure
+
+
+def long_context_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:
+    """The long-context perplexity ratio (candidate / baseline), paired bootstrap over the same segments."""
+    limit = limits.max_long_context_perplexity_ratio
+    if limit is None:
+        return []
+    name = "long-context perplexity ratio"
+    b, c = baseline.long_context, candidate.long_context
+    if b is None or c is None:
+        return [Criterion("quality", name, Estimate(float("nan")), f"<= {limit}", "unsure", "not measured",
+                          "measure it: set quality.long_context_segments above 0")]
+    if b["fingerprint"] != c["fingerprint"]:
+        return [Criterion("quality", name, Estimate(float("nan")), f"<= {limit}", "unsure",
+                          "measured on different segments (another Python's pydoc topics, length or count)",
+                          "measure both configs in one plan")]
+    ratio = paired_perplexity_ratio(c["nll"], b["nll"], c["num_tokens"], b["num_tokens"])
+    outcome = judge(ratio, limit, upper_is_bad=True)
+    return [Criterion("quality", name, ratio, f"<= {limit}", outcome,
+                      f"paired bootstrap over {len(b['nll'])} segments, tokens {b.get('scored_from', '?')}+ of "
+                      f"{b.get('length', '?')} scored", "measure more segments (quality.long_context_segments)"
+                      if outcome == "unsure" else "")]
 
 
 def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:

@@ -274,7 +274,13 @@ def release_copied_weights(model: torch.nn.Module, decoder: Decoder) -> int:
 class PagedBatch:
     """One forward over the paged cache. Tokens (N,): first `num_decode` decode rows (one token each, at column
     positions[b] of their row), then each prefill chunk's tokens; block_table (rows, blocks) int32 holds the decode
-    rows' tables, then the chunks'. positions: each token's position, which is also its column."""
+    rows' tables, then the chunks'. positions: each token's position, which is also its column.
+
+    With a window (kv_cache.eviction: window): each row's table lists the blocks it keeps (its first window[0]
+    blocks, then the blocks from the first one its token attends to); a decode row's new key goes to column
+    lengths[b] of that table (its position less the evicted columns) and is rotated at its own position; a chunk's
+    row dropped chunk_evicted[j] blocks after its sinks, and its tokens attend to the sinks and the window behind
+    each one's block (keys keep the positions they were written at)."""
 
     input_ids: torch.Tensor  # (N,) int64
     positions: torch.Tensor  # (N,) int64
@@ -282,6 +288,14 @@ class PagedBatch:
     num_decode: int
     chunks: tuple[tuple[int, int, int], ...]  # (first token's index in N, first column, tokens) per chunk row
     logit_rows: torch.Tensor  # (K,) indices into N of the tokens whose next-token logits are wanted
+    lengths: torch.Tensor | None = None  # (num_decode,) int64 columns each decode row keeps; None: its position
+    window: tuple[int, int] | None = None  # (sink blocks, window blocks) kept per row; None: every block
+    chunk_evicted: tuple[int, ...] = ()  # per chunk: blocks its row dropped after its sinks
+
+    @property
+    def decode_lengths(self) -> torch.Tensor:
+        """(num_decode,) the column each decode row's new key goes to (the columns it keeps before it)."""
+        return self.lengths if self.lengths is not None else self.positions[:self.num_decode]
 
 
 @dataclass
@@ -375,13 +389,16 @@ class LlamaDecoder:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 2 * len(self.layers) * self.num_kv_heads * block_size * self.head_dim * self.cache_dtype.itemsize
 
-    def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
+    def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache,
+                window: tuple[int, int, int] | None = None) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(input_ids, self.embed))  # (B, T, C)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
         mask = _attention_mask(attention_mask, T)
+        if window is not None and T > 1:
+            mask = _window_mask(mask, attention_mask, position_ids, window)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D)
             qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
@@ -410,15 +427,15 @@ class LlamaDecoder:
         attention step over the paged cache and SwiGLU's activation: eight kernel calls, or (an int4 model) one call
         for every layer (Int4DecodeStack in blocked.cpp: the same kernels in the same order)."""
         B, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        positions, table = batch.positions, batch.block_table
+        positions, lengths, table = batch.positions, batch.decode_lengths, batch.block_table
         if (stack := self._int4_stack()) is not None:
             out = stack.step(h.reshape(B, -1).contiguous(), self.cos, self.sin, positions, cache.keys, cache.values,
-                             positions, table)
+                             lengths, table)
             return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
             attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, cache.keys[i], cache.values[i],
-                                                  positions, table, H, D ** -0.5)  # (B, H x D)
+                                                  lengths, table, H, D ** -0.5)  # (B, H x D)
             h = add_projection(layer.o, attended.view(B, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
         return h
@@ -438,13 +455,14 @@ class LlamaDecoder:
             parts = []
             if Bd and self.decode_step_attention is not None:
                 parts.append(self.decode_step_attention(qkv[:Bd], self.cos, self.sin, batch.positions[:Bd],
-                                                        cache.keys[i], cache.values[i], batch.positions[:Bd],
+                                                        cache.keys[i], cache.values[i], batch.decode_lengths,
                                                         batch.block_table[:Bd], H, D ** -0.5))
             elif Bd:
                 parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places))
             for (offset, start, num_tokens), place in zip(batch.chunks, places):
                 rows = slice(offset, offset + num_tokens)
-                parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start))
+                parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start,
+                                                   batch.window, bs))
             attended = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = add_projection(layer.o, attended.view(N, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
@@ -452,33 +470,44 @@ class LlamaDecoder:
 
     @staticmethod
     def _chunk_places(batch: PagedBatch, j: int, bs: int) -> tuple[torch.Tensor, ...]:
-        """A chunk's (blocks, offsets) of its new columns and of every column up to its last."""
+        """A chunk's (blocks, offsets) of its new columns and of every column its row keeps up to its last, and those
+        columns' positions (with a window the evicted blocks' columns are left out)."""
         offset, start, num_tokens = batch.chunks[j]
         table = batch.block_table[batch.num_decode + j].long()
         columns = torch.arange(start + num_tokens, device=table.device)
-        blocks, offsets = table[columns // bs], columns % bs
-        return blocks[start:], offsets[start:], blocks, offsets
+        index = columns // bs
+        if batch.window is not None and (evicted := batch.chunk_evicted[j]):
+            sink = batch.window[0]
+            columns = columns[(index < sink) | (index >= sink + evicted)]
+            index = columns // bs
+            index = torch.where(index < sink, index, index - evicted)
+        blocks, offsets = table[index], columns % bs
+        return blocks[-num_tokens:], offsets[-num_tokens:], blocks, offsets, columns
 
     @staticmethod
     def _decode_places(batch: PagedBatch, bs: int) -> tuple[torch.Tensor, ...]:
         """The decode rows' new column (block, offset) (B,) each, their block tables cut to the longest row's blocks
         (B, nb), and the mask of their columns (B, nb x block_size)."""
-        lengths = batch.positions[:batch.num_decode]
+        lengths = batch.decode_lengths
         num_blocks = int(lengths.max()) // bs + 1
         table = batch.block_table[:batch.num_decode, :num_blocks].long()
         new_blocks = table.gather(1, (lengths // bs).view(-1, 1)).view(-1)
         mask = torch.arange(num_blocks * bs, device=table.device)[None, :] <= lengths[:, None]
         return new_blocks, lengths % bs, table, mask
 
-    def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int) -> torch.Tensor:
+    def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
+                         window: tuple[int, int] | None = None, bs: int = 1) -> torch.Tensor:
         """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. -> attention out (T, H x D)."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        new_blocks, new_offsets, blocks, offsets = place
+        new_blocks, new_offsets, blocks, offsets, key_positions = place
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
-        S = keys.shape[1]
-        visible = (torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None])
+        query_positions = torch.arange(start, start + T, device=x.device)
+        visible = key_positions[None, :] <= query_positions[:, None]
+        if window is not None:  # each token sees the sinks and the window behind its own block
+            key_blocks = (key_positions // bs)[None, :]
+            visible &= (key_blocks < window[0]) | (key_blocks >= (query_positions // bs - window[1])[:, None])
         out = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0).to(x.dtype),
                                              values.unsqueeze(0).to(x.dtype), attn_mask=visible[None, None],
                                              enable_gqa=True)  # (1, H, T, D)
@@ -516,10 +545,12 @@ class LlamaDecoder:
         return self._stack or None
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-               keep: int) -> torch.Tensor:
-        """A prefill's logits at its last `keep` positions (B, keep, V), through the kernels that serve."""
+               keep: int, window: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """A prefill's logits at its last `keep` positions (B, keep, V), through the kernels that serve. window:
+        (sink blocks, window blocks, block size): each token attends as under kv_cache.eviction: window (the quality
+        lab scores a windowed config so: the same mask the paged cache applies, in one forward)."""
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
-        h = self._hidden(input_ids, attention_mask, position_ids, cache)[:, -keep:, :].contiguous()
+        h = self._hidden(input_ids, attention_mask, position_ids, cache, window)[:, -keep:, :].contiguous()
         return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))
 
     def _attend(self, q, keys, values, mask) -> torch.Tensor:
@@ -551,6 +582,24 @@ def _attention_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None
     # NOTE: a padding query sees itself, so no row of scores is all -inf (softmax would give NaN, and NaN
     # values under a zero weight would still poison real rows). Real queries never see padding.
     return visible | (key_pos == query_pos)[None, None]
+
+
+def _window_mask(mask: torch.Tensor | None, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 window: tuple[int, int, int]) -> torch.Tensor:
+    """A prefill's mask (B, 1, T, S) narrowed to what window eviction keeps: a key is seen when it is in the first
+    `sink` blocks of positions or at most `window` blocks behind the query's own block (positions, not columns)."""
+    sink, blocks, bs = window
+    B, S = attention_mask.shape
+    T = position_ids.shape[1]
+    keys = torch.zeros((B, S), dtype=position_ids.dtype, device=position_ids.device)
+    keys[:, S - T:] = position_ids  # NOTE: a prefill with no cache: its columns are its tokens
+    key_blocks, query_blocks = (keys // bs)[:, None, None, :], (position_ids // bs)[:, None, :, None]
+    kept = (key_blocks < sink) | (key_blocks >= query_blocks - blocks)  # (B, 1, T, S)
+    if mask is None:
+        query = torch.arange(S - T, S, device=keys.device)[:, None]
+        mask = (torch.arange(S, device=keys.device)[None, :] <= query)[None, None]
+    # NOTE: a padding query keeps seeing itself (no all -inf row); its own column is always kept
+    return mask & (kept | (torch.arange(S, device=keys.device)[None, :] == torch.arange(S - T, S, device=keys.device)[:, None]))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -155,8 +155,13 @@ class Engine:
             block_size = config.kv_cache.block_size
             self.blocks = BlockManager(pool_blocks(config, self.decoder.kv_bytes_per_block(block_size), block_size),
                                        block_size, prefix_caching=config.uses_prefix_caching,
-                                       namespace=cache_namespace(config, loaded.dtype))
+                                       namespace=cache_namespace(config, loaded.dtype), window=kv_window(config),
+                                       chunk_tokens=config.batching.max_prefill_tokens)
             self._paged = self.decoder.new_paged_cache(self.blocks)
+        elif config.kv_cache.eviction != "none":
+            raise ValueError(f"{config.name}: kv_cache.eviction {config.kv_cache.eviction!r} needs servelab's decoder (its "
+                             f"paged cache), which does not cover this model ({self.decoder.name} decoder serves it): "
+                             "set eviction: none")
         elif config.kv_cache.prefix_caching is True:
             raise ValueError(f"{config.name}: kv_cache.prefix_caching needs servelab's decoder (its paged cache), which "
                              f"does not cover this model ({self.decoder.name} decoder serves it): set prefix_caching: "
@@ -379,6 +384,8 @@ class Engine:
         gives them back and waits (its tokens kept: it is prefilled again, prompt and generated tokens, when
         room returns, so nothing it released is released twice) -> the rows that still decode."""
         for row in list(decoding):
+            if row.holds_blocks:  # NOTE: a window's middle blocks go back first: the row's next token no longer sees them
+                self.blocks.evict(row.request.request_id, row.num_computed, cached_tokens=len(row.prompt_ids))
             while row.holds_blocks:
                 try:
                     self.blocks.grow(row.request.request_id, row.num_computed + 1)
@@ -389,6 +396,32 @@ class Engine:
                     victim.holds_blocks, victim.num_computed = False, 0
                     self._open_meter().num_preempted += 1
         return [r for r in decoding if r.holds_blocks]
+
+    def _window_chunks(self, chunks: list[tuple[_Row, int]], decoding: bool) -> list[tuple[_Row, int]]:
+        """With a window, each chunk's row drops the blocks its first token no longer sees, then takes the blocks the
+        chunk writes (admission took only the first chunks' blocks of a long prompt). Where the pool has too few, the
+        chunk is cut to the blocks the row holds; with no row decoding, the newest row gives its blocks back (as a
+        decode step does), so something always moves -> the chunks that run."""
+        out = []
+        for row, n in chunks:
+            rid = row.request.request_id
+            self.blocks.evict(rid, row.num_computed, cached_tokens=len(row.prompt_ids))
+            while row.holds_blocks:
+                try:
+                    self.blocks.grow(rid, row.num_computed + n)
+                    break
+                except OutOfBlocks:
+                    room = (len(self.blocks.table(rid)) + self.blocks.evicted(rid)) * self.blocks.block_size
+                    if room > row.num_computed or decoding:
+                        n = room - row.num_computed
+                        break
+                    victim = self._pool_victim()
+                    self._release(victim)
+                    victim.holds_blocks, victim.num_computed = False, 0
+                    self._open_meter().num_preempted += 1
+            if row.holds_blocks and n > 0:
+                out.append((row, n))
+        return [(r, n) for r, n in out if r.holds_blocks]  # NOTE: a row cut above may have been the pool's victim
 
     def _paged_pass(self, *, decode: bool) -> StepOutput:
         meter = self._open_meter()
@@ -406,11 +439,15 @@ class Engine:
                 n = min(row.num_pending, budget)
                 chunks.append((row, n))
                 budget -= n
+        if self.blocks.window is not None:
+            chunks = self._window_chunks(chunks, bool(decoding))
         if not decoding and not chunks:
             return StepOutput((), ())
         held = {r.request.request_id: self.blocks.table(r.request.request_id) for r in self._rows if r.holds_blocks}
         tables = [held[r.request.request_id] for r in [*decoding, *(c for c, _ in chunks)]]
-        growth = sum(max(0, self.blocks.blocks_for(r.num_columns) - len(held[r.request.request_id]))
+        evicted = {r.request.request_id: self.blocks.evicted(r.request.request_id) for r in [*decoding, *(c for c, _ in chunks)]}
+        cap = self.blocks.row_cap or self.blocks.num_blocks
+        growth = sum(max(0, min(self.blocks.blocks_for(r.num_columns), cap) - len(held[r.request.request_id]))
                      for r in self._rows if r.holds_blocks)
         self._paged.reach(tables, expected=self.blocks.num_used_blocks + growth)
         ids, positions, chunk_spans, logit_rows, sampled = [], [], [], [], []
@@ -427,10 +464,16 @@ class Engine:
             if n == row.num_pending:  # its prefill completes: its last token's logits give its next token
                 logit_rows.append(len(ids) - 1)
                 sampled.append(row)
+        bs = self.blocks.block_size
+        # NOTE: a decode row's new key goes to the column after those it keeps (its evicted blocks' columns left out)
+        lengths = [r.num_computed - evicted[r.request.request_id] * bs for r in decoding]
+        window = self.blocks.window
         batch = PagedBatch(torch.tensor(ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device),
                            self._paged.table_tensor(tables), len(decoding), tuple(chunk_spans),
-                           torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+                           torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+                           lengths=torch.tensor(lengths, dtype=torch.long, device=self.device) if window else None,
+                           window=window, chunk_evicted=tuple(evicted[r.request.request_id] for r, _ in chunks))
         logits = self.decoder.forward_paged(batch, self._paged)
         for row in decoding:
             row.num_computed += 1
@@ -691,15 +734,27 @@ def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int) -> int
     blocks = -(-tokens // block_size)
     if batching.max_kv_cache_mib is not None:
         blocks = min(blocks, batching.max_kv_cache_mib * 2**20 // block_bytes)
-    return max(blocks, -(-config.decoding.max_context_tokens // block_size))
+    lone = -(-config.decoding.max_context_tokens // block_size)
+    if (window := kv_window(config)) is not None:  # a windowed row holds no more than its sinks, window and a chunk
+        lone = min(lone, window[0] + window[1] + 2 + -(-batching.max_prefill_tokens // block_size))
+    return max(blocks, lone)
 
 
 def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:
     """What changes the keys and values a block holds besides its tokens: the model, its weights (precision,
-    quantisation), the compute dtype, the cache precision and the decoder. Prefix-cache hashes start from it."""
+    quantisation), the compute dtype, the cache precision, the decoder and (a window changes what every later token
+    attends to) the eviction window. Prefix-cache hashes start from it."""
     awq = config.awq.model_dump_json() if config.awq is not None else ""
+    window = kv_window(config)
     return "|".join((config.model, config.weights, awq, str(dtype), config.kv_cache_dtype, config.decoder,
-                     config.linear_kernel, config.lm_head_weights, str(config.kv_cache.block_size)))
+                     config.linear_kernel, config.lm_head_weights, str(config.kv_cache.block_size),
+                     *((f"window {window[0]}+{window[1]}",) if window else ())))
+
+
+def kv_window(config: ServingConfig) -> tuple[int, int] | None:
+    """(sink blocks, window blocks) a row keeps under kv_cache.eviction: window; None: every block."""
+    kv = config.kv_cache
+    return (kv.sink_blocks, kv.window_blocks) if kv.eviction == "window" else None
 
 
 def _eos_token_ids(loaded: LoadedModel) -> set[int]:

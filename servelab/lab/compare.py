@@ -61,9 +61,10 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> 
                     outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
                                            plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
                     run_ids[name].append(outcome.run_id)
-    if plan.spec.quality.lambada_samples:
+    if plan.spec.quality.lambada_samples or plan.spec.quality.long_context_segments:
         for config, _ in configs:
-            progress(f"[{config.name}] LAMBADA on {plan.spec.quality.lambada_samples} passages")
+            progress(f"[{config.name}] LAMBADA on {plan.spec.quality.lambada_samples} passages, long-context "
+                     f"perplexity on {plan.spec.quality.long_context_segments} segments")
             quality = measure_quality(config, runtime, plan.spec.quality)
             with session_scope(runtime.sessions) as session:
                 for run_id in run_ids[config.name]:
@@ -82,14 +83,25 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> 
 
 
 def measure_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec) -> dict[str, Any]:
-    """LAMBADA through the serving engine with this config's weights, cache and batching."""
+    """LAMBADA (and, when asked, long-context perplexity) through the serving engine with this config's weights, cache,
+    attention window and batching."""
     from servelab.engine.engine import Engine
     from servelab.lab.quality import evaluate_lambada, lambada_passages
 
     engine = Engine.from_config(config, runtime.settings)
-    result = evaluate_lambada(engine, lambada_passages(spec.lambada_samples, seed=spec.seed),
-                              batch_size=config.batching.max_batch_size)
-    return quality_record(result)
+    record: dict[str, Any] = {}
+    if spec.lambada_samples:
+        record = quality_record(evaluate_lambada(engine, lambada_passages(spec.lambada_samples, seed=spec.seed),
+                                                 batch_size=config.batching.max_batch_size))
+    if spec.long_context_segments:
+        from servelab.lab.long_context import evaluate_long_context, long_segments
+
+        segments = long_segments(engine.tokenizer, length=spec.long_context_tokens,
+                                 num_segments=spec.long_context_segments)
+        result = evaluate_long_context(engine, segments, scored_from=spec.long_context_scored_from)
+        record["long_context"] = {**result.as_dict(), "length": spec.long_context_tokens,
+                                  "scored_from": spec.long_context_scored_from}
+    return record
 
 
 def quality_record(result) -> dict[str, Any]:

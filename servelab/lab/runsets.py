@@ -62,6 +62,7 @@ def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
         workload_fingerprint=first.workload_fingerprint, hardware=first.hardware,
         summaries=tuple(r.summary for r in runs), samples=samples_by_run(session, run_ids=run_ids),
         repeat_indices=tuple(r.repeat_index for r in runs), quality=quality_outcome(first.quality),
+        long_context=(first.quality or {}).get("long_context"),
         texts=queries.result_texts(session, run_id=run_ids[0]),
     )
 

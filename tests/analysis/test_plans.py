@@ -89,3 +89,18 @@ def test_the_capacity_plan_makes_the_small_pool_the_limit() -> None:
     pool = {c.name: c.batching.max_kv_cache_mib * 2**20 // block_bytes for c in (large, small)}
     assert pool[small.name] < need / 4 and pool[large.name] >= need, (pool, need)
     assert small.decoding.max_context_tokens // small.kv_cache.block_size <= pool[small.name]  # the floor does not lift it
+
+
+def test_the_window_configs_differ_by_eviction_alone_and_the_workload_fits_them() -> None:
+    from servelab.analysis.plan import QualitySpec
+    from servelab.analysis.workload import load_workload
+    from servelab.config import ServingConfig
+
+    long = ServingConfig.from_yaml(REPO / "configs" / "fp32-continuous-long.yaml")
+    window = ServingConfig.from_yaml(REPO / "configs" / "fp32-continuous-window.yaml")
+    assert differences(without_name(long.model_dump(mode="json")), without_name(window.model_dump(mode="json"))) == [
+        "kv_cache.eviction"]
+    workload = load_workload(REPO / "workloads" / "long-generation.yaml")
+    assert all(item.max_new_tokens == 4000 <= window.decoding.max_new_tokens for item in workload.items)
+    with pytest.raises(ValueError, match=r"long_context_scored_from \(2048\) must be below long_context_tokens"):
+        QualitySpec(long_context_segments=4, long_context_scored_from=2048)

@@ -329,3 +329,30 @@ def test_interleaved_rounds_measure_every_cell_once_per_round_and_keep_medians()
     assert order == ["a", "b", "a", "b", "a", "b"]  # never two rounds of one cell back to back
     assert medians == {"a": (2.0, 20.0), "b": (5.0,)}
     assert messages[:2] == ["round 1/3: A", "round 1/3: B"]
+
+
+def _long_context(nll: list[float], fingerprint: str = "seg1") -> dict:
+    return {"fingerprint": fingerprint, "nll": nll, "num_tokens": [1024] * len(nll), "length": 2048,
+            "scored_from": 1024}
+
+
+def test_a_long_context_perplexity_limit_is_judged_paired_by_segment() -> None:
+    rng = np.random.default_rng(0)
+    base_nll = list(2000 + 200 * rng.standard_normal(16))
+    base = replace(BASE, long_context=_long_context(base_nll))
+    cand = run_set("window", tokens_per_s=(150.0, 149.0, 151.0, 150.5), tpot_ms=50.0, correct=34,
+                   config={"kv_cache": {"eviction": "window"}})
+    limits = LIMITS.model_copy(update={"max_long_context_perplexity_ratio": 1.05})
+    missing = next(c for c in compare(base, cand, limits).criteria if c.name == "long-context perplexity ratio")
+    assert missing.outcome == "unsure" and "quality.long_context_segments" in missing.to_settle
+    # every segment 1.2 % worse per token: far within x1.05 however different the segments are from each other
+    close = replace(cand, long_context=_long_context([x + 1024 * 0.012 for x in base_nll]))
+    criterion = next(c for c in compare(base, close, limits).criteria if c.name == "long-context perplexity ratio")
+    assert criterion.outcome == "pass" and criterion.measured.value == pytest.approx(math.exp(0.012), rel=1e-3)
+    worse = replace(cand, long_context=_long_context([x + 1024 * 0.2 for x in base_nll]))
+    verdict = compare(base, worse, limits)
+    assert verdict.decision == "reject" and "long-context perplexity ratio" in verdict.reason
+    other = replace(cand, long_context=_long_context(base_nll, fingerprint="seg2"))
+    criterion = next(c for c in compare(base, other, limits).criteria if c.name == "long-context perplexity ratio")
+    assert criterion.outcome == "unsure" and "different segments" in criterion.note
+    assert not [c for c in compare(base, close, LIMITS).criteria if c.name.startswith("long-context")]  # not asked

@@ -44,3 +44,32 @@ def naive_decode(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id
         if token_id in stops and len(generated) >= min_tokens:
             break
     return generated
+
+
+def window_mask(length: int, block_size: int, sink_blocks: int, window_blocks: int) -> torch.Tensor:
+    """(length, length) bool, True where the query (row) attends to the key (column) under kv_cache.eviction: window:
+    causal, and the key in the first sink_blocks blocks or in the window_blocks blocks behind the query's own block
+    (or in it). The definition, on positions."""
+    query = torch.arange(length)[:, None]
+    key = torch.arange(length)[None, :]
+    return (key <= query) & ((key // block_size < sink_blocks) | (key // block_size >= query // block_size - window_blocks))
+
+
+@torch.inference_mode()
+def naive_window_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], *,
+                        block_size: int, sink_blocks: int, window_blocks: int) -> list[int]:
+    """Greedy decoding with every position's attention limited to the window's mask: the whole sequence through
+    transformers' forward at each step (no cache), a custom 4D mask, each token at its own position."""
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        mask = window_mask(len(ids), block_size, sink_blocks, window_blocks)[None, None].to(model.device)
+        logits = model(input_ids=torch.tensor([ids], device=model.device), attention_mask=mask,
+                       position_ids=torch.arange(len(ids), device=model.device)[None], use_cache=False,
+                       logits_to_keep=1).logits
+        token_id = int(logits[0, -1].float().argmax())
+        out.append(token_id)
+        ids.append(token_id)
+        if token_id in eos_token_ids:
+            break
+    return out
