@@ -77,3 +77,11 @@ def test_prefix_caching_asked_of_transformers_decoder_is_refused_by_name_and_a_d
     assert ServingConfig.from_dict(config.model_dump(mode="json")) == config  # a worker's dumped config reloads
     assert ServingConfig.from_dict({"name": "t"}).uses_prefix_caching
     assert not ServingConfig.from_dict({"name": "t", "kv_cache": {"prefix_caching": False}}).uses_prefix_caching
+
+
+def test_an_int8_kv_cache_asked_of_transformers_decoder_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'int8' needs servelab's decoder"):
+        ServingConfig.from_dict({"name": "t", "decoder": "transformers", "kv_cache_dtype": "int8"})
+    assert ServingConfig.from_dict({"name": "t", "kv_cache_dtype": "int8"}).kv_cache_dtype == "int8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: got 'int4'"):
+        ServingConfig.from_dict({"name": "t", "kv_cache_dtype": "int4"})
