@@ -139,10 +139,8 @@ def bench_kv_dtype(
 
     engines = load_engines([serving.model_copy(update={"kv_cache_dtype": d, "name": f"{serving.name}-kv-{d}"})
                             for d in names], threads)
-    library = " ".join(builtin_prompts("library") + builtin_prompts("chat"))
-    context_ids = engines[0].tokenizer.encode(library)[:context]
-    if len(context_ids) < context:
-        fail(f"--context {context}: the built-in prompt sets hold only {len(context_ids)} tokens")
+    text_ids = engines[0].tokenizer.encode(" ".join(builtin_prompts("library") + builtin_prompts("chat")))
+    context_ids = (text_ids * -(-context // len(text_ids)))[:context]  # the prompt sets' text, repeated as needed
     chat = builtin_prompts("chat")[:prompts]
     try:
         results = run_kv_dtype_bench(dict(zip(names, engines)), context_ids=context_ids, batch_sizes=sizes,

@@ -27,6 +27,7 @@
 namespace {
 
 constexpr int64_t kBlock = 16;
+constexpr int64_t kMaxHeadDim = 256;  // an int8 KV cache's head_dim, at most (attend_group_paged's key buffer)
 
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
@@ -1029,20 +1030,46 @@ void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const K
                         const float* vs0 = nullptr, int64_t scale_stride = 0) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t num_blocks = (S + bs - 1) / bs;
-  for (int64_t g = 0; g < G; ++g) {
-    const Q* qg = q + g * q_head_stride;
-    float* sc = scores + g * S;
-    float max_score = -INFINITY;
+  float maxes[16];  // G <= 16
+  if constexpr (kInt8) {
+    // NOTE: keys outer, heads inner: each int8 key is widened to fp32 once (into L1), then serves the G query
+    // heads; the products and sums are attend_group's, in its order, so the scores' bits do not change
+    alignas(64) float key[kMaxHeadDim];
+    for (int64_t g = 0; g < G; ++g) maxes[g] = -INFINITY;
     for (int64_t j = 0; j < num_blocks; ++j) {
       const KV* kb = k0 + static_cast<int64_t>(table[j]) * block_stride;
+      const float* ks = ks0 + static_cast<int64_t>(table[j]) * scale_stride;
       const int64_t n = std::min(bs, S - j * bs);
       for (int64_t o = 0; o < n; ++o) {
-        Vec acc = vzero();
-        for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(kb + o * D + d), acc);
-        float score = vsum(acc) * scale;
-        if constexpr (kInt8) score *= ks0[static_cast<int64_t>(table[j]) * scale_stride + o];
-        sc[j * bs + o] = score;
-        max_score = std::max(max_score, score);
+        for (int64_t d = 0; d < D; d += kLanes) vstore(key + d, vload(kb + o * D + d));
+        for (int64_t g = 0; g < G; ++g) {
+          const Q* qg = q + g * q_head_stride;
+          Vec acc = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(key + d), acc);
+          const float score = vsum(acc) * scale * ks[o];
+          scores[g * S + j * bs + o] = score;
+          maxes[g] = std::max(maxes[g], score);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * S;
+    float max_score = -INFINITY;
+    if constexpr (kInt8) {
+      max_score = maxes[g];
+    } else {
+      const Q* qg = q + g * q_head_stride;
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const KV* kb = k0 + static_cast<int64_t>(table[j]) * block_stride;
+        const int64_t n = std::min(bs, S - j * bs);
+        for (int64_t o = 0; o < n; ++o) {
+          Vec acc = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(kb + o * D + d), acc);
+          const float score = vsum(acc) * scale;
+          sc[j * bs + o] = score;
+          max_score = std::max(max_score, score);
+        }
       }
     }
     float total = 0.f;
@@ -1192,6 +1219,7 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
   TORCH_CHECK(int8 == key_scales.has_value() && int8 == value_scales.has_value(),
               "decode_step_attention: an int8 pool, and only an int8 pool, comes with key_scales and value_scales");
   if (int8) {
+    TORCH_CHECK(D <= kMaxHeadDim, "decode_step_attention: an int8 cache's head_dim is at most ", kMaxHeadDim);
     for (const auto* t : {&*key_scales, &*value_scales})
       TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 && t->size(0) == keys.size(0) &&
                   t->size(1) == H_kv && t->size(2) == bs, "decode_step_attention: scales (blocks, H_kv, block_size) fp32, contiguous");
