@@ -270,6 +270,9 @@ def test_a_running_batch_over_an_int8_cache_decodes_alike_through_the_fused_kern
 
     torch_path, reference, sequences = run("torch", "int8")
     assert torch_path.decode_step_attention is None and torch_path.cache_dtype == torch.int8
+    ids = torch.tensor([rows[0]])  # a prefill without the pool (the quality lab's logits) sees int8's values too
+    unpaged = torch_path.logits(ids, torch.ones_like(ids), torch.arange(len(rows[0]))[None], keep=1)[0, -1]
+    torch.testing.assert_close(unpaged, reference[0][0], atol=2e-4, rtol=1e-4)  # 2e-6 measured; fp32's: ~0.1
     _, float_logits, float_sequences = run("torch", "fp32")
     same = next((j for j in range(6) if any(f[len(r) + j] != s[len(r) + j]
                                             for r, f, s in zip(rows, float_sequences, sequences))), 6)
