@@ -19,7 +19,7 @@ BUNDLED_PREFIX = "bundled:"
 BUNDLED_MODELS = ("smollm2-135m-instruct",)
 
 WeightPrecision = Literal["fp32", "bf16", "fp16", "awq-int4"]
-KVCacheDtype = Literal["auto", "fp32", "bf16", "fp16"]
+KVCacheDtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]
 
 
 class ConfigError(ValueError):
@@ -124,7 +124,9 @@ class ServingConfig(_Frozen):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: str = Field(default=f"{BUNDLED_PREFIX}{BUNDLED_MODELS[0]}", min_length=1)
     weights: WeightPrecision = "fp32"
-    kv_cache_dtype: KVCacheDtype = "auto"
+    kv_cache_dtype: KVCacheDtype = Field(default="auto", description=(
+        "the KV cache's precision: auto = the serving dtype; int8 = keys and values quantised per token and kv head "
+        "(an fp32 scale each), read as stored by servelab's decode kernel; needs servelab's decoder"))
     device: str = "auto"
     num_threads: int | None = Field(default=None, ge=1, le=256)
     decoder: Literal["auto", "transformers"] = Field(
@@ -178,6 +180,14 @@ class ServingConfig(_Frozen):
         if self.decoder == "transformers" and self.kv_cache.eviction != "none":
             raise ValueError(f"kv_cache.eviction {self.kv_cache.eviction!r} needs servelab's decoder (its paged cache); "
                              "transformers' decoder keeps its own cache: set decoder: auto, or eviction: none")
+        return self
+
+    @model_validator(mode="after")
+    def _int8_cache_needs_servelab_decoder(self) -> ServingConfig:
+        if self.decoder == "transformers" and self.kv_cache_dtype == "int8":
+            raise ValueError("kv_cache_dtype 'int8' needs servelab's decoder (its paged cache); transformers' decoder "
+                             "keeps its own cache in a float dtype: set decoder: auto, or kv_cache_dtype auto, fp32, "
+                             "bf16 or fp16")
         return self
 
     @property

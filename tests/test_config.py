@@ -97,3 +97,11 @@ def test_window_eviction_is_checked_by_name_and_rounds_to_blocks() -> None:
     assert plain.config_hash == ServingConfig.from_dict({"name": "t", "kv_cache": {"window_tokens": 64}}).config_hash
     assert plain.config_hash != ServingConfig.from_dict({"name": "t", "kv_cache": {"eviction": "window"}}).config_hash
     assert "eviction" not in plain.canonical_json()
+
+
+def test_an_int8_kv_cache_asked_of_transformers_decoder_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'int8' needs servelab's decoder"):
+        ServingConfig.from_dict({"name": "t", "decoder": "transformers", "kv_cache_dtype": "int8"})
+    assert ServingConfig.from_dict({"name": "t", "kv_cache_dtype": "int8"}).kv_cache_dtype == "int8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: got 'int4'"):
+        ServingConfig.from_dict({"name": "t", "kv_cache_dtype": "int4"})

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from servelab.cli.cache_bench import bench_chunked, bench_prefix
+from servelab.cli.cache_bench import bench_chunked, bench_kv_dtype, bench_prefix
 from servelab.cli.options import (ConfigOption, ThreadsOption, config_paths, connected, fail, load_config, load_engines,
                                   parse_ints, progress, service_settings, settings)
 
@@ -372,3 +372,4 @@ def _ingest_limits(slice_lines: int | None, num_lines: int):
 # NOTE: the KV cache's benches live in a module of their own (this one is near 400 lines); listed after the others
 app.command("prefix")(bench_prefix)
 app.command("chunked")(bench_chunked)
+app.command("kv-dtype")(bench_kv_dtype)

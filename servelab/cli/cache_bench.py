@@ -1,9 +1,10 @@
 """The KV cache's benchmarks in the `bench` group: `bench prefix` (prefix caching off against on, a batch job through
-the Batch API of a stack the bench starts) and `bench chunked` (running rows' inter-token time while a long
-newcomer is prefilled, in the engine).
+the Batch API of a stack the bench starts), `bench chunked` (running rows' inter-token time while a long
+newcomer is prefilled, in the engine) and `bench kv-dtype` (cache precisions side by side: bytes per token, decode
+speed at long contexts, greedy agreement).
 
 Knows these commands' options, their checks and what they print. Does not know how anything is started or timed:
-servelab/lab/prefix_bench.py and servelab/lab/chunked_bench.py do. torch and the engine are imported inside.
+servelab/lab/prefix_bench.py, chunked_bench.py and kv_bench.py do. torch and the engine are imported inside.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from servelab.cli.options import ConfigOption, fail, load_config, load_engines, progress, settings
+from servelab.cli.options import (ConfigOption, ThreadsOption, fail, load_config, load_engines, parse_ints, progress,
+                                  settings)
 
 
 def bench_prefix(
@@ -98,3 +100,56 @@ def bench_chunked(
                f"caching {'on' if serving.uses_prefix_caching else 'off'}, threads {torch.get_num_threads()}; {rows} "
                f"rows decoding, a {newcomer_tokens}-token newcomer joins; {rounds} round(s)")
     typer.echo(format_chunked_table(result))
+
+
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")
+
+
+def bench_kv_dtype(
+    config: ConfigOption = Path("configs/fp32-continuous.yaml"),
+    dtypes: Annotated[str, typer.Option(help="comma-separated kv_cache_dtype values, the first the reference")]
+    = "fp32,bf16,int8",
+    batch_sizes: Annotated[str, typer.Option(help="comma-separated decode batch sizes")] = "16,64",
+    context: Annotated[int, typer.Option(min=16, help="tokens each row holds when the timed steps start")] = 1_488,
+    steps: Annotated[int, typer.Option(min=3, help="decode steps per measurement (the first 2 are warm-up)")] = 16,
+    prompts: Annotated[int, typer.Option(min=0, help="chat prompts for greedy agreement (0: none)")] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1, help="tokens per greedy completion (EOS ignored)")] = 64,
+    rounds: Annotated[int, typer.Option(min=1, help="rounds, the precisions' order alternating; medians")] = 2,
+    threads: ThreadsOption = None,
+) -> None:
+    """KV cache precisions on one config, side by side: bytes per retained token measured from the pool's tensors
+    and the process's resident memory, decode tok/s with every row holding --context tokens (one real prompt's keys
+    and values, copied into each row's own blocks), and greedy tokens identical to the first precision's."""
+    serving = load_config(config)
+    names = [d.strip() for d in dtypes.split(",") if d.strip()]
+    bad = [d for d in names if d not in KV_DTYPES]
+    if len(names) < 2 or bad or len(set(names)) != len(names):
+        fail(f"--dtypes {dtypes!r}: give two or more distinct values of {', '.join(KV_DTYPES)}")
+    sizes = parse_ints(batch_sizes, "--batch-sizes")
+    if context + steps > serving.decoding.max_context_tokens:
+        fail(f"--context {context} + --steps {steps}: above the config's decoding.max_context_tokens "
+             f"({serving.decoding.max_context_tokens})")
+    if new_tokens > serving.decoding.max_new_tokens:
+        fail(f"--new-tokens {new_tokens}: above the config's decoding.max_new_tokens ({serving.decoding.max_new_tokens})")
+
+    import torch
+
+    from servelab.analysis.workload import builtin_prompts
+    from servelab.lab.kv_bench import KVBenchError, format_kv_dtype_table, run_kv_dtype_bench
+
+    engines = load_engines([serving.model_copy(update={"kv_cache_dtype": d, "name": f"{serving.name}-kv-{d}"})
+                            for d in names], threads)
+    text_ids = engines[0].tokenizer.encode(" ".join(builtin_prompts("library") + builtin_prompts("chat")))
+    context_ids = (text_ids * -(-context // len(text_ids)))[:context]  # the prompt sets' text, repeated as needed
+    chat = builtin_prompts("chat")[:prompts]
+    try:
+        results = run_kv_dtype_bench(dict(zip(names, engines)), context_ids=context_ids, batch_sizes=sizes,
+                                     num_steps=steps, prompts=chat, new_tokens=new_tokens, num_rounds=rounds,
+                                     progress=progress)
+    except KVBenchError as exc:
+        fail(str(exc))
+    typer.echo(f"config {serving.name} ({serving.weights}, {engines[0].kernel}), threads {torch.get_num_threads()}, "
+               f"block_size {serving.kv_cache.block_size}; decode: rows x {context} tokens held, {steps - 2} timed "
+               f"steps, {rounds} round(s), medians; agreement: {len(chat)} chat prompts x {new_tokens} greedy tokens "
+               f"against {names[0]}'s; bytes per token column of the {max(sizes)}-row pool")
+    typer.echo(format_kv_dtype_table(results, sizes))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from servelab.engine.blocks import BlockManager
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
-                                     TransformersBatchCache, TransformersKVCache, new_cache)
+                                     TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
 from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, Int8Linear, LinearKernel, LinearKernelError,
                                     RowDispatchLinear, ServelabInt4Linear, add_projection, choose_linear_kernel,
@@ -164,6 +164,10 @@ class TransformersDecoder:
     name = "transformers"
 
     def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype) -> None:
+        if kv_cache_dtype == "int8":
+            raise ValueError("kv_cache_dtype 'int8' needs servelab's decoder (its paged cache); transformers' decoder "
+                             f"serves this model ({unsupported_reason(model) or 'decoder: transformers'}): set "
+                             "kv_cache_dtype to auto, fp32, bf16 or fp16")
         self.model, self.kv_cache_dtype, self.dtype = model, kv_cache_dtype, dtype
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
@@ -347,8 +351,12 @@ class LlamaDecoder:
             for layer in body.layers
         ]
         blocked = kernel.blocked.module if kernel.blocked is not None else None
+        # NOTE: an int8 cache is read by the fused step as it is stored; decode_attention (unpaged) only ever meets
+        # float keys (a prefill cache holds int8's values dequantised, the torch path dequantises what it reads)
         fits = (self.head_dim % 16 == 0 and self.num_heads // self.num_kv_heads <= 16
-                and {self.dtype, self.cache_dtype} <= {torch.float32, torch.bfloat16})
+                and self.dtype in (torch.float32, torch.bfloat16)
+                and self.cache_dtype in (torch.float32, torch.bfloat16, torch.int8)
+                and (self.cache_dtype != torch.int8 or self.head_dim <= 256))  # the int8 kernel's key buffer
         self.decode_attention = blocked.decode_attention if blocked is not None and fits else None
         # NOTE: a decode step's rotary positions, cache write and attention as one kernel call per layer: at batch 1
         # the dozen small operations it replaces cost as much as reading a layer's int4 weights
@@ -378,16 +386,18 @@ class LlamaDecoder:
         return out
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        quantized = self.cache_dtype == torch.int8
         return StaticKVCache(num_layers=len(self.layers), batch_size=batch_size, num_kv_heads=self.num_kv_heads,
-                             capacity=capacity, head_dim=self.head_dim, dtype=self.cache_dtype,
-                             device=self.device)
+                             capacity=capacity, head_dim=self.head_dim, dtype=self.dtype if quantized else self.cache_dtype,
+                             device=self.device, quantized=quantized)
 
     def new_paged_cache(self, manager: BlockManager) -> PagedKVCache:
         return PagedKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=self.cache_dtype, device=self.device, manager=manager)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return 2 * len(self.layers) * self.num_kv_heads * block_size * self.head_dim * self.cache_dtype.itemsize
+        return kv_block_bytes(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              block_size=block_size, dtype=self.cache_dtype)
 
     def _hidden(self, input_ids, attention_mask, position_ids, cache: StaticKVCache,
                 window: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -430,12 +440,12 @@ class LlamaDecoder:
         positions, lengths, table = batch.positions, batch.decode_lengths, batch.block_table
         if (stack := self._int4_stack()) is not None:
             out = stack.step(h.reshape(B, -1).contiguous(), self.cos, self.sin, positions, cache.keys, cache.values,
-                             lengths, table)
+                             lengths, table, cache.key_scales, cache.value_scales)
             return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
             attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, cache.keys[i], cache.values[i],
-                                                  lengths, table, H, D ** -0.5)  # (B, H x D)
+                                                  lengths, table, H, D ** -0.5, *cache.scales(i))  # (B, H x D)
             h = add_projection(layer.o, attended.view(B, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
         return h
@@ -456,7 +466,7 @@ class LlamaDecoder:
             if Bd and self.decode_step_attention is not None:
                 parts.append(self.decode_step_attention(qkv[:Bd], self.cos, self.sin, batch.positions[:Bd],
                                                         cache.keys[i], cache.values[i], batch.decode_lengths,
-                                                        batch.block_table[:Bd], H, D ** -0.5))
+                                                        batch.block_table[:Bd], H, D ** -0.5, *cache.scales(i)))
             elif Bd:
                 parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places))
             for (offset, start, num_tokens), place in zip(batch.chunks, places):

@@ -118,7 +118,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.token_bytes = TokenBytes(self.tokenizer)
-        self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype)
+        self.kv_bytes_per_element = cache_bytes_per_element(config.kv_cache_dtype, loaded.dtype, loaded.shape.head_dim)
         self.decoder = build_decoder(loaded.model, choice=config.decoder, kv_cache_dtype=config.kv_cache_dtype,
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
                                      cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto",

@@ -7,7 +7,10 @@ width), which rows leave between decode steps. servelab's decoder serves its run
 `PagedKVCache` instead: a pool of fixed-size blocks each row reads through its block table (blocks.py keeps
 the tables and the prefix cache), written in place by every forward, prefill chunks and decode steps alike. Both can store keys and values
 in a dtype narrower than the compute dtype (e.g. a bf16 cache under fp32 weights), so cache precision can
-be compared on its own; attention reads them back in the compute dtype. Does not know requests.
+be compared on its own; attention reads them back in the compute dtype. servelab's caches also hold int8 keys and
+values: each kv head's D values of a token quantised symmetrically with one fp32 scale (`quantize_heads`), in the
+paged pool as int8 tensors beside (blocks, H_kv, block_size) scales that the fused decode kernel reads as they are;
+torch paths (prefill chunks, other devices) dequantise the columns they read. Does not know requests.
 """
 
 from __future__ import annotations
@@ -20,7 +23,31 @@ from transformers.cache_utils import DynamicLayer
 
 from servelab.engine.blocks import BlockManager
 
-CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+SCALE_DTYPE = torch.float32  # an int8 cache's scale per token and kv head
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> int8 (..., D) and fp32 scales (...): per vector, scale = max |x| / 127 and x (127 / max |x|)
+    rounded half to even, so x ~ q x scale (an all-zero vector: scale 0). The same bits as blocked.cpp's
+    quantize_head, which quantises what a decode step writes."""
+    x = x.float()
+    top = x.abs().amax(dim=-1)
+    # NOTE: a tensor over a tensor: torch turns `127.0 / top` into 127 x (1 / top), which rounds differently
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    q = torch.round(x * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, top / 127.0
+
+
+def dequantize_heads(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 (..., D) and scales (...) -> fp32 (..., D)."""
+    return q.float() * scales.unsqueeze(-1)
+
+
+def kv_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """A paged block's keys and values over every layer, in bytes: int8 adds its fp32 scale per token and kv head."""
+    per_head = head_dim * dtype.itemsize + (SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * block_size * per_head
 
 
 class StoredDtypeLayer(DynamicLayer):
@@ -53,7 +80,12 @@ def new_cache(model_config, num_layers: int, kv_cache_dtype: str, compute_dtype:
     return Cache(layers=[StoredDtypeLayer(storage) for _ in range(num_layers)])
 
 
-def cache_bytes_per_element(kv_cache_dtype: str, compute_dtype: torch.dtype) -> int:
+def cache_bytes_per_element(kv_cache_dtype: str, compute_dtype: torch.dtype, head_dim: int | None = None) -> float:
+    """Bytes per cached key or value element; int8 counts its scale (4 bytes per head_dim elements)."""
+    if kv_cache_dtype == "int8":
+        if head_dim is None:
+            raise ValueError("an int8 cache's bytes per element depend on head_dim (one fp32 scale per head_dim values)")
+        return 1 + SCALE_DTYPE.itemsize / head_dim
     return torch.finfo(CACHE_DTYPES.get(kv_cache_dtype, compute_dtype)).bits // 8
 
 
@@ -65,10 +97,13 @@ class KVCache(Protocol):
 
 
 class StaticKVCache:
-    """(B, H_kv, capacity, D) keys and values per layer, columns [0, end) hold tokens: a prefill's cache."""
+    """(B, H_kv, capacity, D) keys and values per layer, columns [0, end) hold tokens: a prefill's cache.
+    quantized: keys and values pass through int8 (quantised per token and kv head, then dequantised, held in dtype),
+    so a prefill attends to what an int8 paged cache would hold (a prefill's logits for the quality lab)."""
 
     def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, quantized: bool = False) -> None:
+        self.quantized = quantized
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -80,6 +115,8 @@ class StaticKVCache:
         stop = self.end + keys.shape[2]
         if stop > self.keys[layer].shape[2]:
             raise RuntimeError(f"KV cache capacity {self.keys[layer].shape[2]} exceeded ({stop} columns)")
+        if self.quantized:
+            keys, values = dequantize_heads(*quantize_heads(keys)), dequantize_heads(*quantize_heads(values))
         self.keys[layer][:, :, self.end:stop] = keys
         self.values[layer][:, :, self.end:stop] = values
         # NOTE: views in the storage dtype; attention reads them in the compute dtype (decoder.py)
@@ -155,7 +192,9 @@ class BatchKVCache(Protocol):
 
 class PagedKVCache:
     """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D), in the
-    cache precision; which block holds which row's columns is the BlockManager's (blocks.py).
+    cache precision; which block holds which row's columns is the BlockManager's (blocks.py). An int8 pool also
+    holds key_scales and value_scales per layer (blocks, H_kv, block_size) fp32 (`quantize_heads`); a float pool's
+    are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
     a block past them is taken: memory follows what the rows hold, up to the pool's size. A block is written
@@ -168,6 +207,16 @@ class PagedKVCache:
         self.dtype, self.device, self.manager = dtype, device, manager
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.key_scales: list[torch.Tensor] = []  # int8 only
+        self.value_scales: list[torch.Tensor] = []
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's key and value scales (int8), or (None, None)."""
+        return (self.key_scales[layer], self.value_scales[layer]) if self.quantized else (None, None)
 
     @property
     def block_size(self) -> int:
@@ -179,11 +228,12 @@ class PagedKVCache:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+        return kv_block_bytes(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                              block_size=self.block_size, dtype=self.dtype)
 
     def reach(self, tables: list[list[int]], *, expected: int = 0) -> None:
         """The tensors hold every block these tables name (grown, the held blocks copied, when one is past them);
@@ -202,6 +252,11 @@ class PagedKVCache:
         for old, new in zip((*self.keys, *self.values), (*keys, *values)):
             new[:have] = old
         self.keys, self.values = keys, values
+        if self.quantized:
+            scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(2 * self.num_layers)]
+            for old, new in zip((*self.key_scales, *self.value_scales), scales):
+                new[:have] = old
+            self.key_scales, self.value_scales = scales[:self.num_layers], scales[self.num_layers:]
 
     def table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """(rows, the most blocks a row holds) int32 on the device, short rows padded with block 0 (never read)."""
@@ -214,14 +269,24 @@ class PagedKVCache:
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
-        """keys, values (T, H_kv, D) into the columns at (blocks, offsets) (T,) each."""
+        """keys, values (T, H_kv, D) into the columns at (blocks, offsets) (T,) each (int8: quantised per token and
+        kv head)."""
+        if self.quantized:
+            (k, ks), (v, vs) = quantize_heads(keys), quantize_heads(values)
+            self.keys[layer][blocks, :, offsets], self.key_scales[layer][blocks, :, offsets] = k, ks
+            self.values[layer][blocks, :, offsets], self.value_scales[layer][blocks, :, offsets] = v, vs
+            return
         self.keys[layer][blocks, :, offsets] = keys.to(self.dtype)
         self.values[layer][blocks, :, offsets] = values.to(self.dtype)
 
     def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns at (blocks, offsets) (..., S) -> keys, values (..., H_kv, S, D) in the storage dtype."""
+        """The columns at (blocks, offsets) (..., S) -> keys, values (..., H_kv, S, D) in the storage dtype (int8:
+        dequantised to fp32, these columns only)."""
         k = self.keys[layer][blocks, :, offsets]  # (..., S, H_kv, D)
         v = self.values[layer][blocks, :, offsets]
+        if self.quantized:
+            k = dequantize_heads(k, self.key_scales[layer][blocks, :, offsets])
+            v = dequantize_heads(v, self.value_scales[layer][blocks, :, offsets])
         return k.transpose(-2, -3), v.transpose(-2, -3)
 
     def read_blocks(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,8 +294,12 @@ class PagedKVCache:
         gather of whole blocks (contiguous copies), then one transpose copy; columns past a row's end are masked
         by the caller."""
         B, nb = table.shape
-        k = self.keys[layer][table].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
-        v = self.values[layer][table].transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
+        k, v = self.keys[layer][table], self.values[layer][table]  # (B, nb, H_kv, block_size, D)
+        if self.quantized:  # NOTE: the torch path (no fused kernel): these rows' blocks dequantised, for this layer
+            k = dequantize_heads(k, self.key_scales[layer][table])
+            v = dequantize_heads(v, self.value_scales[layer][table])
+        k = k.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
+        v = v.transpose(1, 2).reshape(B, self.num_kv_heads, nb * self.block_size, self.head_dim)
         return k, v
 
 

@@ -4,36 +4,16 @@ capacity, cache precision, cache eviction) change exactly their factor."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
 
 import pytest
 
-from servelab.analysis.plan import QualitySpec, load_plan
+from servelab.analysis.plan import load_plan
 from servelab.analysis.verdict import changed_factors
-from servelab.config import KVCacheConfig, KVCacheDtype
 
 REPO = Path(__file__).resolve().parents[2]
-# NOTE: plans whose configs use a field another branch adds (an int8 cache; eviction, its config and workload).
-# Each runs once that branch is merged; a plan still skipped after the merge names a field that does not exist.
-PENDING = {
-    "kv-int8.yaml": ("kv_cache_dtype int8 (the kvint8 branch)", lambda: "int8" in get_args(KVCacheDtype)),
-    "kv-window.yaml": ("kv_cache.eviction, quality.long_context_segments, configs/fp32-continuous-{long,window}.yaml "
-                       "and workloads/long-generation.yaml (the window branch)",
-                       lambda: "eviction" in KVCacheConfig.model_fields
-                       and "long_context_segments" in QualitySpec.model_fields
-                       and (REPO / "configs" / "fp32-continuous-window.yaml").is_file()
-                       and (REPO / "workloads" / "long-generation.yaml").is_file()),
-}
-
-
-def skip_if_pending(name: str) -> None:
-    if name in PENDING and not PENDING[name][1]():
-        pytest.skip(f"{name} needs {PENDING[name][0]}, not on this branch yet")
-
 
 @pytest.mark.parametrize("path", sorted((REPO / "plans").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_plans_load(path: Path) -> None:
-    skip_if_pending(path.name)
     plan = load_plan(path)
     assert plan.spec.name == path.stem and plan.workload.items and plan.candidates
 
@@ -70,7 +50,6 @@ def test_the_prefix_caching_plan_turns_prefix_caching_on_and_changes_nothing_els
     ("kv-window.yaml", None, "cache eviction"),  # None: the kv_cache fields of eviction, whatever their names
 ])
 def test_each_cache_plan_changes_its_factor_alone(plan_file: str, fields: list[str] | None, factor: str) -> None:
-    skip_if_pending(plan_file)
     plan = load_plan(REPO / "plans" / plan_file)
     (baseline, _), [(candidate, _)] = plan.baseline, plan.candidates
     base, cand = baseline.model_dump(mode="json"), candidate.model_dump(mode="json")

@@ -279,14 +279,17 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
 
 
-@pytest.mark.parametrize("activations", ["int8", "float"])
+@pytest.mark.parametrize(("activations", "kv_cache_dtype"), [("int8", "auto"), ("float", "auto"), ("int8", "int8")])
 @torch.inference_mode()
 def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: ServingConfig,
-                                                         awq_settings: Settings, activations: str) -> None:
+                                                         awq_settings: Settings, activations: str,
+                                                         kv_cache_dtype: str) -> None:
     """The one-call decode step (Int4DecodeStack) runs the same kernels in the same order as the decoder's loop:
-    the same logits to the bit, and the same cache, over rows of different lengths; with either activations."""
+    the same logits to the bit, and the same cache, over rows of different lengths; with either activations, and
+    over an int8 cache (its scales handed to the stack)."""
     awq_config = tiny_config.awq.model_copy(update={"activations": activations})
-    engine = Engine.from_config(tiny_config.model_copy(update={"awq": awq_config}), awq_settings)
+    engine = Engine.from_config(tiny_config.model_copy(update={"awq": awq_config, "kv_cache_dtype": kv_cache_dtype}),
+                                awq_settings)
     decoder = engine.decoder
     if decoder._int4_stack() is None:
         pytest.skip("servelab's int4 kernel does not serve here")
@@ -309,7 +312,7 @@ def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: 
             for row, token in zip(rows, steps[-1].argmax(-1).tolist()):
                 row.token_ids.append(token)
                 row.num_computed += 1
-        outputs.append((steps, [k.clone() for k in cache.keys]))
+        outputs.append((steps, [k.clone() for k in (*cache.keys, *cache.key_scales, *cache.value_scales)]))
         engine.cancel(engine.live_request_ids)
         engine.blocks.reset_prefix_cache()  # NOTE: the second run prefills whole too, into the same blocks
     (with_stack, keys_stack), (loop, keys_loop) = outputs

@@ -15,6 +15,7 @@ from servelab.engine.awq.unpack import dequantize
 from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
 from servelab.engine.blocks import BlockManager
+from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
 from tests.engine.test_decoder import KERNELS, runnable
@@ -148,6 +149,61 @@ def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv
         kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+def test_decode_step_attention_over_an_int8_cache_reads_it_as_stored_and_stays_near_the_float_cache(build, q_dtype,
+                                                                                                     settings) -> None:
+    """The int8 pool (int8 keys and values, an fp32 scale per column and kv head): the new key and value are quantised
+    as kvcache.quantize_heads quantises (the same bits), the attention equals torch's over the dequantised pool, and
+    it stays within the quantisation's error of the attention over the float values the pool was quantised from."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(5)
+    B, H, H_kv, D, bs, num_blocks = 3, 6, 2, 64, 8, 30
+    lengths = torch.tensor([5, 0, 150])
+    positions = lengths + torch.tensor([0, 7, 2])
+    tables = [[7, 3], [10], list(range(29, 10, -1))]  # row 2: 19 blocks, in reverse order
+    table = torch.zeros((B, 19), dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    float_keys, float_values = (torch.randn(num_blocks, H_kv, bs, D, generator=generator) for _ in range(2))
+    (keys, key_scales), (values, value_scales) = quantize_heads(float_keys), quantize_heads(float_values)
+    angles = torch.arange(256)[:, None] * torch.rand(1, D // 2, generator=generator)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(q_dtype), torch.cat([angles.sin()] * 2, -1).to(q_dtype)
+    qkv = torch.randn(B, H + 2 * H_kv, D, generator=generator).to(q_dtype)
+    out = kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5,
+                                       key_scales, value_scales)
+    float_out = kernel.decode_step_attention(qkv, cos, sin, positions, float_keys, float_values, lengths, table, H,
+                                             D ** -0.5)
+    assert out.dtype == q_dtype and out.shape == (B, H * D)
+    rotated = _rotate(qkv[:, None, : H + H_kv], cos[positions][:, None, None], sin[positions][:, None, None])[:, 0]
+    held_keys, held_values = dequantize_heads(keys, key_scales), dequantize_heads(values, value_scales)
+    expected = []
+    for b, n in enumerate(lengths.tolist()):
+        block, offset = tables[b][n // bs], n % bs
+        for got, got_scale, want in ((keys, key_scales, rotated[b, H:]), (values, value_scales, qkv[b, H + H_kv:])):
+            q, scale = quantize_heads(want)
+            if got is keys and q_dtype == torch.float32:  # rotated in fp32 up to the compiler's fused multiply-adds
+                assert (got[block, :, offset].int() - q.int()).abs().max() <= 1
+                torch.testing.assert_close(got_scale[block, :, offset], scale, atol=0, rtol=1e-6)
+            else:
+                assert torch.equal(got[block, :, offset], q) and torch.equal(got_scale[block, :, offset], scale), b
+        row_keys = torch.cat([held_keys[t] for t in tables[b]], dim=1)[:, : n + 1]  # (H_kv, n + 1, D)
+        row_values = torch.cat([held_values[t] for t in tables[b]], dim=1)[:, : n + 1]
+        q = rotated[b, :H].float().view(H_kv, H // H_kv, D)
+        expected.append(((q @ row_keys.transpose(-1, -2) / D ** 0.5).softmax(-1) @ row_values).reshape(H * D))
+    torch.testing.assert_close(out.float(), torch.stack(expected), atol=1e-5 if q_dtype == torch.float32 else 1e-2,
+                               rtol=1e-2)
+    # NOTE: the bound: each cached element is off by at most max |x| / 254 (about 0.015 for these unit normals at
+    # D = 64; measured 0.014 at most on the outputs, whose largest is about 3); bf16 adds its own rounding
+    bound = 0.03 if q_dtype == torch.float32 else 0.06
+    assert (out.float() - float_out.float()).abs().max() < bound
+    with pytest.raises(RuntimeError, match="only an int8 pool, comes with key_scales and value_scales"):
+        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5)
+    with pytest.raises(RuntimeError, match="scales .blocks, H_kv, block_size. fp32"):
+        kernel.decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, table, H, D ** -0.5,
+                                     key_scales[:-1], value_scales)
+
+
 def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_steps: int, block_size: int = 4):
     """Prefill every row as a chunk of one forward, then greedy decode steps over the paged cache (the fused step
     where it runs) -> logits per step, sequences."""
@@ -196,3 +252,37 @@ def test_running_batch_step_equals_transformers(tiny_folder, kernel: str, dtype:
                 torch.testing.assert_close(logits[i], expected, atol=2e-4, rtol=1e-4)
             else:  # NOTE: as test_bf16_decoder_tracks_transformers_bf16: bf16 agrees to bf16 precision
                 assert (logits[i].float() - expected).abs().max() / expected.abs().max() < 0.03, (step, i)
+
+
+@torch.inference_mode()
+def test_a_running_batch_over_an_int8_cache_decodes_alike_through_the_fused_kernel_and_torch(tiny_folder,
+                                                                                             settings) -> None:
+    """Chunked prefill (SDPA over dequantised blocks) and decode steps over an int8 pool: the fused kernel of each
+    build and the torch path (dequantised gathers) give the same tokens and logits within float noise, and stay near
+    the fp32 cache's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    rows = [[5, 17, 923, 4001, 88, 12, 7, 7, 301], [77], [301, 302, 303]]
+
+    def run(kernel: str, cache_dtype: str):
+        decoder = build_decoder(model, choice="auto", kv_cache_dtype=cache_dtype, dtype=torch.float32, device=CPU,
+                                linear_kernel=kernel, cache_dir=settings.cache_dir)
+        return decoder, *_running_batch_logits(decoder, rows, num_steps=6)
+
+    torch_path, reference, sequences = run("torch", "int8")
+    assert torch_path.decode_step_attention is None and torch_path.cache_dtype == torch.int8
+    ids = torch.tensor([rows[0]])  # a prefill without the pool (the quality lab's logits) sees int8's values too
+    unpaged = torch_path.logits(ids, torch.ones_like(ids), torch.arange(len(rows[0]))[None], keep=1)[0, -1]
+    torch.testing.assert_close(unpaged, reference[0][0], atol=2e-4, rtol=1e-4)  # 2e-6 measured; fp32's: ~0.1
+    _, float_logits, float_sequences = run("torch", "fp32")
+    same = next((j for j in range(6) if any(f[len(r) + j] != s[len(r) + j]
+                                            for r, f, s in zip(rows, float_sequences, sequences))), 6)
+    assert same >= 3  # the first tokens agree (a random tiny model has near ties later)
+    for a, b in zip(reference[:same + 1], float_logits[:same + 1]):  # the same inputs so far
+        # NOTE: as bf16's check (test_bf16_decoder_tracks_transformers_bf16) against the largest logit; measured 0.024 at most
+        assert (a - b).abs().max() / b.abs().max() < 0.06
+    for build in (isa.name for isa in ISAS if isa_reason(isa) is None):
+        fused, steps, fused_sequences = run(f"servelab-{build}", "int8")
+        assert fused.decode_step_attention is not None
+        assert fused_sequences == sequences
+        for a, b in zip(steps, reference):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

@@ -1,8 +1,8 @@
 """The paged KV cache: the block manager's books (sharing, reference counts, least-recently-used eviction), and the
 engine decoding through it like the naive reference: rows joining and leaving at random on each kernel build this
 CPU runs, a pool so small that rows must give their blocks back mid-decode, prompts served from cached blocks
-(a prefix ending mid-block, a block evicted between two requests) and prompts prefilled in chunks beside
-decoding rows."""
+(a prefix ending mid-block, a block evicted between two requests), prompts prefilled in chunks beside
+decoding rows, and an int8 pool serving cached blocks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from servelab.engine.blocks import BlockManager, OutOfBlocks
-from servelab.engine.engine import Engine
+from servelab.engine.decoder import TransformersDecoder
+from servelab.engine.engine import Engine, cache_namespace
 from servelab.engine.kernels import ISAS, isa_reason
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
@@ -183,6 +184,28 @@ def test_logits_from_cached_blocks_match_a_whole_prefill_and_an_evicted_block_is
     engine.blocks.reset_prefix_cache()  # every unreferenced cached block is evicted
     again = engine.generate([request]).completions[0]
     assert again.num_cached_tokens == 0 and again.token_ids == whole.token_ids
+
+
+def test_an_int8_pool_serves_cached_blocks_holds_its_scales_and_names_int8_in_the_prefix_namespace(
+        tiny_folder: Path, settings: Settings, prefix_engines) -> None:
+    engine = Engine.from_config(make_config(str(tiny_folder), kv_cache_dtype="int8",
+                                            kv_cache={"block_size": 4, "prefix_caching": True}), settings)
+    fp32 = prefix_engines[True]
+    assert engine.decoder.decode_step_attention is not None  # the fused kernel reads the int8 pool as stored
+    request = GenerationRequest("x", prompt=f"{SYSTEM} the night is", params=SamplingParams(max_new_tokens=8))
+    whole = engine.generate([request]).completions[0]
+    cached = engine.generate([request]).completions[0]
+    assert whole.num_cached_tokens == 0 < cached.num_cached_tokens and cached.token_ids == whole.token_ids
+    pool = engine._paged
+    assert pool.keys[0].dtype == torch.int8 and pool.key_scales[0].shape == pool.keys[0].shape[:3]
+    assert pool.allocated_bytes == pool.num_allocated_blocks * pool.block_bytes
+    head_dim = engine.loaded.shape.head_dim  # 16 here: a scale (4 bytes) per 16 int8 values
+    assert pool.block_bytes * 4 * head_dim == fp32._paged.block_bytes * (head_dim + 4)
+    assert engine.kv_bytes_per_element == 1 + 4 / head_dim
+    namespaces = {cache_namespace(e.config, e.loaded.dtype) for e in (engine, fp32)}
+    assert len(namespaces) == 2 and any("|int8|" in n for n in namespaces)  # int8 blocks are never found by fp32
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs servelab's decoder"):
+        TransformersDecoder(engine.loaded.model, kv_cache_dtype="int8", dtype=torch.float32)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_decode_every_step(tiny_folder: Path,

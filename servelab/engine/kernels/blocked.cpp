@@ -35,6 +35,7 @@
 namespace {
 
 constexpr int64_t kBlock = 16;
+constexpr int64_t kMaxHeadDim = 256;  // an int8 KV cache's head_dim, at most (attend_group_paged's key buffer)
 
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
@@ -64,6 +65,7 @@ inline Vec vload(const at::BFloat16* p) {
 }
 inline Vec vload(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline Vec vload_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline Vec vload(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 // A line of bf16 pairs (lane j: k in the low half, k + 1 in the high half) -> the k and k + 1 fp32 vectors.
 inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   const __m512i raw = _mm512_loadu_si512(p);
@@ -113,6 +115,7 @@ inline Vec vload(const at::BFloat16* p) {
 }
 inline Vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline Vec vload_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline Vec vload(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -1045,34 +1048,88 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
 }
 
 // One row, one kv head, over a paged cache: as attend_group, column s read from block table[s / bs] at offset
-// s % bs (k0, v0: the kv head's columns in block 0; block_stride: elements from one block to the next). The sums
-// run over the columns in the same order as attend_group's, so both give the same bits.
+// s % bs (k0, v0: the kv head's columns in block 0; block_stride: elements from one block to the next). Scores and
+// value sums run over the columns in attend_group's order; the softmax is vectorised (so the two differ in the last
+// bits). An int8 cache (KV int8_t)
+// holds a scale per column and kv head (ks0, vs0: the kv head's scales in block 0, scale_stride from one block to
+// the next): a score is q . k_int8 times the key's scale, a value row weighs its probability times its scale, so
+// the cache is read as it is stored (a quarter of fp32's bytes), never dequantised into a copy.
 template <typename Q, typename KV>
 void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const KV* v0, int64_t block_stride,
                         const int32_t* table, int64_t bs, int64_t S, int64_t D, float scale, int64_t G, Q* out,
-                        int64_t out_head_stride, float* scores) {
+                        int64_t out_head_stride, float* scores, const float* ks0 = nullptr,
+                        const float* vs0 = nullptr, int64_t scale_stride = 0) {
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t num_blocks = (S + bs - 1) / bs;
-  for (int64_t g = 0; g < G; ++g) {
-    const Q* qg = q + g * q_head_stride;
-    float* sc = scores + g * S;
-    float max_score = -INFINITY;
+  float maxes[16];  // G <= 16
+  if constexpr (kInt8) {
+    // NOTE: keys outer, heads inner: each int8 key is widened to fp32 once (into L1), then serves the G query
+    // heads; the products and sums are attend_group's, in its order, so the scores' bits do not change
+    alignas(64) float key[kMaxHeadDim];
+    for (int64_t g = 0; g < G; ++g) maxes[g] = -INFINITY;
     for (int64_t j = 0; j < num_blocks; ++j) {
       const KV* kb = k0 + static_cast<int64_t>(table[j]) * block_stride;
+      const float* ks = ks0 + static_cast<int64_t>(table[j]) * scale_stride;
       const int64_t n = std::min(bs, S - j * bs);
       for (int64_t o = 0; o < n; ++o) {
-        Vec acc = vzero();
-        for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(kb + o * D + d), acc);
-        const float score = vsum(acc) * scale;
-        sc[j * bs + o] = score;
-        max_score = std::max(max_score, score);
+        for (int64_t d = 0; d < D; d += kLanes) vstore(key + d, vload(kb + o * D + d));
+        for (int64_t g = 0; g < G; ++g) {
+          const Q* qg = q + g * q_head_stride;
+          Vec acc = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(key + d), acc);
+          const float score = vsum(acc) * scale * ks[o];
+          scores[g * S + j * bs + o] = score;
+          maxes[g] = std::max(maxes[g], score);
+        }
       }
     }
-    float total = 0.f;
-    for (int64_t s = 0; s < S; ++s) {
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * S;
+    float max_score = -INFINITY;
+    if constexpr (kInt8) {
+      max_score = maxes[g];
+    } else {
+      const Q* qg = q + g * q_head_stride;
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const KV* kb = k0 + static_cast<int64_t>(table[j]) * block_stride;
+        const int64_t n = std::min(bs, S - j * bs);
+        for (int64_t o = 0; o < n; ++o) {
+          Vec acc = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(vload(qg + d), vload(kb + o * D + d), acc);
+          const float score = vsum(acc) * scale;
+          sc[j * bs + o] = score;
+          max_score = std::max(max_score, score);
+        }
+      }
+    }
+    // NOTE: the exponentials vectorised (vexp, about 1 ulp from std::exp): scalar ones took about as long as the
+    // rest of a long row's attention. Lanes summed apart, then together: not attend_group's order, so the two
+    // differ in the last bits
+    const Vec shift = vset1(-max_score);
+    Vec lanes = vzero();
+    int64_t s = 0;
+    for (; s + kLanes <= S; s += kLanes) {
+      const Vec e = vexp(vadd(vload(sc + s), shift));
+      vstore(sc + s, e);
+      lanes = vadd(lanes, e);
+    }
+    float total = vsum(lanes);
+    for (; s < S; ++s) {
       sc[s] = std::exp(sc[s] - max_score);
       total += sc[s];
     }
-    for (int64_t s = 0; s < S; ++s) sc[s] /= total;
+    const Vec total_v = vset1(total);
+    for (s = 0; s + kLanes <= S; s += kLanes) vstore(sc + s, vdiv(vload(sc + s), total_v));
+    for (; s < S; ++s) sc[s] /= total;
+  }
+  if constexpr (kInt8) {  // each probability times its value row's scale, once for every d below
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const float* vs = vs0 + static_cast<int64_t>(table[j]) * scale_stride;
+      const int64_t n = std::min(bs, S - j * bs);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t o = 0; o < n; ++o) scores[g * S + j * bs + o] *= vs[o];
+    }
   }
   for (int64_t d = 0; d < D; d += kLanes) {
     Vec acc[16];  // G <= 16 query heads per kv head
@@ -1089,11 +1146,22 @@ void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const K
   }
 }
 
+// One head's key or value (D fp32) -> int8 and its scale, symmetric: scale = max |x| / 127, q = x (127 / max |x|)
+// rounded half to even (as torch.round; kvcache.py's quantize_heads gives the same bits), all zeros -> scale 0.
+inline void quantize_head(const float* x, int64_t D, int8_t* out, float* scale) {
+  float top = 0.f;
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(x[d]));
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[d] * inv))));
+  *scale = top / 127.f;
+}
+
 template <typename Q, typename KV>
 void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                 const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
                                 const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t H, double scale,
-                                torch::Tensor& out) {
+                                torch::Tensor& out, float* key_scales = nullptr, float* value_scales = nullptr) {
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), G = H / H_kv, bs = keys.size(2);
   const Q* X = qkv.data_ptr<Q>();
   const Q* COS = cos.data_ptr<Q>();
@@ -1105,9 +1173,10 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
   KV* Kc = keys.data_ptr<KV>();
   KV* Vc = values.data_ptr<KV>();
   Q* O = out.data_ptr<Q>();
+  const int64_t scale_stride = H_kv * bs;  // scales (blocks, H_kv, block_size)
   at::parallel_for(0, B * H_kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<Q> queries(G * D);
-    std::vector<float> scores;
+    std::vector<float> scores, fresh(kInt8 ? D : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H_kv, h = i % H_kv, n = L[b];
       const Q* row = X + b * qkv.stride(0);
@@ -1117,12 +1186,26 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
       KV* k0 = Kc + h * keys.stride(1);
       KV* v0 = Vc + h * values.stride(1);
       const int64_t at = static_cast<int64_t>(table[n / bs]) * keys.stride(0) + (n % bs) * D;  // column n
-      rotate_head(row + (H + h) * D, c, s, D, k0 + at);  // the new key
-      for (int64_t d = 0; d < D; ++d) v0[at + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
+      if constexpr (kInt8) {
+        const int64_t at_scale = static_cast<int64_t>(table[n / bs]) * scale_stride + h * bs + n % bs;
+        rotate_head(row + (H + h) * D, c, s, D, fresh.data());  // the new key, rotated in Q's rounding
+        quantize_head(fresh.data(), D, k0 + at, key_scales + at_scale);
+        for (int64_t d = 0; d < D; ++d) fresh[d] = static_cast<float>(row[(H + H_kv + h) * D + d]);
+        quantize_head(fresh.data(), D, v0 + at, value_scales + at_scale);
+      } else {
+        rotate_head(row + (H + h) * D, c, s, D, k0 + at);  // the new key
+        for (int64_t d = 0; d < D; ++d) v0[at + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
+      }
       for (int64_t g = 0; g < G; ++g) rotate_head(row + (h * G + g) * D, c, s, D, queries.data() + g * D);
       scores.resize(G * (n + 1));
-      attend_group_paged(queries.data(), D, static_cast<const KV*>(k0), static_cast<const KV*>(v0), keys.stride(0),
-                         table, bs, n + 1, D, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data());
+      if constexpr (kInt8) {
+        attend_group_paged(queries.data(), D, static_cast<const KV*>(k0), static_cast<const KV*>(v0), keys.stride(0),
+                           table, bs, n + 1, D, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data(),
+                           key_scales + h * bs, value_scales + h * bs, scale_stride);
+      } else {
+        attend_group_paged(queries.data(), D, static_cast<const KV*>(k0), static_cast<const KV*>(v0), keys.stride(0),
+                           table, bs, n + 1, D, static_cast<float>(scale), G, O + b * H * D + h * G * D, D, scores.data());
+      }
     }
   });
 }
@@ -1158,11 +1241,13 @@ void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
 // (B, >= blocks a row holds) int32. Each row's key (rotated) and value are written at column lengths[b] (block
 // block_table[b][n / block_size], offset n % block_size), then its rotated queries attend over columns
 // 0..lengths[b] -> (B, H x D) in qkv's dtype. Rotation as transformers rounds it in qkv's dtype; softmax and sums
-// in fp32.
+// in fp32. An int8 pool comes with key_scales / value_scales (blocks, H_kv, block_size) fp32: the new key and value
+// are quantised per kv head as they are written (quantize_head), and read as attend_group_paged says.
 torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                     const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
                                     const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t num_heads,
-                                    double scale) {
+                                    double scale, const c10::optional<torch::Tensor>& key_scales = c10::nullopt,
+                                    const c10::optional<torch::Tensor>& value_scales = c10::nullopt) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "decode_step_attention: qkv (B, heads, D)");
   const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), bs = keys.size(2);
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() && keys.is_contiguous() &&
@@ -1175,6 +1260,15 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
               lengths.numel() == B && positions.is_contiguous() && lengths.is_contiguous(), "decode_step_attention: positions, lengths (B,) int64");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.dim() == 2 && block_table.size(0) >= B &&
               block_table.stride(1) == 1, "decode_step_attention: block_table (B, blocks) int32");
+  const bool int8 = keys.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 == key_scales.has_value() && int8 == value_scales.has_value(),
+              "decode_step_attention: an int8 pool, and only an int8 pool, comes with key_scales and value_scales");
+  if (int8) {
+    TORCH_CHECK(D <= kMaxHeadDim, "decode_step_attention: an int8 cache's head_dim is at most ", kMaxHeadDim);
+    for (const auto* t : {&*key_scales, &*value_scales})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 && t->size(0) == keys.size(0) &&
+                  t->size(1) == H_kv && t->size(2) == bs, "decode_step_attention: scales (blocks, H_kv, block_size) fp32, contiguous");
+  }
   const int32_t* T = block_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {  // NOTE: a loop, not tensor reductions: this runs once per layer and step
     const int64_t position = positions.data_ptr<int64_t>()[b], length = lengths.data_ptr<int64_t>()[b];
@@ -1191,7 +1285,9 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
   else if (qt == torch::kFloat32 && kt == torch::kBFloat16) decode_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
   else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) decode_step_attention_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
   else if (qt == torch::kBFloat16 && kt == torch::kFloat32) decode_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
-  else TORCH_CHECK(false, "decode_step_attention: fp32 or bf16 queries and cache");
+  else if (qt == torch::kFloat32 && int8) decode_step_attention_impl<float, int8_t>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+  else if (qt == torch::kBFloat16 && int8) decode_step_attention_impl<at::BFloat16, int8_t>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+  else TORCH_CHECK(false, "decode_step_attention: fp32 or bf16 queries, an fp32, bf16 or int8 cache");
   return out;
 }
 
@@ -1267,17 +1363,23 @@ class Int4DecodeStack {
   }
 
   // h (B, C) -> h after every layer; keys / values: each layer's pool (blocks, H_kv, block_size, D), read through
-  // block_table (B, blocks) int32.
+  // block_table (B, blocks) int32; an int8 pool's key_scales / value_scales per layer (none for a float pool).
   torch::Tensor step(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                      std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, const torch::Tensor& lengths,
-                     const torch::Tensor& block_table) const {
+                     const torch::Tensor& block_table, std::vector<torch::Tensor> key_scales,
+                     std::vector<torch::Tensor> value_scales) const {
     TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "Int4DecodeStack: one cache per layer");
+    TORCH_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == layers_.size()),
+                "Int4DecodeStack: an int8 cache's scales for every layer, or none");
     const int64_t B = h.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto qkv = apply(layer.qkv, rms_norm(h, layer.attn_norm, eps_), c10::nullopt).view({B, H_ + 2 * H_kv_, D_});
-      const auto attended = decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale);
+      const auto attended = key_scales.empty()
+          ? decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale)
+          : decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale,
+                                  key_scales[i], value_scales[i]);
       h = apply(layer.o, attended, h);
       h = apply(layer.down, silu_mul(apply(layer.gate_up, rms_norm(h, layer.mlp_norm, eps_), c10::nullopt)), h);
     }
@@ -1359,11 +1461,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
   m.def("decode_step_attention", &decode_step_attention,
-        "a decode step's rotary positions, cache write and attention for one layer over the paged cache, fused");
+        "a decode step's rotary positions, cache write and attention for one layer over the paged cache, fused",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("keys"), py::arg("values"),
+        py::arg("lengths"), py::arg("block_table"), py::arg("num_heads"), py::arg("scale"),
+        py::arg("key_scales") = py::none(), py::arg("value_scales") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
   py::class_<Int4DecodeStack>(m, "Int4DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Int4DecodeStack::add_layer)
-      .def("step", &Int4DecodeStack::step)
+      .def("step", &Int4DecodeStack::step, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+           py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("block_table"),
+           py::arg("key_scales") = std::vector<torch::Tensor>(), py::arg("value_scales") = std::vector<torch::Tensor>())
       .def("num_layers", &Int4DecodeStack::num_layers);
 }
