@@ -154,7 +154,7 @@ def _write_lines(session: Session, job: store.StoredJob, final: BatchStatus, out
             cached_tokens += r.num_cached_tokens or 0
             answer = Answer(r.id, r.serving_config_name, int(r.finished_at.timestamp()), r.num_prompt_tokens,
                             (Choice.of_stored(r.text, r.finish_reason, r.num_generated_tokens, r.logprobs),),
-                            r.num_cached_tokens or 0, tool_calls=is_tool_call((r.sampling or {}).get("constraint")))
+                            r.num_cached_tokens or 0, tool_calls=is_tool_call(r.constraint))
             body = response_object(job.endpoint, answer)
             _line(output, r.id, r.custom_id, response={"status_code": 200, "request_id": r.id, "body": body})
             num_output += 1

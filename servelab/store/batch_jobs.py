@@ -121,7 +121,7 @@ class JobRequest:
     num_generated_tokens: int | None
     logprobs: list[dict[str, Any]] | None = None  # as stored, when the line asked for them
     num_cached_tokens: int | None = None  # of num_prompt_tokens, served from the prefix cache
-    sampling: dict[str, Any] | None = None  # as stored (its constraint says whether the answer is a tool call)
+    constraint: str | None = None  # the stored sampling's constraint, if any (it says whether the answer is a tool call)
 
 
 TIMESTAMPS = ("created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
@@ -400,7 +400,9 @@ def iter_job_requests(session: Session, *, job_id: uuid.UUID, page_size: int = 1
         select(RequestRow.id, RequestRow.custom_id, RequestRow.serving_config_name, RequestRow.status,
                RequestRow.error, RequestRow.finish_reason, RequestRow.finished_at, ResultRow.text,
                ResultRow.num_prompt_tokens, ResultRow.num_generated_tokens, ResultRow.logprobs,
-               ResultRow.num_cached_tokens, RequestRow.sampling)
+               ResultRow.num_cached_tokens,
+               # NOTE: the constraint alone, not the whole sampling object: a page of 1,000 rows stays small
+               RequestRow.sampling["constraint"].astext)
         .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
         .where(RequestRow.batch_job_id == job_id).order_by(RequestRow.enqueued_at, RequestRow.id)
     )
