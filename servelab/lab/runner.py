@@ -59,6 +59,7 @@ class WorkerProcess:
     def __init__(self, config_path: Path, runtime: Runtime, name: str) -> None:
         self.config_path, self.runtime, self.name = config_path, runtime, name
         self.proc: subprocess.Popen | None = None
+        self.log_path = Path(runtime.settings.state_dir) / "logs" / f"{name}.log"
 
     def __enter__(self) -> WorkerProcess:
         self.launch()
@@ -73,20 +74,32 @@ class WorkerProcess:
                "SERVELAB_CACHE_DIR": str(Path(s.cache_dir).resolve()), "SERVELAB_WORKER_NAME": self.name}
         if s.num_threads:
             env["SERVELAB_NUM_THREADS"] = str(s.num_threads)
-        # NOTE: the worker's stdout goes to this process's stderr: stdout is the lab commands' data (--json)
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.gpu", str(self.config_path.resolve())],
-                                     cwd=REPO, env=env, stdout=2)
+        # NOTE: the worker's output (its log, libraries' progress bars) goes to its own file, never to this
+        # process's stdout (the lab commands' data, --json) or to the console a user reads the verdict on
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "worker.gpu", str(self.config_path.resolve())],
+                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_registered(self) -> None:
         """Until the worker has loaded its model and registered (its hardware row), or a RunError."""
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RunError(f"worker for {self.config_path} exited with code {self.proc.returncode} while starting")
+                raise RunError(f"worker for {self.config_path} exited with code {self.proc.returncode} while starting; "
+                               f"its output: {self.log_path}{self._last_lines()}")
             if self.hardware() is not None:
                 return
             time.sleep(0.2)
-        raise RunError(f"worker for {self.config_path} did not start within {WORKER_START_TIMEOUT_S:.0f} s")
+        raise RunError(f"worker for {self.config_path} did not start within {WORKER_START_TIMEOUT_S:.0f} s; "
+                       f"its output: {self.log_path}{self._last_lines()}")
+
+    def _last_lines(self, count: int = 5) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-count:]
+        except OSError:
+            return ""
+        return "".join(f"\n  {line}" for line in lines)
 
     def hardware(self) -> dict | None:
         with session_scope(self.runtime.sessions) as session:

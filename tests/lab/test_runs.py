@@ -137,3 +137,20 @@ def test_a_run_is_refused_while_another_worker_serves_its_config(tmp_path, tiny_
                         config_hash=config.config_hash, hardware={}, software={})
     with pytest.raises(RunError, match=f"already serves config '{config.name}'"):
         start_worker(config, config_path, runtime)
+
+
+def test_a_worker_that_fails_to_start_is_named_with_its_own_log(tmp_path, runtime) -> None:
+    """A lab worker's output goes to its own file under the state folder, never to the console the verdict is
+    printed on; a start that fails names that file and its last lines."""
+    from servelab.lab.runner import RunError
+
+    config_path = tmp_path / "missing.yaml"
+    config_path.write_text(f"name: missing-{uuid.uuid4().hex[:6]}\nmodel: {tmp_path / 'no-such-model'}\n"
+                           "weights: fp32\ndevice: cpu\nnum_threads: 1\n")
+    config = ServingConfig.from_yaml(config_path)
+    with pytest.raises(RunError, match=r"exited with code \d+ while starting; its output: .*lab-missing-") as info:
+        with start_worker(config, config_path, runtime):
+            pass
+    log = Path(str(info.value).split("its output: ")[1].splitlines()[0])
+    assert log.is_file() and log.parent == Path(runtime.settings.state_dir) / "logs"
+    assert "no-such-model" in log.read_text() and "no-such-model" in str(info.value)
