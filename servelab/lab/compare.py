@@ -63,8 +63,10 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> 
                     run_ids[name].append(outcome.run_id)
     if plan.spec.quality.lambada_samples or plan.spec.quality.long_context_segments:
         for config, _ in configs:
-            progress(f"[{config.name}] LAMBADA on {plan.spec.quality.lambada_samples} passages, long-context "
-                     f"perplexity on {plan.spec.quality.long_context_segments} segments")
+            q = plan.spec.quality
+            asked = [f"LAMBADA on {q.lambada_samples} passages" if q.lambada_samples else "",
+                     f"long-context perplexity on {q.long_context_segments} segments" if q.long_context_segments else ""]
+            progress(f"[{config.name}] " + ", ".join(a for a in asked if a))
             quality = measure_quality(config, runtime, plan.spec.quality)
             with session_scope(runtime.sessions) as session:
                 for run_id in run_ids[config.name]:
