@@ -13,6 +13,7 @@ import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from servelab.config import ServingConfig
 from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# NOTE: transformers' "Loading weights" bar on every load (a worker, the lab's quality step) says nothing a user acts on
+transformers_logging.disable_progress_bar()
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -9,11 +9,15 @@ import sys
 
 from tests.conftest import REPO
 
-NOISE = ("Failed to load", "_pytree", "GPT-QModel", "GIL is enabled", "Auto setting", "register_constant")
+NOISE = ("Loading weights", "Failed to load", "_pytree", "GPT-QModel", "GIL is enabled", "Auto setting", "register_constant")
 
 
-def test_loading_the_engine_and_gptqmodel_prints_no_library_noise() -> None:
+def test_loading_the_engine_and_gptqmodel_prints_no_library_noise(tiny_folder) -> None:
     script = ("import servelab.engine.engine\n"
+              "from servelab.engine.loader import load_dense_model\n"
+              "from servelab.config import ServingConfig\n"
+              "from servelab.settings import Settings\n"
+              f"load_dense_model(ServingConfig(name='q', model='{tiny_folder}'), Settings(cache_dir='{REPO / '.cache'}'))\n"
               "from servelab.engine.awq.gptq_cpu import import_gptqmodel\n"
               "import_gptqmodel()\n"
               "print('loaded')\n")
