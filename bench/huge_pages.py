@@ -9,28 +9,17 @@ It also prints how much of the arena the kernel backed with huge pages. Where tr
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from bench.side_by_side import compare_decode, positive_ints
-from servelab.config import ConfigError, ServingConfig
+from bench.side_by_side import compare_decode, config_bench_args
 from servelab.engine.engine import Engine
 from servelab.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.huge_pages", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="a serving config (YAML)")
-    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 16])
-    parser.add_argument("--rounds", type=int, choices=range(1, 21), default=5, metavar="1..20")
-    args = parser.parse_args(argv)
-    try:
-        config = ServingConfig.from_yaml(args.config)
-    except ConfigError as error:
-        parser.error(str(error))
+    args, config = config_bench_args("python -m bench.huge_pages", __doc__.split("\n\n")[0], argv, batch_sizes=[1, 16], rounds=5)
     torch.set_num_threads(1)
     settings = Settings()  # SERVELAB_CACHE_DIR, else .cache
     plain = Engine.from_config(config, settings.model_copy(update={"huge_pages": False}))

@@ -1,13 +1,16 @@
 """Two engines' decode speed side by side in one process, interleaved round by round (the machine's load moves
 both alike): decode tok/s = B x (N - 1) / (t_N - t_1) with a 64-token prompt and N = 64 new tokens (EOS ignored),
-the ratio second / first per round and its median. Used by bench.int4_activations and bench.huge_pages."""
+the ratio second / first per round and its median. Used by bench.int4_activations and bench.huge_pages; the command
+line of a bench over one config's batch sizes (`config_bench_args`) by bench.huge_pages and bench.structured."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from pathlib import Path
 
+from servelab.config import ConfigError, ServingConfig
 from servelab.engine.engine import Engine
 from servelab.request import GenerationRequest, SamplingParams
 
@@ -51,3 +54,17 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
     return values
+
+
+def config_bench_args(prog: str, description: str, argv: list[str] | None, *, batch_sizes: list[int],
+                      rounds: int) -> tuple[argparse.Namespace, ServingConfig]:
+    """--config (a serving config, its errors the parser's), --batch-sizes and --rounds (1..20) -> (args, config)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", type=Path, required=True, help="a serving config (YAML)")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=batch_sizes)
+    parser.add_argument("--rounds", type=int, choices=range(1, 21), default=rounds, metavar="1..20")
+    args = parser.parse_args(argv)
+    try:
+        return args, ServingConfig.from_yaml(args.config)
+    except ConfigError as error:
+        parser.error(str(error))

@@ -12,17 +12,14 @@ free row pays for a constrained batch-mate, and the constraint's compile time (i
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from bench.side_by_side import positive_ints
-from servelab.config import ConfigError, ServingConfig
+from bench.side_by_side import config_bench_args
 from servelab.engine.engine import Engine, _allowed
 from servelab.engine.sampling import sample_next
 from servelab.engine.grammar import constraint_json
@@ -91,15 +88,7 @@ def _mask_cost(engine: Engine, rows: int, repeats: int = 200) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="a serving config (YAML)")
-    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 8])
-    parser.add_argument("--rounds", type=int, choices=range(1, 21), default=3, metavar="1..20")
-    args = parser.parse_args(argv)
-    try:
-        config = ServingConfig.from_yaml(args.config)
-    except ConfigError as error:
-        parser.error(str(error))
+    args, config = config_bench_args("python -m bench.structured", __doc__.split("\n\n")[0], argv, batch_sizes=[1, 8], rounds=3)
     torch.set_num_threads(1)
     engine = Engine.from_config(config, Settings())
     print(f"{config.name}: {engine.kernel}; CPU {describe_hardware().cpu}, 1 thread", flush=True)
