@@ -178,15 +178,15 @@ def quality(
     """LAMBADA last-word accuracy and perplexity of each config through the serving engine, paired."""
     serving = [load_config(path) for path in config_paths(configs)]
 
-    from servelab.engine.engine import Engine
     from servelab.engine.loader import ModelLoadError
-    from servelab.lab.quality import accuracy_drop, evaluate_lambada, lambada_passages, perplexity_ratio
+    from servelab.lab.quality import (accuracy_drop, evaluate_lambada, lambada_passages, perplexity_ratio,
+                                      scoring_engine)
 
     passages = lambada_passages(samples, seed=seed)
     results = []
     for config in serving:
         try:
-            engine = Engine.from_config(config, settings())
+            engine = scoring_engine(config, settings())
         except ModelLoadError as exc:
             fail(str(exc))
         results.append(evaluate_lambada(engine, passages, batch_size=config.batching.max_batch_size))

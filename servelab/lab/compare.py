@@ -87,10 +87,9 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> 
 def measure_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec) -> dict[str, Any]:
     """LAMBADA (and, when asked, long-context perplexity) through the serving engine with this config's weights, cache,
     attention window and batching."""
-    from servelab.engine.engine import Engine
-    from servelab.lab.quality import evaluate_lambada, lambada_passages
+    from servelab.lab.quality import evaluate_lambada, lambada_passages, scoring_engine
 
-    engine = Engine.from_config(config, runtime.settings)
+    engine = scoring_engine(config, runtime.settings)
     record: dict[str, Any] = {}
     if spec.lambada_samples:
         record = quality_record(evaluate_lambada(engine, lambada_passages(spec.lambada_samples, seed=spec.seed),

@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.request import FinishReason
+from servelab.settings import Settings, available_cores
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.analysis.stats import (Estimate, bootstrap, common_prefix_length, paired_perplexity_ratio,
                                      paired_proportion_difference, wilson_interval)
@@ -167,6 +169,20 @@ def is_last_word_correct(generated: str, target: str, *, is_cut_off: bool = Fals
 
 
 # --- scoring through the engine ---
+
+def scoring_engine(config: ServingConfig, settings: Settings) -> Engine:
+    """The config's engine for offline scoring (LAMBADA, long-context perplexity), on every core this process may use.
+
+    Built at the config's own thread count, so it picks the kernels it serves with (`linear_kernel: auto` measures at
+    the count it is built at); then torch's threads go up to every available core. servelab's threaded kernels give
+    the single-threaded bits (tests/engine/test_kernel_threads.py); torch's own GEMMs and attention in a prefill may
+    round differently at another count, far below what a quality figure resolves. Scoring is no speed figure, and
+    the lab scores after its workers have stopped, so no measured run shares the cores.
+    """
+    engine = Engine.from_config(config, settings)
+    torch.set_num_threads(available_cores())
+    return engine
+
 
 def evaluate_lambada(engine: Engine, passages: list[LambadaPassage], *, batch_size: int = 16,
                      max_new_tokens: int = 8) -> QualityResult:

@@ -23,7 +23,10 @@ from servelab.lab.quality import (
     load_lambada,
     normalize_word,
     perplexity_ratio,
+    scoring_engine,
 )
+from servelab.settings import available_cores
+from tests.engine.conftest import make_config
 
 NUM_TINY_PASSAGES = 24
 NUM_BUNDLED_PASSAGES = 32
@@ -123,6 +126,24 @@ def test_batched_target_nll_equals_one_unpadded_passage_at_a_time(tiny_engine: E
             assert num == len(tgt)
             assert nll == pytest.approx(reference, rel=1e-4)
             assert is_argmax == (predicting.argmax(dim=-1).tolist() == tgt)
+
+
+def test_scoring_runs_on_every_core_and_scores_as_one_thread_does(tiny_folder, settings) -> None:
+    # NOTE: the lab scores quality on every core once its workers stop; what it scores must not depend on that
+    before = torch.get_num_threads()
+    try:
+        engine = scoring_engine(make_config(str(tiny_folder), num_threads=1), settings)
+        assert torch.get_num_threads() == available_cores()
+        passages = lambada_passages(8, seed=3)
+        torch.set_num_threads(max(2, available_cores()))  # at least two, even where the process has one core
+        threaded = evaluate_lambada(engine, passages, batch_size=4)
+        torch.set_num_threads(1)
+        single = evaluate_lambada(engine, passages, batch_size=4)
+    finally:
+        torch.set_num_threads(before)
+    assert [p.generated_text for p in threaded.passages] == [p.generated_text for p in single.passages]
+    assert [p.is_correct for p in threaded.passages] == [p.is_correct for p in single.passages]
+    assert [p.nll for p in threaded.passages] == pytest.approx([p.nll for p in single.passages], rel=1e-5)
 
 
 @pytest.fixture
