@@ -31,7 +31,9 @@ from servelab.store.migrate import upgrade
 # NOTE: the engines and worker processes a test starts run on one thread unless the test says otherwise: a test
 # session runs several engines and workers at once on a few cores, and an OpenMP team of each on every core
 # oversubscribes them (a sampled tiny-model test took 10-19 s instead of a few). Threaded kernels are tested at
-# explicit thread counts (tests/engine/test_kernel_threads.py).
+# explicit thread counts (tests/engine/test_kernel_threads.py). The fault and stack tests' workers take their count
+# from this variable, so `SERVELAB_NUM_THREADS=2 pytest tests/queue tests/test_stack.py` runs them threaded
+# (docs/development.md).
 os.environ.setdefault("SERVELAB_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]

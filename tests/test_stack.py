@@ -39,7 +39,7 @@ def stack_env(service_settings, state_dir: Path) -> dict[str, str]:
 
 def tiny_config(tmp_path: Path, tiny_folder: Path) -> Path:
     config = tmp_path / "tiny.yaml"
-    config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nnum_threads: 1\n")
+    config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\n")
     return config
 
 

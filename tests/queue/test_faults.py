@@ -35,14 +35,14 @@ class WorkerProcesses:
                  policy: str = "window") -> None:
         self.config = tmp_path / f"{config_name}.yaml"
         self.config.write_text(
-            f"name: {config_name}\nmodel: {tiny_folder}\nweights: fp32\ndevice: cpu\nnum_threads: 1\n"
+            f"name: {config_name}\nmodel: {tiny_folder}\nweights: fp32\ndevice: cpu\n"
             f"batching:\n  policy: {policy}\n  max_batch_size: 8\n  max_wait_ms: 300\n"
             "decoding:\n  max_new_tokens: 32\n  max_context_tokens: 128\n")
         self.marker = tmp_path / "stalled"
         self.env = {**os.environ, "SERVELAB_REDIS_URL": service_settings.redis_url,
                     "SERVELAB_DATABASE_URL": service_settings.database_url,
                     "SERVELAB_KEY_PREFIX": service_settings.key_prefix,
-                    "SERVELAB_CACHE_DIR": str(service_settings.cache_dir), "SERVELAB_NUM_THREADS": "1",
+                    "SERVELAB_CACHE_DIR": str(service_settings.cache_dir),
                     "SERVELAB_CLAIM_IDLE_MS": "1500", "SERVELAB_RENEW_EVERY_S": "0.2",
                     "SERVELAB_TEST_STALL_MARKER": str(self.marker), "PYTHONPATH": str(REPO)}
         self.procs: list[ForkedWorker] = []
