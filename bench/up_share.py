@@ -3,7 +3,8 @@
 Drives a running stack through its OpenAI-compatible API: a burst of requests to model A alone, then the same burst
 to A while B gets its own, in alternating order over rounds; prints A's output tokens/s each way and their ratio
 (medians of rounds, measured side by side in one run). With the workers pinned to their own cores (`servelab up`'s
-default) A should keep about its whole speed; with `--share-cores` both run on every core and A gets about its share.
+default) A should keep about its whole speed; with `--share-cores` both run on every core, each worker's thread team
+contending for them (docs/performance.md has both figures).
 
     servelab up --configs configs/a.yaml,configs/b.yaml       # or --share-cores; each config without num_threads
     SERVELAB_API_KEY=... python -m bench.up_share --models a,b --requests 16 --new-tokens 64 --rounds 3

@@ -21,8 +21,8 @@ import torch
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.request import FinishReason
-from servelab.settings import Settings, available_cores
 from servelab.request import GenerationRequest, SamplingParams
+from servelab.settings import Settings, available_cores
 from servelab.analysis.stats import (Estimate, bootstrap, common_prefix_length, paired_perplexity_ratio,
                                      paired_proportion_difference, wilson_interval)
 
