@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -167,3 +168,47 @@ def test_gpu_workers_split_the_free_cores_and_never_share_one_unless_asked() -> 
     with pytest.raises(StackError, match=r"3 gpu-worker\(s\) to start \(a, b, c\) and 2 free core\(s\) \(0-1\).*--share-cores"):
         worker_cores(["a", "b", "c"], [0, 1])
     assert format_cores((5, 0, 1, 2)) == "0-2,5" and format_cores(()) == ""
+
+
+def test_up_share_measures_a_worker_alone_and_beside_a_busy_one(tmp_path: Path, tiny_folder: Path,
+                                                                   service_settings, redis_client, capsys) -> None:
+    """bench/up_share.py against a real stack of two pinned gpu-workers: it prints A's speed each way, their ratio
+    and one ratio per round (the figures are docs/performance.md's; here only that it measures what it says)."""
+    from bench import up_share
+
+    configs = []
+    for name in ("share-a", "share-b"):
+        configs.append(tmp_path / f"{name}.yaml")
+        configs[-1].write_text(f"name: {name}\nmodel: {tiny_folder}\ndevice: cpu\n")
+    settings = Settings(state_dir=tmp_path / "state", key_prefix=service_settings.key_prefix)
+    env = {**stack_env(service_settings, tmp_path / "state"), "SERVELAB_CONFIGS_DIR": str(tmp_path)}
+    port = free_port()
+    try:
+        start_stack(settings, env=env, config_paths=configs, api_port=port,
+                    share_cores=len(os.sched_getaffinity(0)) < 2)  # pinned where there is a core each
+        made = CliRunner().invoke(app, ["keys", "create", "--tenant", "share"], env=env)
+        assert made.exit_code == 0, made.output
+        up_share.main(["--url", f"http://127.0.0.1:{port}", "--key", made.output.strip(), "--models", "share-a,share-b",
+                       "--requests", "2", "--new-tokens", "4", "--rounds", "2"])
+    finally:
+        stop_stack(settings)
+    out = capsys.readouterr().out
+    assert "2 requests x 4 tokens per burst, 2 rounds" in out
+    summary = next(line for line in out.splitlines() if line.startswith("share-a alone:"))
+    alone, beside, ratio = (float(v) for v in re.findall(
+        r"([\d.]+) tok/s; beside a busy share-b: ([\d.]+) tok/s \(x([\d.]+)\)", summary)[0])
+    assert alone > 0 and beside > 0 and abs(ratio - beside / alone) < 0.01
+    rounds = next(line for line in out.splitlines() if line.startswith("per round, together / alone:"))
+    assert rounds.count("x") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "a", "--key", "k"], "name two served configs"),
+    (["--models", "a,b", "--key", "k", "--rounds", "0"], "must be at least 1"),
+])
+def test_up_share_names_the_bad_option(argv: list[str], message: str, capsys) -> None:
+    from bench import up_share
+
+    with pytest.raises(SystemExit) as ended:
+        up_share.main(argv)
+    assert ended.value.code == 2 and message in capsys.readouterr().err

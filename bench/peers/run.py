@@ -1,4 +1,4 @@
-"""The peer benchmark run: convert, start every adapter, warm up, measure interleaved, report.
+"""The peer benchmark run: convert, start the adapters one by one, warm up, measure interleaved, report.
 
 Knows the order of a run and what becomes of failures: a peer whose venv is missing, whose precision
 has no counterpart, whose conversion or load fails, or that fails at one batch size is shown as such in
@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from bench.peers.machine import MachineFacts, awq_checkpoint, bundled_folder, measure_machine, prompt_ids
@@ -70,12 +72,12 @@ def run(options: Options, threads: int) -> Report:
     machine = measure_machine(threads)
     notes: list[str] = []
     slots, models = prepare(options, folder, notes)
-    processes = start(options, slots, models, threads)
+    processes: dict[Key, EngineProcess] = {}
     try:
-        ready = wait_ready(slots, processes)
+        ready = start_one_at_a_time(launchers(options, slots, models, threads), slots, processes)
+        notes.extend(f"servelab {precision}: {m['info']['kernel']}" for (precision, engine), m in ready.items()
+                     if engine == "servelab" and "kernel" in m.get("info", {}))
         warm_up(options, processes, prompt)
-        for process in processes.values():
-            process.hold()  # NOTE: only the engine being measured runs (measure releases it per call pair)
         samples, firsts, errors = measure(options, processes, prompt)
     finally:
         for process in processes.values():
@@ -160,31 +162,36 @@ def convert(engine: str, label: str, folder: Path, notes: list[str]) -> Path:
     return path
 
 
-def start(options: Options, slots: dict[Key, Slot], models: dict[Key, Path], threads: int) -> dict[Key, EngineProcess]:
-    args = {key: AdapterArgs(str(model), slots[key].label, threads, max(options.batch_sizes),
-                             options.prompt_tokens + options.new_tokens) for key, model in models.items()
-            if slots[key].note is None}
-    say(f"starting {len(args)} adapter(s)")
-    processes: dict[Key, EngineProcess] = {}
-    try:
-        for key, a in args.items():
-            processes[key] = EngineProcess(PEERS[key[1]].python, f"bench.peers.engines.{key[1]}", a,
-                                           LOGS / f"{key[1]}-{key[0]}.log")
-    except BaseException:  # NOTE: interrupted or failed half-way: the ones already started end too
-        for process in processes.values():
-            process.close()
-        raise
-    return processes
+def launchers(options: Options, slots: dict[Key, Slot], models: dict[Key, Path], threads: int
+              ) -> dict[Key, Callable[[], EngineProcess]]:
+    """Each runnable (precision, engine): how to start its adapter."""
+    launch = {}
+    for key, model in models.items():
+        if slots[key].note is None:
+            args = AdapterArgs(str(model), slots[key].label, threads, max(options.batch_sizes),
+                               options.prompt_tokens + options.new_tokens)
+            launch[key] = partial(EngineProcess, PEERS[key[1]].python, f"bench.peers.engines.{key[1]}", args,
+                                  LOGS / f"{key[1]}-{key[0]}.log")
+    return launch
 
 
-def wait_ready(slots: dict[Key, Slot], processes: dict[Key, EngineProcess]) -> dict[Key, dict]:
+def start_one_at_a_time(launch: dict[Key, Callable[[], EngineProcess]], slots: dict[Key, Slot],
+                        processes: dict[Key, EngineProcess]) -> dict[Key, dict]:
+    """Start each adapter, wait for its ready line and hold it stopped before the next one starts; fills
+    `processes` (the caller closes them, also when this raises) and returns each ready message. A load that
+    fails becomes its slot's note. NOTE: one at a time because a load measures: servelab's `auto` kernel
+    choice and int4 crossover time their candidates at the run's thread count, and ten adapters loading
+    side by side on a 2-core machine made those timings (and so the kernels measured) those of a machine
+    the measurement never runs on."""
+    say(f"starting {len(launch)} adapter(s), one at a time")
     ready = {}
-    started = time.monotonic()
-    deadline = started + LOAD_TIMEOUT_S
-    for key, process in list(processes.items()):
+    for key, start in launch.items():
+        started = time.monotonic()
+        process = processes[key] = start()
         try:
-            ready[key] = process.wait_ready(max(1.0, deadline - time.monotonic()))
-            say(f"{key[1]} {slots[key].label} ready ({time.monotonic() - started:.0f} s after the start)")
+            ready[key] = process.wait_ready(LOAD_TIMEOUT_S)
+            process.hold()  # NOTE: only the engine being measured runs (warm-up and measure release it)
+            say(f"{key[1]} {slots[key].label} ready (loaded in {time.monotonic() - started:.0f} s)")
         except EngineError as exc:
             slots[key] = Slot(key[1], slots[key].label, str(exc))
             process.close()
@@ -198,7 +205,8 @@ def warm_up(options: Options, processes: dict[Key, EngineProcess], prompt: list[
         for batch_size in options.batch_sizes:
             say(f"warm-up {precision} {engine} batch {batch_size}")
             try:
-                process.call(Request(batch_size, prompt, 2), CALL_TIMEOUT_S)
+                with process.running():
+                    process.call(Request(batch_size, prompt, 2), CALL_TIMEOUT_S)
             except EngineError:
                 break  # the process is dead; measure() reports why in its cells
 

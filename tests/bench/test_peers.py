@@ -276,3 +276,31 @@ def test_runs_at_several_thread_counts_are_compared_engine_by_engine():
     assert "2t    21.0 (x1.40)" in ct2
     failed = next(line for line in lines if "batch  16 ct2" in line)  # an error at every count: no ratio
     assert "1t       -" in failed and "x" not in failed.split("ct2")[1]
+
+
+def test_adapters_load_one_at_a_time_and_wait_held(tmp_path):
+    """A load measures (servelab's kernel choices time their candidates), so no two adapters load side by side:
+    each starts after the one before is ready and held; a failed load becomes its slot's note."""
+    from functools import partial
+
+    from bench.peers.run import start_one_at_a_time
+
+    record = tmp_path / "loads.txt"
+    behaviours = {("fp32", "a"): "record", ("fp32", "b"): "fail-load", ("bf16", "a"): "record", ("bf16", "b"): "record"}
+    launch = {key: partial(EngineProcess, PYTHON, "tests.bench.fake_adapter",
+                           AdapterArgs(str(record), b, threads=1, max_batch_size=4, max_tokens=16),
+                           tmp_path / f"{key[0]}-{key[1]}.log") for key, b in behaviours.items()}
+    slots = {key: Slot(key[1], b) for key, b in behaviours.items()}
+    processes: dict = {}
+    try:
+        ready = start_one_at_a_time(launch, slots, processes)
+        assert set(ready) == set(processes) == {("fp32", "a"), ("bf16", "a"), ("bf16", "b")}
+        assert "no such model" in slots[("fp32", "b")].note
+        for process in processes.values():
+            assert Path(f"/proc/{process._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        loads = sorted(tuple(float(v) for v in line.split()[1:]) for line in record.read_text().splitlines())
+        assert len(loads) == 3
+        assert all(later[0] >= earlier[1] for earlier, later in zip(loads, loads[1:]))  # never overlapping
+    finally:
+        for process in processes.values():
+            process.close()
