@@ -412,11 +412,16 @@ inline Vec itof(IVec a) { return _mm512_cvtepi32_ps(a); }
 #ifdef __AVX512VNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
 inline IVec idot8(IVec acc, IVec b, IVec s8) { return _mm512_dpbusd_epi32(acc, b, s8); }
+inline IVec idot2(IVec acc, IVec u8a, IVec s8a, IVec u8b, IVec s8b) { return idot(idot(acc, u8a, s8a), u8b, s8b); }
 constexpr int kInt8Offset = 128;
 constexpr const char* kInt8Dot = "AVX-512 VNNI vpdpbusd";
 #else
 inline IVec idot(IVec acc, IVec u8, IVec s8) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+}
+inline IVec idot2(IVec acc, IVec u8a, IVec s8a, IVec u8b, IVec s8b) {  // both pairs' int16 sums added first (below)
+  const IVec pairs = _mm512_add_epi16(_mm512_maddubs_epi16(u8a, s8a), _mm512_maddubs_epi16(u8b, s8b));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 }
 inline IVec idot8(IVec acc, IVec b, IVec s8) {  // |q| and s8 with q's sign: both <= 127, no int16 saturation
   const IVec q = _mm512_xor_si512(b, _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -440,12 +445,19 @@ inline Vec itof(IVec a) { return _mm256_cvtepi32_ps(a); }
 #ifdef __AVXVNNI__
 inline IVec idot(IVec acc, IVec u8, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 inline IVec idot8(IVec acc, IVec b, IVec s8) { return _mm256_dpbusd_avx_epi32(acc, b, s8); }
+inline IVec idot2(IVec acc, IVec u8a, IVec s8a, IVec u8b, IVec s8b) { return idot(idot(acc, u8a, s8a), u8b, s8b); }
 constexpr int kInt8Offset = 128;
 constexpr const char* kInt8Dot = "AVX-VNNI vpdpbusd";
 #else
 // q <= 15 and |xi| <= 127: a pair of products sums to at most 3810, so vpmaddubsw's int16 never saturates.
 inline IVec idot(IVec acc, IVec u8, IVec s8) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+// Two int4 dot products into one accumulator: vpmaddubsw's pair sums (|.| <= 3810) of both added in int16 (<= 7620,
+// exact), then one vpmaddwd + add instead of two: 5 instructions for 6, the same integer sums.
+inline IVec idot2(IVec acc, IVec u8a, IVec s8a, IVec u8b, IVec s8b) {
+  const IVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u8a, s8a), _mm256_maddubs_epi16(u8b, s8b));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 inline IVec idot8(IVec acc, IVec b, IVec s8) {  // |q| and s8 with q's sign: both <= 127, no int16 saturation
   const IVec q = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -520,7 +532,7 @@ void block_int4(QuadAt w, const at::Half* s, const uint8_t* z, const Int4Rows& x
         std::memcpy(&second, x.xi + (row0 + r) * K + u * 8 + 4, 4);
         const IVec xa = iset1(first), xb = iset1(second);
         for (int c = 0; c < C; ++c)
-          for (int v = 0; v < kVecs; ++v) dots[r][c][v] = idot(idot(dots[r][c][v], lo[c][v], xa), hi[c][v], xb);
+          for (int v = 0; v < kVecs; ++v) dots[r][c][v] = idot2(dots[r][c][v], lo[c][v], xa, hi[c][v], xb);
       }
     }
     Vec scale[C][kVecs], zero[C][kVecs];
