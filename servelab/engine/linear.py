@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from bisect import bisect_left
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 
 from servelab.engine.kernels import BLOCK, BlockedKernel, cpu_flags, last_level_cache_bytes, load_blocked_kernel
 from servelab.engine.loader import ModelLoadError, file_lock
+
+log = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch")
 MEASURED_ROWS = (1, 16, 64)  # 'auto' measures at these row counts ...
@@ -260,17 +263,35 @@ def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torc
     return _cached_choice(cache_dir, "", what, measure)
 
 
+# The least share of its threads' time a process must get while it measures for the choice to be cached.
+# Measured on a 2-core AVX-512 EPYC (the int4 crossover): 1.00 at one thread and 0.98 at two on the idle machine;
+# beside a two-thread matmul loop 0.82 and 0.49, when both int4 paths took about 60 ms instead of 0.2 and 0.6 and
+# their ratio (x2.9 idle) measured x1.07 to x1.32: a choice made then is noise, and cached it would stay.
+MIN_CPU_SHARE = 0.9
+
+
 def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[], dict]) -> dict:
     """A measured choice, keyed by everything it depends on (`what`), from the cache or measured now (under a
-    file lock, so workers starting together measure once) and cached with what it was measured on."""
+    file lock, so workers starting together measure once) and cached with what it was measured on. A choice
+    measured while the process did not get its threads' time (other processes on its cores: the CPU time of
+    the measurement under MIN_CPU_SHARE of threads x wall time) serves this process but is not cached: the
+    next start measures again."""
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / "kernels" / "choices" / f"{prefix}{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path.with_suffix(".lock")):
         if path.is_file():
             return json.loads(path.read_text())
-        record = {**measure(), **what}
-        path.write_text(json.dumps(record, indent=1))
+        wall, cpu = time.perf_counter(), time.process_time()
+        measured = measure()
+        share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * what.get("threads", 1), 1e-9)
+        record = {**measured, **what, "cpu_share": round(share, 3)}
+        if share >= MIN_CPU_SHARE:
+            path.write_text(json.dumps(record, indent=1))
+        else:
+            log.warning("kernel choice %s measured on a busy machine (%.0f %% of %d thread(s)' time): used by this "
+                        "process, not cached; the next start measures again", path.stem, 100 * share,
+                        what.get("threads", 1))
     return record
 
 
