@@ -17,6 +17,7 @@ one piece: `auto` measures exactly the layouts it would then serve, so the choic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -254,20 +255,44 @@ def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torc
             "parallel": bool(probe.blocked and probe.blocked.module.parallel())}
 
     def measure() -> dict:
-        timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes)
+        clock = PassClock(torch.get_num_threads())
+        timings = measure_kernels(probe, candidates, dtype=dtype, shapes=shapes, clock=clock)
         families = layout_families(candidates, torch_on_blocked=torch_on_blocked)
         layout, winners = one_layout_winners(timings, families)
         blocked = one_layout_winners(timings, {"servelab": families["servelab"]})[1] if "servelab" in families else None
-        return {"layout": layout, "winners": winners, "blocked_winners": blocked, "seconds": timings}
+        return {"layout": layout, "winners": winners, "blocked_winners": blocked, "seconds": timings,
+                "cpu_share": clock.share}
 
     return _cached_choice(cache_dir, "", what, measure)
 
 
-# The least share of its threads' time a process must get while it measures for the choice to be cached.
+# The least share of its threads' time a process must get while it times the candidates for the choice to be cached.
 # Measured on a 2-core AVX-512 EPYC (the int4 crossover): 1.00 at one thread and 0.98 at two on the idle machine;
 # beside a two-thread matmul loop 0.82 and 0.49, when both int4 paths took about 60 ms instead of 0.2 and 0.6 and
-# their ratio (x2.9 idle) measured x1.07 to x1.32: a choice made then is noise, and cached it would stay.
+# their ratio (x2.9 idle) measured x1.07 to x1.32: a choice made then is noise, and cached it would stay. The share
+# is taken over the timed passes alone (PassClock): taken over the whole measurement, whose set-up (random weights,
+# packing) runs on one thread, an idle 2-core AVX2 EPYC gave 0.86-0.89 at two threads, and no choice was cached there.
 MIN_CPU_SHARE = 0.9
+
+
+class PassClock:
+    """Wall and CPU time summed over the timed passes of a measurement (`with clock:` around each), and the share of
+    its threads' time the process got in them: CPU over threads x wall. Set-up between passes is left out."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads, self.wall, self.cpu = threads, 0.0, 0.0
+
+    def __enter__(self) -> PassClock:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall += time.perf_counter() - self._wall
+        self.cpu += time.process_time() - self._cpu
+
+    @property
+    def share(self) -> float:
+        return self.cpu / max(self.wall * self.threads, 1e-9)
 
 
 def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[], dict]) -> dict:
@@ -275,7 +300,8 @@ def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[
     file lock, so workers starting together measure once) and cached with what it was measured on. A choice
     measured while the process did not get its threads' time (other processes on its cores: the CPU time of
     the measurement under MIN_CPU_SHARE of threads x wall time) serves this process but is not cached: the
-    next start measures again."""
+    next start measures again. measure() may give that share itself ("cpu_share", from a PassClock over its timed
+    passes); else it is taken over the whole call."""
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / "kernels" / "choices" / f"{prefix}{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +310,9 @@ def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[
             return json.loads(path.read_text())
         wall, cpu = time.perf_counter(), time.process_time()
         measured = measure()
-        share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * what.get("threads", 1), 1e-9)
+        share = measured.pop("cpu_share", None)
+        if share is None:  # a measure() without a PassClock: the share over the whole of it
+            share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * what.get("threads", 1), 1e-9)
         record = {**measured, **what, "cpu_share": round(share, 3)}
         if share >= MIN_CPU_SHARE:
             path.write_text(json.dumps(record, indent=1))
@@ -297,9 +325,10 @@ def _cached_choice(cache_dir: Path, prefix: str, what: dict, measure: Callable[[
 
 @torch.inference_mode()
 def measure_kernels(probe: LinearKernel, candidates: list[str], *, dtype: torch.dtype,
-                    shapes: tuple[tuple[int, int], ...], num_rounds: int = 3) -> dict[str, list[float]]:
+                    shapes: tuple[tuple[int, int], ...], num_rounds: int = 3,
+                    clock: PassClock | None = None) -> dict[str, list[float]]:
     """The fastest of `num_rounds` passes of each kernel over all `shapes` at each of MEASURED_ROWS, kernels
-    interleaved round by round. NOTE: the minimum, not the median: on a shared machine other load only
+    interleaved round by round; `clock` times the passes. NOTE: the minimum, not the median: on a shared machine other load only
     ever slows a pass down, so the fastest pass is the kernel's own speed."""
     torch.manual_seed(0)
     weights = [torch.randn(n, k, dtype=dtype) * 0.05 for n, k in shapes]
@@ -309,9 +338,10 @@ def measure_kernels(probe: LinearKernel, candidates: list[str], *, dtype: torch.
         inputs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
         for round_idx in range(num_rounds + 1):  # the first round warms up
             for name in candidates:
-                started = time.perf_counter()
-                for linear, x in zip(linears[name], inputs):
-                    linear(x)
+                with clock or contextlib.nullcontext():
+                    started = time.perf_counter()
+                    for linear, x in zip(linears[name], inputs):
+                        linear(x)
                 if round_idx:
                     samples[name][i].append(time.perf_counter() - started)
     return {name: [min(s) for s in per_rows] for name, per_rows in samples.items()}
@@ -530,21 +560,24 @@ def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[i
             "activations": "float" if float_activations else "int8", "parallel": bool(blocked.module.parallel())}
 
     def measure() -> dict:
-        timings = _measure_int4(blocked, shapes, group, float_activations)
+        clock = PassClock(torch.get_num_threads())
+        timings = _measure_int4(blocked, shapes, group, float_activations, clock=clock)
         int_rows = 1 << 30
         for rows, (dot, tile) in zip(INT4_MEASURED_ROWS, timings):
             if tile < dot:
                 int_rows = max(4, rows // 2)
                 break
-        return {"int_rows": int_rows, "seconds": timings}
+        return {"int_rows": int_rows, "seconds": timings, "cpu_share": clock.share}
 
     return _cached_choice(cache_dir, "int4-", what, measure)["int_rows"]
 
 
 @torch.inference_mode()
 def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], group: int,
-                  float_activations: bool = False, num_rounds: int = 3) -> list[tuple[float, float]]:
-    """(streaming path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds."""
+                  float_activations: bool = False, num_rounds: int = 3,
+                  clock: PassClock | None = None) -> list[tuple[float, float]]:
+    """(streaming path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds;
+    `clock` times the passes."""
     kernel = blocked.module
     generator = torch.Generator().manual_seed(0)
     weights = []
@@ -559,9 +592,10 @@ def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], g
         best = [float("inf"), float("inf")]
         for round_idx in range(num_rounds + 1):  # the first round warms up
             for path, int_rows in enumerate((1 << 30, 0)):
-                started = time.perf_counter()
-                for packed, x in zip(weights, inputs):
-                    kernel.int4_linear(x, *packed, group, int_rows, float_activations=float_activations)
+                with clock or contextlib.nullcontext():
+                    started = time.perf_counter()
+                    for packed, x in zip(weights, inputs):
+                        kernel.int4_linear(x, *packed, group, int_rows, float_activations=float_activations)
                 if round_idx:
                     best[path] = min(best[path], time.perf_counter() - started)
         out.append((best[0], best[1]))

@@ -245,6 +245,30 @@ def test_a_choice_measured_without_its_threads_time_serves_but_is_not_cached(tmp
     assert again == busy
 
 
+def test_the_share_is_taken_over_the_timed_passes_not_the_set_up(tmp_path, monkeypatch) -> None:
+    """Set-up on one thread (random weights, packing) is not the machine being busy: a measurement that waits
+    0.5 s before its timed pass is cached on the share of that pass (PassClock), where the whole call's share
+    would not have been."""
+    monkeypatch.setattr(linear_module, "MIN_CPU_SHARE", 0.3)  # NOTE: as above, a busy loop's share on a loaded machine
+
+    def measure() -> dict:
+        clock = linear_module.PassClock(threads=1)
+        time.sleep(0.5)  # the set-up: no CPU time, not timed
+        with clock:
+            total = sum(i * i for i in range(1_000_000))
+        return {"pick": total, "cpu_share": clock.share}
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    record = linear_module._cached_choice(tmp_path, "t-", {"threads": 1, "probe": "set-up"}, measure)
+    whole_share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    [kept] = (tmp_path / "kernels" / "choices").glob("*.json")
+    assert json.loads(kept.read_text()) == record and record["cpu_share"] >= 0.3 > whole_share
+    clock = linear_module.PassClock(threads=2)
+    with clock:
+        time.sleep(0.05)
+    assert clock.wall >= 0.05 and clock.share < 0.2  # a pass that waits gets no CPU time
+
+
 def test_auto_keeps_one_layout_of_the_weights() -> None:
     """oneDNN fastest at 16 and 64 rows, servelab's kernel at one: two layouts would be two copies of the weights,
     so the layout kept is the one that loses least over the row counts, and only its kernels serve."""
