@@ -52,6 +52,10 @@ def test_int8_matmul_equals_its_quantised_reference(build: str, dtype: torch.dty
         assert (got.float() - x.float() @ weight.to(dtype).float().t()).norm() <= 0.03 * (x.float() @ weight.t()).norm()
     ids = torch.tensor([[0, 5], [71, 3]])
     torch.testing.assert_close(head.rows(ids), exact[ids], rtol=0, atol=0)  # the embedding from the same table
+    every = torch.arange(72)  # every row, the last quad's one block (a stride of 64) as well as the full quads'
+    assert torch.equal(head.rows(every), exact) and head.rows(torch.tensor([], dtype=torch.long)).shape == (0, 128)
+    with pytest.raises(RuntimeError, match="id 80 is outside the table's 80 rows"):
+        head.rows(torch.tensor([80]))
 
 
 def test_int8_head_bytes_are_half_of_bf16(settings) -> None:

@@ -956,6 +956,36 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
+// Rows `ids` of the dequantised int8x16 weight: an embedding lookup from a tied output layer's table. ids (T,) int64
+// -> (T, K) fp32, (q - 128) s as the fp32 product, what dequantising the whole table would give at those rows. Each
+// row's K / 4 units are 4 bytes at a stride of (blocks in its quad) x 64 (quad_at), gathered in one pass.
+torch::Tensor int8_rows(const torch::Tensor& ids, const torch::Tensor& packed, const torch::Tensor& scales) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "int8_rows: ids must be a 1-d int64 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kUnit && packed.is_contiguous() && scales.is_contiguous(),
+              "int8_rows: packed must come from int8_pack");
+  const int64_t T = ids.size(0), num_blocks = packed.size(0), num_units = packed.size(1), N = num_blocks * kBlock;
+  const auto id = ids.contiguous();
+  const int64_t* I = id.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(I[t] >= 0 && I[t] < N, "int8_rows: id ", I[t], " is outside the table's ", N, " rows");
+  auto out = torch::empty({T, num_units * 4}, torch::kFloat32);
+  const uint8_t* W = packed.data_ptr<uint8_t>();
+  const float* S = scales.data_ptr<float>();
+  float* Y = out.data_ptr<float>();
+  at::parallel_for(0, T, grain_for(num_units * kUnit), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = I[t] / kBlock, lane = I[t] % kBlock;
+      const QuadAt at = quad_at(W, b, num_blocks, num_units * kUnit);
+      const uint8_t* row = at.first + lane * 4;
+      const float s = S[I[t]];
+      float* y = Y + t * num_units * 4;
+      for (int64_t u = 0; u < num_units; ++u)
+        for (int j = 0; j < 4; ++j) y[u * 4 + j] = static_cast<float>(static_cast<int>(row[u * at.unit_stride + j]) - 128) * s;
+    }
+  });
+  return out;
+}
+
 std::string int8_dot() { return kInt8Dot; }
 
 namespace {
@@ -1468,6 +1498,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual") = py::none(), py::arg("float_activations") = false);
   m.def("int8_dot", &int8_dot, "the integer dot product this build's int4 and int8 kernels use");
   m.def("int8_pack", &int8_pack, "W (N, K) -> int8 per output row, the int8x16 layout");
+  m.def("int8_rows", &int8_rows, "rows ids of the dequantised int8x16 weight (an embedding lookup)", py::arg("ids"),
+        py::arg("packed"), py::arg("scales"));
   m.def("int8_linear", &int8_linear, "x (M, K) @ W^T (+ residual) with int8 W in the int8x16 layout", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("residual") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
