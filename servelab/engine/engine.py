@@ -38,7 +38,7 @@ from servelab.outputs import (Alternative, BatchResult, BatchTimings, Completion
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
 from servelab.engine.grammar import Grammars
-from servelab.engine.sampling import Allowed, make_generator, read_logprobs, sample_next
+from servelab.engine.sampling import Allowed, kernel_argmax, make_generator, read_logprobs, sample_next
 from servelab.settings import Settings
 
 
@@ -126,6 +126,8 @@ class Engine:
                                      lm_head_weights=config.lm_head_weights)
         self._settings = settings
         self._reference: PreTrainedModel | None = None
+        blocked = getattr(getattr(self.decoder, "kernel", None), "blocked", None)
+        self._argmax = kernel_argmax(blocked.module) if blocked is not None and blocked.module is not None else None
         self.released_bytes = release_copied_weights(loaded.model, self.decoder) if settings is not None else 0
         if self.released_bytes:
             gc.collect()
@@ -578,7 +580,7 @@ class Engine:
         logits = logits.float()
         next_ids = sample_next(logits, [r.request.params for r in rows], [r.generator for r in rows],
                                [r.token_ids for r in rows], [r.prompt_ids for r in rows],
-                               [self._suppressed(r) for r in rows], _allowed(rows, logits.shape[-1]))
+                               [self._suppressed(r) for r in rows], _allowed(rows, logits.shape[-1]), argmax=self._argmax)
         read = self._read_logprobs(logits, next_ids, rows)
         now = time.perf_counter()
         tokens, texts, finished = [], [], []

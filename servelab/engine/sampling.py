@@ -13,7 +13,7 @@ Does not know the model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,17 +49,41 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def kernel_argmax(module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """torch.argmax(logits, dim=-1) through servelab's kernel (argmax_rows in blocked.cpp) for fp32 logits on the
+    CPU: the same indices (the first of tied maxima). For 49,152-token rows on a 2-core AVX2 EPYC at one thread, torch
+    took 51 us for one row and 3.2 ms for 64 (one value at a time), the kernel 10 us and 0.57 ms (x4.9, x5.6). A row
+    holding NaN or an infinity, and any other tensor, goes to torch."""
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1]:
+            return logits.argmax(dim=-1)
+        ids, not_finite = module.argmax_rows(logits.contiguous())
+        if not_finite:
+            bad = ids < 0
+            ids[bad] = logits[bad].argmax(dim=-1)
+        return ids
+
+    return argmax
+
+
 def sample_next(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     generated: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None,
     suppressed: Sequence[Sequence[int]] | None = None, allowed: Allowed | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """logits (B, V), each row's generated token ids so far (and its prompt's, for repetition_penalty), the token
     ids a row may not pick now (min_tokens: EOS and stop_token_ids), the tokens constrained rows may pick (their
     grammars') -> next token ids (B,). `logits` is not changed. vLLM's order: the grammar's mask, suppressed
-    tokens, penalties (repetition, then frequency and presence), temperature, min_p, top-k, top-p."""
+    tokens, penalties (repetition, then frequency and presence), temperature, min_p, top-k, top-p. `argmax`
+    (kernel_argmax) takes torch.argmax's place over the whole batch."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators) == len(generated), logits.shape
-    next_ids = logits.argmax(dim=-1)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
+    next_ids = (argmax or _torch_argmax)(logits)  # (B,) NOTE: most rows are greedy and unpenalised: this is their token
     constrained = dict(zip(allowed.rows, range(len(allowed.rows)))) if allowed is not None else {}
     rows = [i for i, p in enumerate(params)
             if p.has_penalties or (suppressed is not None and suppressed[i]) or i in constrained]

@@ -129,3 +129,31 @@ def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings)
     assert _cpu_quota(tmp_path) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert _cpu_quota(tmp_path) is None
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+def test_argmax_rows_is_torchs_argmax_and_sends_rows_with_nan_or_inf_to_torch(kernel) -> None:
+    """argmax_rows gives torch.argmax's index (the first of tied maxima) for finite rows, at every thread count,
+    with a tail past the last full vector and rows shorter than one; a row holding NaN or an infinity gives -1 and
+    kernel_argmax, the engine's greedy pick, asks torch for it (torch orders NaN above every value)."""
+    from servelab.engine.sampling import kernel_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    for width in (49152, 1003, 7, 1):
+        x = torch.randn(9, width, generator=generator)
+        if width > 100:
+            x[1, 50] = x[1, 900] = x[1].max() + 1  # a tie: the first wins
+            x[2, -1] = x[2].max() + 1  # the largest in the tail
+            x[3] = -0.0
+            x[3, 17] = 0.0  # equal to -0.0: index 0 wins, as in torch
+        results = at_threads(lambda: kernel.argmax_rows(x)[0])
+        assert_same_bits(results, "argmax_rows")
+        assert torch.equal(results[1], x.argmax(dim=-1)) and kernel.argmax_rows(x)[1] == 0, width
+    x = torch.randn(4, 1003, generator=generator)
+    x[0, 10], x[1, 20], x[2, 1000] = float("nan"), float("-inf"), float("inf")
+    ids, not_finite = kernel.argmax_rows(x)
+    assert ids.tolist()[:3] == [-1, -1, -1] and ids[3] == x[3].argmax() and not_finite == 3
+    assert torch.equal(kernel_argmax(kernel)(x), x.argmax(dim=-1))
+    assert torch.equal(kernel_argmax(kernel)(x.double()), x.double().argmax(dim=-1))  # not fp32: torch's own
+    with pytest.raises(RuntimeError, match="rows of no values have no argmax"):
+        kernel.argmax_rows(torch.empty(2, 0))
