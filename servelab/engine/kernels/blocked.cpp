@@ -31,6 +31,9 @@
 #include <type_traits>
 #include <cstring>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -151,6 +154,40 @@ std::atomic<int64_t> min_thread_bytes{32 << 10};
 inline int64_t grain_for(int64_t item_bytes) {
   const int64_t item = std::max<int64_t>(item_bytes, 1);
   return std::max<int64_t>(1, (min_thread_bytes.load(std::memory_order_relaxed) + item - 1) / item);
+}
+
+// A team: the threads of one parallel region that a fused step (Int4DecodeStack) opens once for all its layers,
+// where every kernel would otherwise open and join its own (about 2.5 us each at 2 threads on an AVX2 EPYC, 150 a
+// step). Inside it, split_for gives each thread its static share of a kernel's items, as at::parallel_for would
+// split them, then waits at a barrier; outside one, it is at::parallel_for.
+// A team of one (`alone`) is a thread of a team doing the whole of a kernel by itself, with no barrier: the few rows
+// of a norm or an activation's quantisation every thread repeats for its own copy, where splitting them would cost
+// a barrier for a microsecond of work.
+struct Team {
+  int64_t rank, size;
+  bool alone = false;
+};
+thread_local const Team* current_team = nullptr;
+
+template <typename F>
+void split_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (current_team == nullptr) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  if (current_team->alone) {
+    if (end > begin) f(begin, end);
+    return;
+  }
+  const int64_t range = end - begin;
+  if (range > 0) {
+    const int64_t used = std::min<int64_t>(current_team->size, (range + grain - 1) / std::max<int64_t>(grain, 1));
+    const int64_t chunk = (range + used - 1) / used, first = begin + current_team->rank * chunk;
+    if (first < end) f(first, std::min(end, first + chunk));
+  }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
 }
 
 inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
@@ -681,24 +718,21 @@ inline void quantize_group(const T* xg, int64_t group, int8_t* out, float& d, fl
   dsum = d * vsum(total);
 }
 
+// Into xi (M, K), d and dsum (M, K / group), which the caller holds.
 template <typename T>
-Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vector<int8_t>& xi,
-                       std::vector<float>& d, std::vector<float>& dsum) {
+Int4Rows quantize_rows_into(const T* X, int64_t M, int64_t K, int64_t group, int8_t* xi, float* d, float* dsum) {
   const int64_t groups = K / group;
-  xi.resize(M * K);
-  d.resize(M * groups);
-  dsum.resize(M * groups);
   const int64_t grain = grain_for(K * static_cast<int64_t>(sizeof(T)));  // rows per thread
   if (group % kLanes == 0) {
-    at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    split_for(0, M, grain, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < groups; ++g)
-          quantize_group(X + m * K + g * group, group, xi.data() + m * K + g * group, d[m * groups + g],
+          quantize_group(X + m * K + g * group, group, xi + m * K + g * group, d[m * groups + g],
                          dsum[m * groups + g]);
     });
-    return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
+    return Int4Rows{xi, d, dsum, K, groups};
   }
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  split_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     std::vector<float> xf(group);
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < groups; ++g) {
@@ -719,7 +753,16 @@ Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vec
         dsum[m * groups + g] = step * static_cast<float>(total);
       }
   });
-  return Int4Rows{xi.data(), d.data(), dsum.data(), K, groups};
+  return Int4Rows{xi, d, dsum, K, groups};
+}
+
+template <typename T>
+Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vector<int8_t>& xi,
+                       std::vector<float>& d, std::vector<float>& dsum) {
+  xi.resize(M * K);
+  d.resize(M * (K / group));
+  dsum.resize(M * (K / group));
+  return quantize_rows_into(X, M, K, group, xi.data(), d.data(), dsum.data());
 }
 
 // Every span of int4_span_for(M) blocks once from memory, `rows_per_pass` rows of x at a time against it while it
@@ -729,7 +772,7 @@ template <typename Fn>
 void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, int64_t block_bytes, Fn&& fn) {
   const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
   const int64_t span_bytes = span * block_bytes * ((M + rows_per_pass - 1) / rows_per_pass);
-  at::parallel_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
+  split_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
@@ -739,12 +782,11 @@ void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, int64_t bl
   });
 }
 
+// The rows, quantised, against the int4 weight: Y (M, N) (+ res, which may be Y itself: each output is read, then
+// written, by the thread that computes it).
 template <typename TX>
-void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
-                       int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
-  std::vector<int8_t> xi;
-  std::vector<float> d, dsum;
-  const Int4Rows rows = quantize_rows(X, M, K, group, xi, d, dsum);
+void int4_quantized_path(const Int4Rows& rows, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y,
+                         const TX* res, int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
   const int64_t N = num_blocks * kBlock, block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
   over_spans(M, num_blocks, kMaxRows, block_bytes, [&](auto r, auto c, int64_t b, int64_t m) {
     const int64_t at = m * N + b * kBlock;
@@ -752,6 +794,14 @@ void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const u
                                                        Z + b * block_groups, rows, group, m, Y + at, N,
                                                        res ? res + at : nullptr);
   });
+}
+
+template <typename TX>
+void int4_integer_path(const TX* X, const uint8_t* W, const at::Half* S, const uint8_t* Z, TX* Y, const TX* res,
+                       int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
+  std::vector<int8_t> xi;
+  std::vector<float> d, dsum;
+  int4_quantized_path(quantize_rows(X, M, K, group, xi, d, dsum), W, S, Z, Y, res, M, K, num_blocks, group);
 }
 
 template <typename TX>
@@ -1224,7 +1274,7 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
   KV* Vc = values.data_ptr<KV>();
   Q* O = out.data_ptr<Q>();
   const int64_t scale_stride = H_kv * bs;  // scales (blocks, H_kv, block_size)
-  at::parallel_for(0, B * H_kv, 1, [&](int64_t i0, int64_t i1) {
+  split_for(0, B * H_kv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<Q> queries(G * D);
     std::vector<float> scores, fresh(kInt8 ? D : 0);
     for (int64_t i = i0; i < i1; ++i) {
@@ -1263,7 +1313,7 @@ void decode_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& c
 template <typename T>
 void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
   // NOTE: a row's exp costs about 4 times its bytes' worth of streaming, hence the grain of a quarter
-  at::parallel_for(0, M, grain_for(2 * I * static_cast<int64_t>(sizeof(T)) * 4), [&](int64_t m0, int64_t m1) {
+  split_for(0, M, grain_for(2 * I * static_cast<int64_t>(sizeof(T)) * 4), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const T* gate = X + m * 2 * I;
       const T* up = gate + I;
@@ -1293,11 +1343,12 @@ void silu_mul_impl(const T* X, T* Y, int64_t M, int64_t I) {
 // 0..lengths[b] -> (B, H x D) in qkv's dtype. Rotation as transformers rounds it in qkv's dtype; softmax and sums
 // in fp32. An int8 pool comes with key_scales / value_scales (blocks, H_kv, block_size) fp32: the new key and value
 // are quantised per kv head as they are written (quantize_head), and read as attend_group_paged says.
-torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                                    const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
-                                    const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t num_heads,
-                                    double scale, const c10::optional<torch::Tensor>& key_scales = c10::nullopt,
-                                    const c10::optional<torch::Tensor>& value_scales = c10::nullopt) {
+static void check_decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        const torch::Tensor& positions, const torch::Tensor& keys,
+                                        const torch::Tensor& values, const torch::Tensor& lengths,
+                                        const torch::Tensor& block_table, int64_t num_heads,
+                                        const c10::optional<torch::Tensor>& key_scales,
+                                        const c10::optional<torch::Tensor>& value_scales) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "decode_step_attention: qkv (B, heads, D)");
   const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), bs = keys.size(2);
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() && keys.is_contiguous() &&
@@ -1329,7 +1380,20 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
       TORCH_CHECK(block >= 0 && block < keys.size(0), "decode_step_attention: row ", b, " block ", block, " outside the pool");
     }
   }
-  auto out = torch::empty({B, num_heads * D}, qkv.options());
+  const auto qt = qkv.scalar_type(), kt = keys.scalar_type();
+  TORCH_CHECK((qt == torch::kFloat32 || qt == torch::kBFloat16) &&
+              (kt == torch::kFloat32 || kt == torch::kBFloat16 || kt == torch::kChar),
+              "decode_step_attention: fp32 or bf16 queries, an fp32, bf16 or int8 cache");
+}
+
+// The attention into out (B, H x D) in qkv's dtype, after check_decode_step_attention: inside a Team too (no check,
+// no allocation here).
+static void run_decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                      const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t num_heads,
+                                      double scale, const c10::optional<torch::Tensor>& key_scales,
+                                      const c10::optional<torch::Tensor>& value_scales, torch::Tensor& out) {
+  const bool int8 = keys.scalar_type() == torch::kChar;
   const auto qt = qkv.scalar_type(), kt = keys.scalar_type();
   if (qt == torch::kFloat32 && kt == torch::kFloat32) decode_step_attention_impl<float, float>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
   else if (qt == torch::kFloat32 && kt == torch::kBFloat16) decode_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
@@ -1337,7 +1401,18 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
   else if (qt == torch::kBFloat16 && kt == torch::kFloat32) decode_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out);
   else if (qt == torch::kFloat32 && int8) decode_step_attention_impl<float, int8_t>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
   else if (qt == torch::kBFloat16 && int8) decode_step_attention_impl<at::BFloat16, int8_t>(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
-  else TORCH_CHECK(false, "decode_step_attention: fp32 or bf16 queries, an fp32, bf16 or int8 cache");
+}
+
+torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                    const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                    const torch::Tensor& lengths, const torch::Tensor& block_table, int64_t num_heads,
+                                    double scale, const c10::optional<torch::Tensor>& key_scales = c10::nullopt,
+                                    const c10::optional<torch::Tensor>& value_scales = c10::nullopt) {
+  check_decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, key_scales,
+                              value_scales);
+  auto out = torch::empty({qkv.size(0), num_heads * qkv.size(2)}, qkv.options());
+  run_decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, key_scales,
+                            value_scales, out);
   return out;
 }
 
@@ -1363,7 +1438,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
   const T* X = x.data_ptr<T>();
   const T* W = weight.data_ptr<T>();
   T* Y = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain_for(2 * C * static_cast<int64_t>(sizeof(T))), [&](int64_t r0, int64_t r1) {
+  split_for(0, rows, grain_for(2 * C * static_cast<int64_t>(sizeof(T))), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = X + r * C;
       Vec squares = vzero();
@@ -1383,8 +1458,6 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
 
 }  // namespace
 
-// transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with the mean in fp32 and the normalised
-// x cast back to x's dtype before the weight multiplies it. x (..., C) contiguous, C % 16 == 0.
 // Each row's index of its largest value, the first where several tie: torch.argmax's answer for finite rows.
 // x (M, N) fp32 contiguous -> ((M,) int64, how many rows gave -1): a row holding a NaN or an infinity gives -1 (the
 // caller asks torch, which orders NaN above all). Two vector passes over the row (the max, then its first lane), where torch's CPU argmax
@@ -1428,6 +1501,8 @@ std::tuple<torch::Tensor, int64_t> argmax_rows(const torch::Tensor& x) {
   return {out, not_finite};
 }
 
+// transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with the mean in fp32 and the normalised
+// x cast back to x's dtype before the weight multiplies it. x (..., C) contiguous, C % 16 == 0.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 16 == 0 && weight.numel() == x.size(-1) &&
               weight.scalar_type() == x.scalar_type(), "rms_norm: x (..., C) contiguous, C % 16 == 0, weight (C,)");
@@ -1466,6 +1541,11 @@ class Int4DecodeStack {
                 "Int4DecodeStack: an int8 cache's scales for every layer, or none");
     const int64_t B = h.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
+    if (fits_team(h)) {
+      if (h.scalar_type() == torch::kFloat32)
+        return step_team<float>(h, cos, sin, positions, keys, values, lengths, block_table, key_scales, value_scales);
+      return step_team<at::BFloat16>(h, cos, sin, positions, keys, values, lengths, block_table, key_scales, value_scales);
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto qkv = apply(layer.qkv, rms_norm(h, layer.attn_norm, eps_), c10::nullopt).view({B, H_ + 2 * H_kv_, D_});
@@ -1481,11 +1561,150 @@ class Int4DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Whether a step may run as one Team (the default; off: every kernel opens its own parallel region, as the
+  // decoder's Python loop does). For tests and benchmarks: both give the same bits.
+  void set_team(bool on) { team_ = on; }
+  bool team() const { return team_; }
+  int64_t team_steps() const { return team_steps_.load(); }  // the steps that ran as one Team
+
  private:
   struct Layer {
     torch::Tensor attn_norm, mlp_norm;
     Projection qkv, o, gate_up, down;
   };
+
+  // Rows up to which every thread of a team normalises and quantises the rows for itself (no barrier) rather than
+  // splitting them (a barrier each time): a row's norm and quantisation take about a microsecond, a barrier as much.
+  static constexpr int64_t kRepeatedRows = 2;
+
+  // One Team for the whole step where every projection streams at these rows with int8 activations (no
+  // dequantised tile: torch's GEMM would run on one thread inside the region), the norms are the activations'
+  // dtype, and the build has OpenMP.
+  bool fits_team(const torch::Tensor& h) const {
+#ifndef _OPENMP
+    return false;
+#else
+    if (!team_ || h.dim() != 2 || !h.is_contiguous() ||
+        (h.scalar_type() != torch::kFloat32 && h.scalar_type() != torch::kBFloat16))
+      return false;
+    const int64_t B = h.size(0), C = h.size(1);
+    for (const Layer& layer : layers_) {
+      for (const auto* norm : {&layer.attn_norm, &layer.mlp_norm})
+        if (!norm->is_contiguous() || norm->numel() != C || norm->scalar_type() != h.scalar_type()) return false;
+      for (const Projection* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        if (std::get<5>(*p) || B > std::get<4>(*p)) return false;
+    }
+    return C % 16 == 0;
+#endif
+  }
+
+  // A projection's output blocks and inputs (K) as the packed weight holds them.
+  static int64_t outputs_of(const Projection& p) { return std::get<0>(p).size(0) * kBlock; }
+  static int64_t inputs_of(const Projection& p) { return std::get<0>(p).size(1) * 8; }
+
+  // y = rows W^T (+ res; res may be y), the rows quantised per the projection's group.
+  template <typename T>
+  static void project(const Projection& p, const Int4Rows& rows, int64_t M, T* y, const T* res) {
+    int4_quantized_path(rows, std::get<0>(p).data_ptr<uint8_t>(), std::get<1>(p).data_ptr<at::Half>(),
+                        std::get<2>(p).data_ptr<uint8_t>(), y, res, M, inputs_of(p), std::get<0>(p).size(0),
+                        std::get<3>(p));
+  }
+
+  // The step as one parallel region: each kernel splits its items over the team (split_for) and waits at a barrier,
+  // into buffers held for the step; the hidden state is updated in place (each residual output read, then written,
+  // by the thread that computes it). The same kernels in the same order as the per-kernel path: the same bits.
+  template <typename T>
+  torch::Tensor step_team(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& positions, std::vector<torch::Tensor>& keys,
+                          std::vector<torch::Tensor>& values, const torch::Tensor& lengths,
+                          const torch::Tensor& block_table, const std::vector<torch::Tensor>& key_scales,
+                          const std::vector<torch::Tensor>& value_scales) const {
+    const int64_t B = h.size(0), C = h.size(1), heads = H_ + 2 * H_kv_;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
+    team_steps_.fetch_add(1);
+    auto hidden = h.clone();
+    auto normed = torch::empty_like(hidden);
+    auto qkv = torch::empty({B, heads, D_}, h.options());
+    auto attended = torch::empty({B, H_ * D_}, h.options());
+    int64_t widest = std::max(C, H_ * D_), gate_up = 0;
+    // NOTE: every check before the region, where a failed TORCH_CHECK would end the process
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      gate_up = std::max(gate_up, outputs_of(layer.gate_up));
+      TORCH_CHECK(inputs_of(layer.qkv) == C && outputs_of(layer.qkv) == heads * D_ && inputs_of(layer.o) == H_ * D_ &&
+                  outputs_of(layer.o) == C && inputs_of(layer.gate_up) == C && outputs_of(layer.gate_up) % 2 == 0 &&
+                  inputs_of(layer.down) * 2 == outputs_of(layer.gate_up) && outputs_of(layer.down) == C,
+                  "Int4DecodeStack: layer ", i, "'s projections do not chain");
+      const auto ks = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(key_scales[i]);
+      const auto vs = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(value_scales[i]);
+      check_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, ks, vs);
+    }
+    widest = std::max(widest, gate_up / 2);
+    auto gate_up_out = torch::empty({B, gate_up}, h.options());
+    // NOTE: at one or two rows each thread normalises and quantises the rows itself, into its own copies (below)
+    const bool repeat_rows = B <= kRepeatedRows;
+    const int64_t copies = repeat_rows ? at::get_num_threads() : 1;
+    auto act = torch::empty({copies, B, gate_up / 2}, h.options());
+    auto normed_copies = torch::empty({copies, B, C}, h.options());
+    std::vector<int8_t> xi(copies * B * widest);
+    std::vector<float> d(copies * B * widest), dsum(copies * B * widest);  // NOTE: enough for any group size
+    std::vector<torch::Tensor> normed_views;  // NOTE: made here: no tensor is made inside the region
+    for (int64_t c = 0; c < copies; ++c) normed_views.push_back(normed_copies[c]);
+    T* H = hidden.data_ptr<T>();
+    T* A = attended.data_ptr<T>();
+    T* G = gate_up_out.data_ptr<T>();
+    T* Q = qkv.data_ptr<T>();
+#ifdef _OPENMP
+#pragma omp parallel num_threads(copies > 1 ? copies : at::get_num_threads())
+#endif
+    {
+#ifdef _OPENMP
+      const Team team{omp_get_thread_num(), omp_get_num_threads()};
+#else
+      const Team team{0, 1};
+#endif
+      const Team alone{0, 1, true};
+      const int64_t copy = repeat_rows ? team.rank : 0;
+      torch::Tensor& normed = normed_views[copy];
+      T* N = normed.data_ptr<T>();
+      T* S = act.data_ptr<T>() + copy * B * (gate_up / 2);
+      int8_t* XI = xi.data() + copy * B * widest;
+      float* XD = d.data() + copy * B * widest;
+      float* XS = dsum.data() + copy * B * widest;
+      // rows -> quantised, split over the team with a barrier after each kernel, or by every thread for itself
+      const Team* rows_by = repeat_rows ? &alone : &team;
+      current_team = &team;
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const Layer& layer = layers_[i];
+        const auto ks = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(key_scales[i]);
+        const auto vs = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(value_scales[i]);
+        const int64_t inner = outputs_of(layer.gate_up) / 2;
+        current_team = rows_by;
+        rms_norm_impl<T>(hidden, layer.attn_norm, eps_, normed);
+        Int4Rows rows = quantize_rows_into(N, B, C, std::get<3>(layer.qkv), XI, XD, XS);
+        current_team = &team;
+        project(layer.qkv, rows, B, Q, static_cast<const T*>(nullptr));
+        run_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale, ks, vs,
+                                  attended);
+        current_team = rows_by;
+        rows = quantize_rows_into(A, B, H_ * D_, std::get<3>(layer.o), XI, XD, XS);
+        current_team = &team;
+        project(layer.o, rows, B, H, H);
+        current_team = rows_by;
+        rms_norm_impl<T>(hidden, layer.mlp_norm, eps_, normed);
+        rows = quantize_rows_into(N, B, C, std::get<3>(layer.gate_up), XI, XD, XS);
+        current_team = &team;
+        project(layer.gate_up, rows, B, G, static_cast<const T*>(nullptr));
+        current_team = rows_by;
+        silu_mul_impl(G, S, B, inner);
+        rows = quantize_rows_into(S, B, inner, std::get<3>(layer.down), XI, XD, XS);
+        current_team = &team;
+        project(layer.down, rows, B, H, H);
+      }
+      current_team = nullptr;
+    }
+    return hidden;
+  }
 
   static torch::Tensor apply(const Projection& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual) {
     return int4_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), residual,
@@ -1495,6 +1714,8 @@ class Int4DecodeStack {
   int64_t H_, H_kv_, D_;
   double eps_;
   std::vector<Layer> layers_;
+  bool team_ = true;
+  mutable std::atomic<int64_t> team_steps_{0};
 };
 
 bool native_bf16() {
@@ -1565,6 +1786,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Int4DecodeStack>(m, "Int4DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Int4DecodeStack::add_layer)
+      .def_property("team", &Int4DecodeStack::team, &Int4DecodeStack::set_team)
+      .def_property_readonly("team_steps", &Int4DecodeStack::team_steps)
       .def("step", &Int4DecodeStack::step, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("block_table"),
            py::arg("key_scales") = std::vector<torch::Tensor>(), py::arg("value_scales") = std::vector<torch::Tensor>())
