@@ -109,6 +109,33 @@ def test_threaded_norm_and_swiglu_equal_the_single_threaded_ones(kernel, dtype) 
         assert_same_bits(at_threads(kernel.silu_mul, x.view(rows, 3 * 64)[:, :192].contiguous()), f"silu_mul at {rows} rows")
 
 
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+def test_threaded_decode_attention_equals_the_single_threaded_one(kernel, cache: str) -> None:
+    """The fused decode attention (rotary positions, cache write, attention) at 1, 2 and 3 threads, one item per row
+    and kv head: one row's three kv heads (2 against 1 on 2 threads) and two rows of different lengths; the same
+    output and the same cache, to the bit, over each cache precision."""
+    generator = torch.Generator().manual_seed(0)
+    H, H_kv, D, bs, blocks = 9, 3, 64, 16, 12
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[cache]
+    for lengths in ([37], [5, 70]):
+        B = len(lengths)
+        qkv = torch.randn(B, H + 2 * H_kv, D, generator=generator)
+        cos, sin = torch.randn(128, D, generator=generator), torch.randn(128, D, generator=generator)
+        pool = torch.randn(blocks, H_kv, bs, D, generator=generator) * 3
+        keys, values = (pool.to(dtype) if cache != "int8" else (pool * 10).to(torch.int8) for _ in range(2))
+        scales = [torch.rand(blocks, H_kv, bs, generator=generator) * 0.1 for _ in range(2)] if cache == "int8" else []
+        table = torch.randperm(blocks, generator=generator)[: B * 6].view(B, 6).to(torch.int32)
+        positions, lens = torch.tensor(lengths), torch.tensor(lengths)
+
+        def attend():
+            k, v, sc = keys.clone(), values.clone(), [t.clone() for t in scales]
+            out = kernel.decode_step_attention(qkv, cos, sin, positions, k, v, lens, table, H, D ** -0.5, *sc)
+            return [out, k, v, *sc]
+
+        assert_same_bits(at_threads(attend), f"decode attention, {cache} cache, rows of {lengths}")
+
+
 def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings) -> None:
     from servelab.config import ServingConfig
     from servelab.engine.loader import apply_threads
