@@ -1635,6 +1635,11 @@ class Int4DecodeStack {
                   outputs_of(layer.o) == C && inputs_of(layer.gate_up) == C && outputs_of(layer.gate_up) % 2 == 0 &&
                   inputs_of(layer.down) * 2 == outputs_of(layer.gate_up) && outputs_of(layer.down) == C,
                   "Int4DecodeStack: layer ", i, "'s projections do not chain");
+      for (const Projection* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        TORCH_CHECK(std::get<0>(*p).scalar_type() == torch::kUInt8 && std::get<1>(*p).scalar_type() == torch::kHalf &&
+                    std::get<2>(*p).scalar_type() == torch::kUInt8 && std::get<3>(*p) > 0 &&
+                    std::get<1>(*p).size(1) * std::get<3>(*p) == inputs_of(*p),
+                    "Int4DecodeStack: layer ", i, ": packed uint8, fp16 scales and uint8 zeros, as int4_pack lays them out");
       const auto ks = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(key_scales[i]);
       const auto vs = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(value_scales[i]);
       check_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, ks, vs);
