@@ -230,7 +230,7 @@ class PagedKVCache:
     @property
     def allocated_bytes(self) -> int:
         """The pool tensors' bytes, summed once after each reach() that grows them (a step reads this; summing 60-120
-        tensors took about 0.1 ms of every step)."""
+        tensors took about 0.08 ms of every step under cProfile, int4 batch 1, AVX2 EPYC)."""
         if self._allocated is None:
             self._allocated = sum(t.numel() * t.element_size()
                                   for t in (*self.keys, *self.values, *self.key_scales, *self.value_scales))

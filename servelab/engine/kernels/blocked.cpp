@@ -1460,8 +1460,9 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double e
 
 // Each row's index of its largest value, the first where several tie: torch.argmax's answer for finite rows.
 // x (M, N) fp32 contiguous -> ((M,) int64, how many rows gave -1): a row holding a NaN or an infinity gives -1 (the
-// caller asks torch, which orders NaN above all). Two vector passes over the row (the max, then its first lane), where torch's CPU argmax
-// compares one value at a time (51 against 10 us for one 49,152-token row of logits on an AVX2 EPYC).
+// caller asks torch, which orders NaN above all). Two vector passes over the row (the max, then its first lane),
+// where torch's CPU argmax compares one value at a time (51 against 10 us for one 49,152-token row of logits on an
+// AVX2 EPYC, one thread).
 std::tuple<torch::Tensor, int64_t> argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "argmax_rows: x must be a contiguous (M, N) fp32 tensor");
@@ -1598,6 +1599,11 @@ class Int4DecodeStack {
 #endif
   }
 
+  // Layer i's int8 cache scales, or none (a float cache).
+  static c10::optional<torch::Tensor> scales_of(const std::vector<torch::Tensor>& scales, size_t i) {
+    return scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(scales[i]);
+  }
+
   // A projection's output blocks and inputs (K) as the packed weight holds them.
   static int64_t outputs_of(const Projection& p) { return std::get<0>(p).size(0) * kBlock; }
   static int64_t inputs_of(const Projection& p) { return std::get<0>(p).size(1) * 8; }
@@ -1623,7 +1629,6 @@ class Int4DecodeStack {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
     team_steps_.fetch_add(1);
     auto hidden = h.clone();
-    auto normed = torch::empty_like(hidden);
     auto qkv = torch::empty({B, heads, D_}, h.options());
     auto attended = torch::empty({B, H_ * D_}, h.options());
     int64_t widest = std::max(C, H_ * D_), gate_up = 0;
@@ -1640,15 +1645,14 @@ class Int4DecodeStack {
                     std::get<2>(*p).scalar_type() == torch::kUInt8 && std::get<3>(*p) > 0 &&
                     std::get<1>(*p).size(1) * std::get<3>(*p) == inputs_of(*p),
                     "Int4DecodeStack: layer ", i, ": packed uint8, fp16 scales and uint8 zeros, as int4_pack lays them out");
-      const auto ks = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(key_scales[i]);
-      const auto vs = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(value_scales[i]);
-      check_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, ks, vs);
+      check_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_,
+                                  scales_of(key_scales, i), scales_of(value_scales, i));
     }
     widest = std::max(widest, gate_up / 2);
     auto gate_up_out = torch::empty({B, gate_up}, h.options());
     // NOTE: at one or two rows each thread normalises and quantises the rows itself, into its own copies (below)
     const bool repeat_rows = B <= kRepeatedRows;
-    const int64_t copies = repeat_rows ? at::get_num_threads() : 1;
+    const int64_t threads = at::get_num_threads(), copies = repeat_rows ? threads : 1;
     auto act = torch::empty({copies, B, gate_up / 2}, h.options());
     auto normed_copies = torch::empty({copies, B, C}, h.options());
     std::vector<int8_t> xi(copies * B * widest);
@@ -1660,7 +1664,7 @@ class Int4DecodeStack {
     T* G = gate_up_out.data_ptr<T>();
     T* Q = qkv.data_ptr<T>();
 #ifdef _OPENMP
-#pragma omp parallel num_threads(copies > 1 ? copies : at::get_num_threads())
+#pragma omp parallel num_threads(threads)
 #endif
     {
 #ifdef _OPENMP
@@ -1681,16 +1685,14 @@ class Int4DecodeStack {
       current_team = &team;
       for (size_t i = 0; i < layers_.size(); ++i) {
         const Layer& layer = layers_[i];
-        const auto ks = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(key_scales[i]);
-        const auto vs = key_scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(value_scales[i]);
         const int64_t inner = outputs_of(layer.gate_up) / 2;
         current_team = rows_by;
         rms_norm_impl<T>(hidden, layer.attn_norm, eps_, normed);
         Int4Rows rows = quantize_rows_into(N, B, C, std::get<3>(layer.qkv), XI, XD, XS);
         current_team = &team;
         project(layer.qkv, rows, B, Q, static_cast<const T*>(nullptr));
-        run_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale, ks, vs,
-                                  attended);
+        run_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale,
+                                  scales_of(key_scales, i), scales_of(value_scales, i), attended);
         current_team = rows_by;
         rows = quantize_rows_into(A, B, H_ * D_, std::get<3>(layer.o), XI, XD, XS);
         current_team = &team;
