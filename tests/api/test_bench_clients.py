@@ -170,7 +170,11 @@ def test_aiperf_streams_a_short_benchmark_with_no_error_and_exact_lengths(served
         assert "error" not in record or record["error"] is None, record.get("error")
         assert metrics["usage_completion_tokens"]["value"] == OUTPUT_TOKENS  # servelab's usage, per request
         assert metrics["output_sequence_length"]["value"] == OUTPUT_TOKENS
-        assert metrics["time_to_second_token"]["value"] > 0
+        # NOTE: streamed, not one blob: a later chunk arrived after an earlier one. Not "the second token after the
+        # first": when the worker has made two tokens before the api's relay first reads the request's stream (its
+        # backlog from the start), both go out in one read and the client times them together (seen once in three
+        # clean-clone runs on a 2-core AVX2 EPYC, time_to_second_token 0.0 for one request)
+        assert any(gap > 0 for gap in metrics["inter_chunk_latency"]["value"]), metrics["inter_chunk_latency"]
     check_ttft("AIPerf", [r["metrics"]["time_to_first_token"]["value"] for r in records], check_stored(stack, tenant),
                round_trip_ms)
 
