@@ -7,9 +7,14 @@ measured at that count, as a worker's are), then per round and count:
 - decode tok/s at each batch size: B x (N - 1) / (t_N - t_1), N = --new-tokens, EOS ignored.
 
 Medians of the rounds, and each count's ratio to the first per round (median). The CPU, its flags and the
-measured memory bandwidth head the table.
+measured memory bandwidth head the table. Each config's line says whether greedy decoding gave the same tokens at
+every count (servelab's kernels split output blocks, attention rows and heads across threads, never a sum; torch's
+prefill GEMMs may round differently at other counts, so a 'no' names a difference to look at, not a failure).
 
     python -m bench.threads --configs configs/fp32.yaml,configs/bf16.yaml --threads 1,2 --batch-sizes 1,16
+
+--random-weights FOLDER: the configs' precisions on a model of FOLDER's shape (its config.json and tokenizer files)
+with random weights (bench/random_model.py), for a machine without the bundled model; speed only.
 
 NOTE: on a machine other processes share, a descheduled thread holds a whole step at the join of each
 parallel kernel: quote figures from an idle machine.
@@ -25,8 +30,10 @@ from pathlib import Path
 import torch
 
 from bench.side_by_side import positive_ints
+from bench.random_model import random_loaded
 from servelab.config import ServingConfig
-from servelab.engine.engine import Engine
+from servelab.engine.engine import Engine, check_configured_kernel
+from servelab.engine.loader import apply_threads
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings, available_cores
@@ -34,7 +41,8 @@ from servelab.settings import Settings, available_cores
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _engine(path: str, threads: int, prompt_tokens: int, batch: int, settings: Settings) -> Engine:
+def _engine(path: str, threads: int, prompt_tokens: int, batch: int, settings: Settings,
+            random_weights: Path | None) -> Engine:
     config = ServingConfig.from_yaml(path)
     config = config.model_copy(update={
         "num_threads": threads,
@@ -43,16 +51,25 @@ def _engine(path: str, threads: int, prompt_tokens: int, batch: int, settings: S
             "max_prefill_tokens": max(prompt_tokens + 1, batch * 65),
             "max_batch_tokens": max(config.batching.max_batch_tokens, batch * 130, prompt_tokens + 1)}),
         "kv_cache": config.kv_cache.model_copy(update={"prefix_caching": False})})
-    return Engine.from_config(config, settings)
+    if random_weights is None:
+        return Engine.from_config(config, settings)
+    apply_threads(config, settings)
+    check_configured_kernel(config, settings)
+    return Engine(random_loaded(config, random_weights), config, cache_dir=settings.cache_dir, settings=settings)
 
 
-def _timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
+def _run(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> tuple[float, list[tuple[int, ...]]]:
+    """Seconds for one closed batch of `rows` copies of the prompt, and each row's tokens."""
     torch.set_num_threads(threads)  # NOTE: the engines share the process: each count set before its call
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     requests = [GenerationRequest(f"r{i}", prompt=prompt, params=params) for i in range(rows)]
     started = time.perf_counter()
-    engine.generate(requests)
-    return time.perf_counter() - started
+    result = engine.generate(requests)
+    return time.perf_counter() - started, [c.token_ids for c in result.completions]
+
+
+def _timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
+    return _run(engine, threads, prompt, rows, new_tokens)[0]
 
 
 def main() -> None:
@@ -63,14 +80,21 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--random-weights", type=Path, default=None, metavar="FOLDER",
+                        help="a folder with a model's config.json and tokenizer: that shape, random weights")
     args = parser.parse_args()
     settings = Settings(cache_dir=REPO / ".cache")
     hardware = describe_hardware()
+    bandwidth = {}
+    for n in args.threads:
+        torch.set_num_threads(n)
+        bandwidth[n] = measure_bandwidth_gbs(torch.device("cpu"))
     print(f"cpu: {hardware.cpu}; cores this process may run on: {available_cores()}; threads {args.threads}; "
-          f"memory bandwidth (measured, {torch.get_num_threads()} threads): "
-          f"{measure_bandwidth_gbs(torch.device('cpu')):.1f} GB/s; {args.rounds} rounds interleaved, medians", flush=True)
+          "memory bandwidth (measured): " + ", ".join(f"{n}t {gbs:.1f} GB/s" for n, gbs in bandwidth.items())
+          + f"; {args.rounds} rounds interleaved, medians", flush=True)
     for path in args.configs.split(","):
-        engines = {n: _engine(path, n, args.prompt_tokens, max(args.batch_sizes), settings) for n in args.threads}
+        engines = {n: _engine(path, n, args.prompt_tokens, max(args.batch_sizes), settings, args.random_weights)
+                   for n in args.threads}
         first = engines[args.threads[0]]
         tokenizer = first.tokenizer
         text = tokenizer.decode(tokenizer("The history of the city " * (args.prompt_tokens // 4 + 8))["input_ids"])
@@ -78,6 +102,10 @@ def main() -> None:
         for n, engine in engines.items():
             print(f"{first.config.name} ({first.config.weights}) at {n} thread(s): {engine.kernel}", flush=True)
             _timed(engine, n, prompt, 2, 4)  # warm-up
+        tokens = {n: _run(engine, n, prompt[:200], 3, args.new_tokens)[1] for n, engine in engines.items()}
+        differ = [n for n in args.threads if tokens[n] != tokens[args.threads[0]]]
+        print(f"  greedy tokens (3 rows, {args.new_tokens} new) the same at every count: "
+              + ("yes" if not differ else f"no, {differ} thread(s) differ from {args.threads[0]}"), flush=True)
         prefill: dict[int, list[float]] = {n: [] for n in args.threads}
         decode: dict[tuple[int, int], list[float]] = {(n, b): [] for n in args.threads for b in args.batch_sizes}
         for _ in range(args.rounds):

@@ -143,3 +143,36 @@ def test_bf16_weights_with_fp32_activations_equal_the_fp32_product(build: str) -
         torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 15, 16, 71])
     assert torch.equal(head.rows(ids), weight[ids])  # the embedding read from the head's layout
+
+
+def test_random_weights_of_a_models_shape_go_through_servelabs_int4_kernel(tmp_path: Path, bundled_folder: str,
+                                                                           settings) -> None:
+    """bench.random_model (timing where a model's files are not at hand) gives every projection AWQ's gemm layout,
+    which servelab's int4 kernel takes as it takes a real checkpoint's; the engine decodes on it at 1 and 2 threads
+    to the same tokens."""
+    from bench.random_model import RandomAwqLinear, random_loaded
+    from servelab.config import ServingConfig
+    from servelab.engine.engine import Engine
+    from servelab.request import GenerationRequest, SamplingParams
+    from tests.engine.conftest import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "shape", bundled_folder, hidden_size=128, intermediate_size=256)
+    config = ServingConfig.from_dict({"name": "random-int4", "model": str(folder), "weights": "awq-int4",
+                                      "device": "cpu", "awq": {"group_size": 64},
+                                      "decoding": {"max_new_tokens": 8, "max_context_tokens": 128}})
+    loaded = random_loaded(config, folder)
+    layers = [m for m in loaded.model.modules() if isinstance(m, RandomAwqLinear)]
+    assert len(layers) == 2 * 7 and int4_modules_reason(layers[:3]) is None
+    engine = Engine(loaded, config, cache_dir=settings.cache_dir)
+    assert "int4 servelab" in engine.kernel, engine.kernel
+    threads, tokens = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+            result = engine.generate([GenerationRequest(f"r{i}", prompt=p, params=params)
+                                      for i, p in enumerate(("Hello there", "The history of the city"))])
+            tokens.append([c.token_ids for c in result.completions])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(t) == 6 for t in tokens[0]) and tokens[0] == tokens[1]
