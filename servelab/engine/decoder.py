@@ -302,6 +302,15 @@ class PagedBatch:
         return self.lengths if self.lengths is not None else self.positions[:self.num_decode]
 
 
+def _dense_stack_part(p, dtype: torch.dtype) -> tuple[BlockedLinear, int] | None:
+    """A dense projection's servelab layout in the model's dtype, taking the residual, and the most rows servelab's
+    kernel serves it at (`auto` may hand more rows to torch); None where another kernel serves its few rows."""
+    linear, rows = (p.linears[0], p.max_rows[0]) if isinstance(p, RowDispatchLinear) else (p, 1 << 62)
+    if isinstance(linear, BlockedLinear) and linear.takes_residual and linear.weight.dtype == dtype:
+        return linear, rows
+    return None
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
@@ -364,7 +373,8 @@ class LlamaDecoder:
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
-        self._stack = None  # Int4DecodeStack, built on first use; False where it does not fit
+        self._stack = None  # DecodeStack, built on first use; False where it does not fit
+        self._stack_rows = 0  # the most rows a step takes through it (a dense projection's servelab row range)
         rotary = body.rotary_emb
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
@@ -434,11 +444,12 @@ class LlamaDecoder:
 
     def _decode_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """A decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into two), the fused
-        attention step over the paged cache and SwiGLU's activation: eight kernel calls, or (an int4 model) one call
-        for every layer (Int4DecodeStack in blocked.cpp: the same kernels in the same order)."""
+        attention step over the paged cache and SwiGLU's activation: eight kernel calls, or one call for every layer
+        where servelab's kernels serve every projection at these rows (DecodeStack in blocked.cpp: the same kernels
+        in the same order)."""
         B, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         positions, lengths, table = batch.positions, batch.decode_lengths, batch.block_table
-        if (stack := self._int4_stack()) is not None:
+        if (stack := self._decode_stack()) is not None and B <= self._stack_rows:
             out = stack.step(h.reshape(B, -1).contiguous(), self.cos, self.sin, positions, cache.keys, cache.values,
                              lengths, table, cache.key_scales, cache.value_scales)
             return out.view(B, 1, -1)
@@ -536,22 +547,32 @@ class LlamaDecoder:
         h = self._hidden(input_ids, attention_mask, position_ids, cache)
         return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
 
-    def _int4_stack(self):
-        """The decode step's layers as one kernel call, where every projection is servelab's int4 kernel without
-        bias or padding and the norms and attention are servelab's: built on the first decode step (after any
-        change to a projection's int_rows), else None."""
+    def _decode_stack(self):
+        """The decode step's layers as one kernel call, where the norms and attention are servelab's and every
+        projection is servelab's int4 kernel, or every one servelab's dense kernel on weights in the model's dtype
+        (up to the rows `auto` measured it fastest at: _stack_rows), without bias or padding: built on the first
+        decode step (after any change to a projection's int_rows), else None."""
         if self._stack is None:
             projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             blocked = self.kernel.blocked.module if self.kernel.blocked is not None else None
-            fits = (blocked is not None and self.decode_step_attention is not None and self.rms_norm == blocked.rms_norm
-                    and all(isinstance(p, ServelabInt4Linear) and p.takes_residual for p in projections))
             self._stack = False
-            if fits:
-                self._stack = blocked.Int4DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
-                for layer in self.layers:
-                    self._stack.add_layer(layer.attn_norm, layer.mlp_norm,
-                                          *((p.packed, p.scales, p.zeros, p.group_size, p.int_rows, p.float_activations)
-                                            for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+            if blocked is None or self.decode_step_attention is None or self.rms_norm != blocked.rms_norm:
+                return None
+            if all(isinstance(p, ServelabInt4Linear) and p.takes_residual for p in projections):
+                parts = {id(p): (p.packed, p.scales, p.zeros, p.group_size, p.int_rows, p.float_activations)
+                         for p in projections}
+                self._stack_rows = 1 << 62  # NOTE: the int4 kernel picks its own path by rows (int_rows)
+            elif all(dense := [_dense_stack_part(p, self.dtype) for p in projections]):
+                empty = torch.empty(0)
+                parts = {id(p): (linear.weight, empty, empty, 0, rows, False)
+                         for p, (linear, rows) in zip(projections, dense)}
+                self._stack_rows = min(rows for _, rows in dense)
+            else:
+                return None
+            self._stack = blocked.DecodeStack(self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+            for layer in self.layers:
+                self._stack.add_layer(layer.attn_norm, layer.mlp_norm,
+                                      *(parts[id(p)] for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         return self._stack or None
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

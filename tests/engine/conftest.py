@@ -9,9 +9,11 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from servelab.config import ServingConfig
+from servelab.engine.decoder import PagedBatch
 from servelab.engine.engine import Engine
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.loader import resolve_model_folder
+from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,3 +92,55 @@ def tiny_transformers_engine(tiny_folder: Path, settings: Settings) -> Engine:
 def either_engine(request, tiny_engine: Engine, tiny_transformers_engine: Engine) -> Engine:
     """Each decoder in turn: both must serve identically."""
     return tiny_engine if request.param == "servelab" else tiny_transformers_engine
+
+
+def _decode_steps(engine: Engine, prompts: list[str], team: bool | None, num_threads: int):
+    """Three decode steps of these prompts through the decoder's DecodeStack (team on or off) or its Python loop
+    (team None), at this thread count -> (each step's logits, the cache after them, steps the stack ran as a team)."""
+    decoder = engine.decoder
+    torch.set_num_threads(num_threads)
+    decoder._stack = None if team is not None else False  # None: built on first use; False: the Python loop
+    if team is not None:
+        decoder._decode_stack().team = team
+    before = decoder._stack.team_steps if team is not None else 0
+    engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=6))
+                for i, p in enumerate(prompts)])
+    cache, blocks = engine._paged, engine.blocks
+    steps = []
+    for _ in range(3):
+        rows = engine._rows
+        for row in rows:
+            blocks.grow(row.request.request_id, row.num_computed + 1)
+        tables = [blocks.table(r.request.request_id) for r in rows]
+        cache.reach(tables)
+        batch = PagedBatch(torch.tensor([r.token_ids[-1] for r in rows]), torch.tensor([r.num_computed for r in rows]),
+                           cache.table_tensor(tables), len(rows), (), torch.arange(len(rows)))
+        steps.append(decoder.forward_paged(batch, cache))
+        for row, token in zip(rows, steps[-1].argmax(-1).tolist()):
+            row.token_ids.append(token)
+            row.num_computed += 1
+    keys = [k.clone() for k in (*cache.keys, *cache.key_scales, *cache.value_scales)]
+    team_steps = decoder._stack.team_steps - before if team is not None else 0
+    engine.cancel(engine.live_request_ids)
+    engine.blocks.reset_prefix_cache()  # NOTE: every run prefills whole too, into the same blocks
+    return steps, keys, team_steps
+
+
+def assert_stack_equals_the_layer_loop(engine: Engine, prompts: list[str], *, team_serves: bool) -> None:
+    """The decoder's one-call decode step (DecodeStack) gives the logits and the cache of its Python loop to the bit,
+    over three rows (the team splits the rows' norms) and two (each thread repeats them for itself): as one parallel
+    region (its team; team_serves: the stack takes these rows as one) at 1, 2 and 3 threads, and with a region per
+    kernel. The kernels' grain is 0 meanwhile, so every kernel splits its work over the threads it has."""
+    module = engine.decoder.kernel.blocked.module
+    threads, grain = torch.get_num_threads(), module.thread_grain(0)
+    runs = [(None, 1), (True, 1), (True, 2), (True, 3), (False, 2)]
+    try:
+        for rows in (prompts[:3], prompts[:2]):
+            (first, first_keys, _), *others = [_decode_steps(engine, rows, team, n) for team, n in runs]
+            for (steps, keys, team_steps), run in zip(others, runs[1:]):
+                assert team_steps == (3 if run[0] and team_serves else 0), (len(rows), run, team_steps)
+                for a, b in zip([*steps, *keys], [*first, *first_keys]):
+                    torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{len(rows)} rows, {run}: {m}")
+    finally:
+        module.thread_grain(grain)
+        torch.set_num_threads(threads)

@@ -18,14 +18,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from servelab.config import ServingConfig
 from servelab.engine import awq
-from servelab.engine.decoder import PagedBatch
 from servelab.engine.engine import Engine
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import Int4Linear, ServelabInt4Linear
 from servelab.engine.measure import tensor_storage_bytes, weight_bytes
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
-from tests.engine.conftest import save_tiny_llama, with_built_kernels
+from tests.engine.conftest import assert_stack_equals_the_layer_loop, save_tiny_llama, with_built_kernels
 from tests.engine.naive import naive_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="needs gptqmodel==7.6.0")
@@ -268,7 +267,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         assert list(completion.token_ids) == expected, request.prompt
     fused = engine.decoder.layers[0].qkv  # q/k/v int4 weights joined: one int4 matmul
     if blocked.module is not None:
-        assert engine.decoder._int4_stack() is not None  # the decode steps above ran every layer in one call
+        assert engine.decoder._decode_stack() is not None  # the decode steps above ran every layer in one call
         assert isinstance(fused, ServelabInt4Linear) and fused.float_activations == float_activations
         assert engine.kernel.startswith("servelab decoder, int4 servelab")  # reported with every run
         assert ("fp32 activations" in engine.kernel) == float_activations
@@ -284,7 +283,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
 def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: ServingConfig,
                                                          awq_settings: Settings, activations: str,
                                                          kv_cache_dtype: str) -> None:
-    """The one-call decode step (Int4DecodeStack) runs the same kernels in the same order as the decoder's loop:
+    """The one-call decode step (DecodeStack) runs the same kernels in the same order as the decoder's loop:
     the same logits to the bit, and the same cache, over rows of different lengths; with either activations, and
     over an int8 cache (its scales handed to the stack); as one parallel region (its team) at 1, 2 and 3 threads or
     with a region per kernel."""
@@ -292,55 +291,9 @@ def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: 
     engine = Engine.from_config(tiny_config.model_copy(update={"awq": awq_config, "kv_cache_dtype": kv_cache_dtype}),
                                 awq_settings)
     decoder = engine.decoder
-    if decoder._int4_stack() is None:
+    if decoder._decode_stack() is None:
         pytest.skip("servelab's int4 kernel does not serve here")
-    threads = torch.get_num_threads()
-    # the stack as one parallel region (team) at 1, 2 and 3 threads, each kernel in its own region, the Python loop;
-    # three rows (the team splits the rows' norms) and two (each thread repeats them for itself)
-    runs = [(True, 1), (True, 2), (True, 3), (False, 2), (None, 1)]
-    try:
-        for prompts in (PROMPTS, PROMPTS[:2]):
-            outputs = [_decode_steps(engine, prompts, team, num_threads, activations) for team, num_threads in runs]
-            (first, first_keys), *others = outputs
-            for (steps, keys), run in zip(others, runs[1:]):
-                for a, b in zip(steps, first):
-                    torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{len(prompts)} rows, {run}: {m}")
-                for a, b in zip(keys, first_keys):
-                    torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{len(prompts)} rows, {run}: {m}")
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _decode_steps(engine: Engine, prompts: list[str], team: bool | None, num_threads: int, activations: str):
-    """Three decode steps of these prompts through the stack (team on or off) or the Python loop (team None), at
-    this thread count -> (each step's logits, the cache after them)."""
-    decoder = engine.decoder
-    torch.set_num_threads(num_threads)
-    decoder._stack = None if team is not None else False  # None: built on first use; False: the Python loop
-    if team is not None:
-        decoder._int4_stack().team = team
-    engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=6))
-                for i, p in enumerate(prompts)])
-    cache, blocks = engine._paged, engine.blocks
-    steps = []
-    for _ in range(3):
-        rows = engine._rows
-        for row in rows:
-            blocks.grow(row.request.request_id, row.num_computed + 1)
-        tables = [blocks.table(r.request.request_id) for r in rows]
-        cache.reach(tables)
-        batch = PagedBatch(torch.tensor([r.token_ids[-1] for r in rows]), torch.tensor([r.num_computed for r in rows]),
-                           cache.table_tensor(tables), len(rows), (), torch.arange(len(rows)))
-        steps.append(decoder.forward_paged(batch, cache))
-        for row, token in zip(rows, steps[-1].argmax(-1).tolist()):
-            row.token_ids.append(token)
-            row.num_computed += 1
-    keys = [k.clone() for k in (*cache.keys, *cache.key_scales, *cache.value_scales)]
-    if team is not None:  # the team serves int8 activations; fp32 ones stay a region per kernel
-        assert decoder._stack.team_steps == (3 if team and activations == "int8" else 0), (team, num_threads)
-    engine.cancel(engine.live_request_ids)
-    engine.blocks.reset_prefix_cache()  # NOTE: every run prefills whole too, into the same blocks
-    return steps, keys
+    assert_stack_equals_the_layer_loop(engine, PROMPTS, team_serves=activations == "int8")
 
 
 def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:

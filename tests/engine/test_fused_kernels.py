@@ -18,6 +18,8 @@ from servelab.engine.blocks import BlockManager
 from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
+from servelab.engine.engine import Engine
+from tests.engine.conftest import assert_stack_equals_the_layer_loop, make_config
 from tests.engine.test_decoder import KERNELS, runnable
 
 CPU = torch.device("cpu")
@@ -286,3 +288,17 @@ def test_a_running_batch_over_an_int8_cache_decodes_alike_through_the_fused_kern
         assert fused_sequences == sequences
         for a, b in zip(steps, reference):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("weights", "kv_cache_dtype"), [("fp32", "auto"), ("bf16", "auto"), ("fp32", "int8")])
+def test_dense_decode_step_in_one_call_equals_the_python_layer_loop(tiny_folder, weights: str, kv_cache_dtype: str,
+                                                                   settings) -> None:
+    """fp32 and bf16 weights in servelab's blocked layout: a decode step through every layer in one call
+    (DecodeStack; bf16 rows made fp32 inside it where the build has no AVX-512 BF16) gives the Python loop's
+    logits and cache to the bit, as one parallel region at 1, 2 and 3 threads and with a region per kernel."""
+    engine = Engine.from_config(make_config(str(tiny_folder), weights=weights, linear_kernel="servelab",
+                                            kv_cache_dtype=kv_cache_dtype), settings)
+    assert engine.decoder._decode_stack() is not None and engine.decoder._stack_rows > 3
+    prompts = ["The capital of France is", "A man is sitting on a roof. He", "Seven blue houses stood by the river"]
+    assert_stack_equals_the_layer_loop(engine, prompts, team_serves=True)

@@ -156,7 +156,7 @@ inline int64_t grain_for(int64_t item_bytes) {
   return std::max<int64_t>(1, (min_thread_bytes.load(std::memory_order_relaxed) + item - 1) / item);
 }
 
-// A team: the threads of one parallel region that a fused step (Int4DecodeStack) opens once for all its layers,
+// A team: the threads of one parallel region that a fused step (DecodeStack) opens once for all its layers,
 // where every kernel would otherwise open and join its own (about 2.5 us each at 2 threads on an AVX2 EPYC, 150 a
 // step). Inside it, split_for gives each thread its static share of a kernel's items, as at::parallel_for would
 // split them, then waits at a barrier; outside one, it is at::parallel_for.
@@ -339,7 +339,7 @@ void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64
   const int64_t span = span_for(M);
   const int64_t num_spans = (num_blocks + span - 1) / span;
   const int64_t span_bytes = span * K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + kMaxRows - 1) / kMaxRows);
-  at::parallel_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
+  split_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
@@ -374,6 +374,43 @@ static const void* residual_of(const c10::optional<torch::Tensor>& residual, con
   return residual->data_ptr();
 }
 
+// Whether bf16 rows meet bf16 weights as fp32 rows in this build (no AVX-512 BF16): converted once, exactly.
+constexpr bool kBf16RowsAsFp32 =
+#ifdef __AVX512BF16__
+    false;
+#else
+    true;
+#endif
+
+// Rows X (M, K) in T against W in the blocked16 layout in T's precision -> Y (M, N) (+ res, which may be Y itself:
+// each output is read, then written, by the thread that computes it). xf: X in fp32 where kBf16RowsAsFp32 and T is
+// bf16 (the caller converts it), else unused.
+template <typename T>
+void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, int64_t M, int64_t K,
+                int64_t num_blocks) {
+  const int64_t N = num_blocks * kBlock;
+  if constexpr (std::is_same_v<T, float>) {
+    run_blocks(static_cast<const float*>(W), X, Y, res, M, K, num_blocks,
+               [&](auto rows, auto cols, const float* w, const float* xr, float* yr, const float* rr) {
+                 block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
+               });
+  } else {
+    const auto* Wb = static_cast<const uint16_t*>(W);
+#ifdef __AVX512BF16__
+    (void)xf;
+    run_blocks(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks,
+               [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+                 block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
+               });
+#else
+    run_blocks(Wb, xf, Y, res, M, K, num_blocks,
+               [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
+               });
+#endif
+  }
+}
+
 // x (M, K) contiguous, packed from pack() -> y (M, N) in x's dtype, plus the residual (M, N) when given.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "linear: x must be a contiguous (M, K) tensor");
@@ -392,28 +429,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
     return y;
   }
   if (x.scalar_type() == torch::kFloat32) {
-    run_blocks(packed.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), static_cast<const float*>(res),
-               M, K, num_blocks, [&](auto rows, auto cols, const float* w, const float* xr, float* yr, const float* rr) {
-                 block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
-               });
+    dense_path<float>(packed.data_ptr(), x.data_ptr<float>(), nullptr, y.data_ptr<float>(),
+                      static_cast<const float*>(res), M, K, num_blocks);
     return y;
   }
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: fp32 or bf16 only");
-  const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const auto* R = static_cast<const at::BFloat16*>(res);
-#ifdef __AVX512BF16__
-  run_blocks(W, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), y.data_ptr<at::BFloat16>(), R, M, K,
-             num_blocks, [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, at::BFloat16* yr,
-                             const at::BFloat16* rr) {
-               block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
-             });
-#else
-  const auto xf = x.to(torch::kFloat32);  // (M, K): a few KB, converted once for every block
-  run_blocks(W, xf.data_ptr<float>(), y.data_ptr<at::BFloat16>(), R, M, K, num_blocks,
-             [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-               block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
-             });
-#endif
+  const auto xf = kBf16RowsAsFp32 ? x.to(torch::kFloat32) : torch::Tensor();  // (M, K): a few KB, converted once
+  dense_path<at::BFloat16>(packed.data_ptr(), x.data_ptr<at::BFloat16>(), xf.defined() ? xf.data_ptr<float>() : nullptr,
+                           y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res), M, K, num_blocks);
   return y;
 }
 
@@ -1514,16 +1537,18 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-// A decode step through every layer of an int4 model in one call: per layer the norm, the q/k/v matmul, the fused
-// attention step, o with the residual, the norm, gate/up, SwiGLU, down with the residual, as LlamaDecoder's
-// Python loop calls the same kernels, without a Python round trip per operation (at batch 1 those cost about as
-// much as the layers' weight reads). Holds its weights by reference: the decoder's own tensors.
-class Int4DecodeStack {
+// A decode step through every layer in one call: per layer the norm, the q/k/v matmul, the fused attention step, o
+// with the residual, the norm, gate/up, SwiGLU, down with the residual, as LlamaDecoder's Python loop calls the same
+// kernels, without a Python round trip per operation (at batch 1 those cost about as much as the layers' weight
+// reads). The projections are int4 (int4_pack's layout) or dense in the model's dtype (pack's blocked16 layout).
+// Holds its weights by reference: the decoder's own tensors.
+class DecodeStack {
  public:
-  // packed, scales, zeros, group, int_rows, float_activations
+  // int4: packed, scales, zeros, group, int_rows, float_activations; dense: packed, two empty tensors, group 0, the
+  // rows up to which the caller serves it through this kernel, false
   using Projection = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, bool>;
 
-  Int4DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
       : H_(num_heads), H_kv_(num_kv_heads), D_(head_dim), eps_(eps) {}
 
   void add_layer(const torch::Tensor& attn_norm, const torch::Tensor& mlp_norm, const Projection& qkv,
@@ -1537,9 +1562,9 @@ class Int4DecodeStack {
                      std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, const torch::Tensor& lengths,
                      const torch::Tensor& block_table, std::vector<torch::Tensor> key_scales,
                      std::vector<torch::Tensor> value_scales) const {
-    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "Int4DecodeStack: one cache per layer");
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "DecodeStack: one cache per layer");
     TORCH_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == layers_.size()),
-                "Int4DecodeStack: an int8 cache's scales for every layer, or none");
+                "DecodeStack: an int8 cache's scales for every layer, or none");
     const int64_t B = h.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
     if (fits_team(h)) {
@@ -1578,9 +1603,9 @@ class Int4DecodeStack {
   // splitting them (a barrier each time): a row's norm and quantisation take about a microsecond, a barrier as much.
   static constexpr int64_t kRepeatedRows = 2;
 
-  // One Team for the whole step where every projection streams at these rows with int8 activations (no
-  // dequantised tile: torch's GEMM would run on one thread inside the region), the norms are the activations'
-  // dtype, and the build has OpenMP.
+  // One Team for the whole step where every projection streams at these rows (int4: with int8 activations, no
+  // dequantised tile, whose torch GEMM would run on one thread inside the region; dense: weights in the activations'
+  // dtype), the norms are the activations' dtype, and the build has OpenMP.
   bool fits_team(const torch::Tensor& h) const {
 #ifndef _OPENMP
     return false;
@@ -1593,7 +1618,8 @@ class Int4DecodeStack {
       for (const auto* norm : {&layer.attn_norm, &layer.mlp_norm})
         if (!norm->is_contiguous() || norm->numel() != C || norm->scalar_type() != h.scalar_type()) return false;
       for (const Projection* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        if (std::get<5>(*p) || B > std::get<4>(*p)) return false;
+        if (std::get<5>(*p) || B > std::get<4>(*p) || (dense(*p) && std::get<0>(*p).scalar_type() != h.scalar_type()))
+          return false;
     }
     return C % 16 == 0;
 #endif
@@ -1604,14 +1630,44 @@ class Int4DecodeStack {
     return scales.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(scales[i]);
   }
 
+  static bool dense(const Projection& p) { return std::get<3>(p) == 0; }
+
   // A projection's output blocks and inputs (K) as the packed weight holds them.
   static int64_t outputs_of(const Projection& p) { return std::get<0>(p).size(0) * kBlock; }
-  static int64_t inputs_of(const Projection& p) { return std::get<0>(p).size(1) * 8; }
+  static int64_t inputs_of(const Projection& p) {
+    return dense(p) ? std::get<0>(p).numel() / outputs_of(p) : std::get<0>(p).size(1) * 8;
+  }
 
-  // y = rows W^T (+ res; res may be y), the rows quantised per the projection's group.
+  // A projection's input rows as its kernel reads them: int4, quantised per its group; dense bf16 without AVX-512
+  // BF16, in fp32; else as they are.
   template <typename T>
-  static void project(const Projection& p, const Int4Rows& rows, int64_t M, T* y, const T* res) {
-    int4_quantized_path(rows, std::get<0>(p).data_ptr<uint8_t>(), std::get<1>(p).data_ptr<at::Half>(),
+  struct Rows {
+    const T* x;
+    const float* xf;
+    Int4Rows quantized;
+  };
+
+  template <typename T>
+  static Rows<T> prepare(const Projection& p, const T* X, int64_t M, int64_t K, int8_t* xi, float* d, float* dsum,
+                         float* xf) {
+    if (!dense(p)) return {X, nullptr, quantize_rows_into(X, M, K, std::get<3>(p), xi, d, dsum)};
+    if constexpr (std::is_same_v<T, at::BFloat16> && kBf16RowsAsFp32) {
+      split_for(0, M, grain_for(K * static_cast<int64_t>(sizeof(T))), [&](int64_t m0, int64_t m1) {
+        for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(X[i]);
+      });
+      return {X, xf, {}};
+    }
+    return {X, nullptr, {}};
+  }
+
+  // y = rows W^T (+ res; res may be y).
+  template <typename T>
+  static void project(const Projection& p, const Rows<T>& rows, int64_t M, T* y, const T* res) {
+    if (dense(p)) {
+      dense_path<T>(std::get<0>(p).data_ptr(), rows.x, rows.xf, y, res, M, inputs_of(p), std::get<0>(p).size(0));
+      return;
+    }
+    int4_quantized_path(rows.quantized, std::get<0>(p).data_ptr<uint8_t>(), std::get<1>(p).data_ptr<at::Half>(),
                         std::get<2>(p).data_ptr<uint8_t>(), y, res, M, inputs_of(p), std::get<0>(p).size(0),
                         std::get<3>(p));
   }
@@ -1639,12 +1695,14 @@ class Int4DecodeStack {
       TORCH_CHECK(inputs_of(layer.qkv) == C && outputs_of(layer.qkv) == heads * D_ && inputs_of(layer.o) == H_ * D_ &&
                   outputs_of(layer.o) == C && inputs_of(layer.gate_up) == C && outputs_of(layer.gate_up) % 2 == 0 &&
                   inputs_of(layer.down) * 2 == outputs_of(layer.gate_up) && outputs_of(layer.down) == C,
-                  "Int4DecodeStack: layer ", i, "'s projections do not chain");
+                  "DecodeStack: layer ", i, "'s projections do not chain");
       for (const Projection* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        TORCH_CHECK(std::get<0>(*p).scalar_type() == torch::kUInt8 && std::get<1>(*p).scalar_type() == torch::kHalf &&
-                    std::get<2>(*p).scalar_type() == torch::kUInt8 && std::get<3>(*p) > 0 &&
-                    std::get<1>(*p).size(1) * std::get<3>(*p) == inputs_of(*p),
-                    "Int4DecodeStack: layer ", i, ": packed uint8, fp16 scales and uint8 zeros, as int4_pack lays them out");
+        TORCH_CHECK(dense(*p) ? std::get<0>(*p).scalar_type() == h.scalar_type() && std::get<0>(*p).is_contiguous()
+                              : std::get<0>(*p).scalar_type() == torch::kUInt8 && std::get<1>(*p).scalar_type() == torch::kHalf &&
+                                std::get<2>(*p).scalar_type() == torch::kUInt8 && std::get<3>(*p) > 0 &&
+                                std::get<1>(*p).size(1) * std::get<3>(*p) == inputs_of(*p),
+                    "DecodeStack: layer ", i, ": dense weights in the activations' dtype laid out by pack, or int4 ",
+                    "as int4_pack lays it out (packed uint8, fp16 scales, uint8 zeros)");
       check_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_,
                                   scales_of(key_scales, i), scales_of(value_scales, i));
     }
@@ -1657,6 +1715,7 @@ class Int4DecodeStack {
     auto normed_copies = torch::empty({copies, B, C}, h.options());
     std::vector<int8_t> xi(copies * B * widest);
     std::vector<float> d(copies * B * widest), dsum(copies * B * widest);  // NOTE: enough for any group size
+    std::vector<float> xf(kBf16RowsAsFp32 && std::is_same_v<T, at::BFloat16> ? copies * B * widest : 0);
     std::vector<torch::Tensor> normed_views;  // NOTE: made here: no tensor is made inside the region
     for (int64_t c = 0; c < copies; ++c) normed_views.push_back(normed_copies[c]);
     T* H = hidden.data_ptr<T>();
@@ -1680,6 +1739,7 @@ class Int4DecodeStack {
       int8_t* XI = xi.data() + copy * B * widest;
       float* XD = d.data() + copy * B * widest;
       float* XS = dsum.data() + copy * B * widest;
+      float* XF = xf.empty() ? nullptr : xf.data() + copy * B * widest;
       // rows -> quantised, split over the team with a barrier after each kernel, or by every thread for itself
       const Team* rows_by = repeat_rows ? &alone : &team;
       current_team = &team;
@@ -1688,23 +1748,23 @@ class Int4DecodeStack {
         const int64_t inner = outputs_of(layer.gate_up) / 2;
         current_team = rows_by;
         rms_norm_impl<T>(hidden, layer.attn_norm, eps_, normed);
-        Int4Rows rows = quantize_rows_into(N, B, C, std::get<3>(layer.qkv), XI, XD, XS);
+        Rows<T> rows = prepare(layer.qkv, N, B, C, XI, XD, XS, XF);
         current_team = &team;
         project(layer.qkv, rows, B, Q, static_cast<const T*>(nullptr));
         run_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale,
                                   scales_of(key_scales, i), scales_of(value_scales, i), attended);
         current_team = rows_by;
-        rows = quantize_rows_into(A, B, H_ * D_, std::get<3>(layer.o), XI, XD, XS);
+        rows = prepare(layer.o, A, B, H_ * D_, XI, XD, XS, XF);
         current_team = &team;
         project(layer.o, rows, B, H, H);
         current_team = rows_by;
         rms_norm_impl<T>(hidden, layer.mlp_norm, eps_, normed);
-        rows = quantize_rows_into(N, B, C, std::get<3>(layer.gate_up), XI, XD, XS);
+        rows = prepare(layer.gate_up, N, B, C, XI, XD, XS, XF);
         current_team = &team;
         project(layer.gate_up, rows, B, G, static_cast<const T*>(nullptr));
         current_team = rows_by;
         silu_mul_impl(G, S, B, inner);
-        rows = quantize_rows_into(S, B, inner, std::get<3>(layer.down), XI, XD, XS);
+        rows = prepare(layer.down, S, B, inner, XI, XD, XS, XF);
         current_team = &team;
         project(layer.down, rows, B, H, H);
       }
@@ -1714,6 +1774,7 @@ class Int4DecodeStack {
   }
 
   static torch::Tensor apply(const Projection& p, const torch::Tensor& x, const c10::optional<torch::Tensor>& residual) {
+    if (dense(p)) return ::linear(x, std::get<0>(p), residual);
     return int4_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p), residual,
                        std::get<5>(p));
   }
@@ -1790,13 +1851,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lengths"), py::arg("block_table"), py::arg("num_heads"), py::arg("scale"),
         py::arg("key_scales") = py::none(), py::arg("value_scales") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
-  py::class_<Int4DecodeStack>(m, "Int4DecodeStack", py::module_local())
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &Int4DecodeStack::add_layer)
-      .def_property("team", &Int4DecodeStack::team, &Int4DecodeStack::set_team)
-      .def_property_readonly("team_steps", &Int4DecodeStack::team_steps)
-      .def("step", &Int4DecodeStack::step, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property("team", &DecodeStack::team, &DecodeStack::set_team)
+      .def_property_readonly("team_steps", &DecodeStack::team_steps)
+      .def("step", &DecodeStack::step, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
            py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("block_table"),
            py::arg("key_scales") = std::vector<torch::Tensor>(), py::arg("value_scales") = std::vector<torch::Tensor>())
-      .def("num_layers", &Int4DecodeStack::num_layers);
+      .def("num_layers", &DecodeStack::num_layers);
 }
