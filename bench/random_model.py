@@ -30,8 +30,11 @@ class RandomAwqLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, generator: torch.Generator) -> None:
         super().__init__()
         self.in_features, self.out_features, self.bits = in_features, out_features, 4
-        words = lambda rows: torch.randint(-2**31, 2**31 - 1, (rows, out_features // 8), generator=generator,
-                                           dtype=torch.int64).to(torch.int32)
+
+        def words(rows: int) -> torch.Tensor:  # eight random 4-bit codes in each int32
+            return torch.randint(-2**31, 2**31, (rows, out_features // 8), generator=generator,
+                                 dtype=torch.int64).to(torch.int32)
+
         self.register_buffer("qweight", words(in_features))
         self.register_buffer("qzeros", words(in_features // group_size))
         # NOTE: codes minus zero points spread over about +-8 (sd ~6.5); 0.003 puts the weights near the dense init
