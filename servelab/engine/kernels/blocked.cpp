@@ -1575,10 +1575,8 @@ class DecodeStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const auto qkv = apply(layer.qkv, rms_norm(h, layer.attn_norm, eps_), c10::nullopt).view({B, H_ + 2 * H_kv_, D_});
-      const auto attended = key_scales.empty()
-          ? decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale)
-          : decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale,
-                                  key_scales[i], value_scales[i]);
+      const auto attended = decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table,
+                                                  H_, scale, scales_of(key_scales, i), scales_of(value_scales, i));
       h = apply(layer.o, attended, h);
       h = apply(layer.down, silu_mul(apply(layer.gate_up, rms_norm(h, layer.mlp_norm, eps_), c10::nullopt)), h);
     }
