@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from bench.side_by_side import positive_ints
-from servelab.config import ServingConfig
+from bench.threads import engine_at, timed
 from servelab.engine.engine import Engine
 from servelab.hardware import describe_hardware
-from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 FORMS = ("loop", "region per kernel", "team")
+PROMPT_TOKENS = 64  # the prompt below is about 50 tokens: the engine's prefill limits are set for this many
 
 
 def _use(engine: Engine, form: str) -> None:
@@ -51,33 +50,22 @@ def main() -> None:
     print(f"cpu: {describe_hardware().cpu}; {args.rounds} rounds interleaved, medians", flush=True)
     for path in args.configs.split(","):
         for threads in args.threads:
-            config = ServingConfig.from_yaml(path)
-            config = config.model_copy(update={
-                "num_threads": threads,
-                "batching": config.batching.model_copy(update={
-                    "max_batch_size": max(config.batching.max_batch_size, *args.batch_sizes)}),
-                "kv_cache": config.kv_cache.model_copy(update={"prefix_caching": False})})
-            engine = Engine.from_config(config, settings)
+            engine = engine_at(path, threads, PROMPT_TOKENS, max(args.batch_sizes), settings, None)
             torch.set_num_threads(threads)
             if engine.decoder._decode_stack() is None:
-                print(f"{config.name} at {threads} thread(s): no one-call step here ({engine.kernel})", flush=True)
+                print(f"{engine.config.name} at {threads} thread(s): no one-call step here ({engine.kernel})", flush=True)
                 continue
             prompt = "The history of the city " * 10
             for batch in args.batch_sizes:
-                def timed(new_tokens: int) -> float:
-                    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-                    started = time.perf_counter()
-                    engine.generate([GenerationRequest(f"r{i}", prompt=prompt, params=params) for i in range(batch)])
-                    return time.perf_counter() - started
-
                 speeds: dict[str, list[float]] = {form: [] for form in FORMS}
                 for form in FORMS:
                     _use(engine, form)
-                    timed(4)  # warm-up
+                    timed(engine, threads, prompt, batch, 4)  # warm-up
                 for r in range(args.rounds):
                     for form in FORMS if r % 2 == 0 else FORMS[::-1]:
                         _use(engine, form)
-                        one, full = timed(1), timed(args.new_tokens)
+                        one = timed(engine, threads, prompt, batch, 1)
+                        full = timed(engine, threads, prompt, batch, args.new_tokens)
                         speeds[form].append(batch * (args.new_tokens - 1) / (full - one))
                 loop = speeds["loop"]
                 cells = []
@@ -86,7 +74,7 @@ def main() -> None:
                     faster = "" if form == "loop" else f", {sum(x > 1 for x in ratios)} faster"
                     cells.append(f"{form} {statistics.median(speeds[form]):.1f} tok/s "
                                  f"(x{statistics.median(ratios):.3f}{faster})")
-                print(f"{config.name} at {threads} thread(s), batch {batch}: " + " | ".join(cells), flush=True)
+                print(f"{engine.config.name} at {threads} thread(s), batch {batch}: " + " | ".join(cells), flush=True)
             del engine
 
 

@@ -41,7 +41,7 @@ from servelab.settings import Settings, available_cores
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _engine(path: str, threads: int, prompt_tokens: int, batch: int, settings: Settings,
+def engine_at(path: str, threads: int, prompt_tokens: int, batch: int, settings: Settings,
             random_weights: Path | None) -> Engine:
     config = ServingConfig.from_yaml(path)
     config = config.model_copy(update={
@@ -68,7 +68,7 @@ def _run(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) 
     return time.perf_counter() - started, [c.token_ids for c in result.completions]
 
 
-def _timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
+def timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
     return _run(engine, threads, prompt, rows, new_tokens)[0]
 
 
@@ -93,7 +93,7 @@ def main() -> None:
           "memory bandwidth (measured): " + ", ".join(f"{n}t {gbs:.1f} GB/s" for n, gbs in bandwidth.items())
           + f"; {args.rounds} rounds interleaved, medians", flush=True)
     for path in args.configs.split(","):
-        engines = {n: _engine(path, n, args.prompt_tokens, max(args.batch_sizes), settings, args.random_weights)
+        engines = {n: engine_at(path, n, args.prompt_tokens, max(args.batch_sizes), settings, args.random_weights)
                    for n in args.threads}
         first = engines[args.threads[0]]
         tokenizer = first.tokenizer
@@ -101,7 +101,7 @@ def main() -> None:
         prompt = tokenizer.decode(tokenizer(text)["input_ids"][:args.prompt_tokens])
         for n, engine in engines.items():
             print(f"{first.config.name} ({first.config.weights}) at {n} thread(s): {engine.kernel}", flush=True)
-            _timed(engine, n, prompt, 2, 4)  # warm-up
+            timed(engine, n, prompt, 2, 4)  # warm-up
         tokens = {n: _run(engine, n, prompt[:200], 3, args.new_tokens)[1] for n, engine in engines.items()}
         differ = [n for n in args.threads if tokens[n] != tokens[args.threads[0]]]
         print(f"  greedy tokens (3 rows, {args.new_tokens} new) the same at every count: "
@@ -110,9 +110,9 @@ def main() -> None:
         decode: dict[tuple[int, int], list[float]] = {(n, b): [] for n in args.threads for b in args.batch_sizes}
         for _ in range(args.rounds):
             for n, engine in engines.items():
-                prefill[n].append(args.prompt_tokens / _timed(engine, n, prompt, 1, 1))
+                prefill[n].append(args.prompt_tokens / timed(engine, n, prompt, 1, 1))
                 for b in args.batch_sizes:
-                    one, full = _timed(engine, n, prompt[:200], b, 1), _timed(engine, n, prompt[:200], b, args.new_tokens)
+                    one, full = timed(engine, n, prompt[:200], b, 1), timed(engine, n, prompt[:200], b, args.new_tokens)
                     decode[(n, b)].append(b * (args.new_tokens - 1) / (full - one))
         base = args.threads[0]
 
