@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--random-weights", type=Path, default=None, metavar="FOLDER",
                         help="a folder with a model's config.json and tokenizer: that shape, random weights")
     args = parser.parse_args()
+    if args.random_weights is not None and not (args.random_weights / "config.json").is_file():
+        parser.error(f"--random-weights {args.random_weights}: no config.json there (the folder holds a model's "
+                     "config.json and tokenizer files)")
     settings = Settings(cache_dir=REPO / ".cache")
     hardware = describe_hardware()
     bandwidth = {}

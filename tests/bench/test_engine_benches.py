@@ -41,3 +41,20 @@ def test_huge_pages_refuses_bad_arguments_by_name(argv: list[str], message: str,
         huge_pages.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("module", "argv", "message"), [
+    ("bench.threads", ["--random-weights", "/nonexistent-folder"], "--random-weights /nonexistent-folder: no config.json"),
+    ("bench.decode_step", ["--new-tokens", "1"], "--new-tokens must be at least 2"),
+    ("bench.decode_step", ["--threads", "0"], "--threads: expected a comma list of positive integers, got '0'"),
+])
+def test_thread_benches_refuse_bad_arguments_by_name(module: str, argv: list[str], message: str, monkeypatch,
+                                                     capsys) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(module).main()
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
