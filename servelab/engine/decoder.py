@@ -370,6 +370,10 @@ class LlamaDecoder:
         # NOTE: a decode step's rotary positions, cache write and attention as one kernel call per layer: at batch 1
         # the dozen small operations it replaces cost as much as reading a layer's int4 weights
         self.decode_step_attention = blocked.decode_step_attention if self.decode_attention is not None else None
+        # NOTE: a prompt chunk's causal attention on servelab's threads, reading only the columns each tile of
+        # tokens sees (SDPA with the chunk's mask computes the whole T x S product); a window that hides columns
+        # keeps SDPA with its mask
+        self.prefill_attention = blocked.prefill_attention if self.decode_attention is not None else None
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
@@ -524,6 +528,11 @@ class LlamaDecoder:
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
+        # NOTE: servelab's kernel where each token sees every column up to its own: nothing evicted (the columns are
+        # the row's 0.. start + T - 1) and no window, or one that still reaches back to the sink blocks
+        if self.prefill_attention is not None and keys.shape[1] == start + T and (
+                window is None or (start + T - 1) // bs - window[1] <= window[0]):
+            return self.prefill_attention(qk[:, :H], keys, values, start, D ** -0.5)
         query_positions = torch.arange(start, start + T, device=x.device)
         visible = key_positions[None, :] <= query_positions[:, None]
         if window is not None:  # each token sees the sinks and the window behind its own block

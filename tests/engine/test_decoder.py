@@ -155,6 +155,39 @@ def test_decode_attention_kernel_equals_softmax_attention(build, q_dtype, kv_dty
         torch.testing.assert_close(out.float(), expected, atol=1e-5 if q_dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """The reference: q (T, H, D), keys and values (H_kv, start + T, D); token t sees columns 0.. start + t."""
+    T, H, D = q.shape
+    H_kv, S = keys.shape[:2]
+    group = q.float().transpose(0, 1).reshape(H_kv, H // H_kv * T, D)  # rows: (head in group, token)
+    scores = (group @ keys.float().transpose(-1, -2)) / D ** 0.5  # (H_kv, G x T, S)
+    seen = torch.arange(S)[None, :] <= torch.arange(start, start + T)[:, None]  # (T, S)
+    scores = scores.masked_fill(~seen.repeat(H // H_kv, 1)[None], float("-inf"))
+    out = (scores.softmax(-1) @ values.float()).view(H, T, D)
+    return out.transpose(0, 1).reshape(T, H * D)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_prefill_attention_kernel_equals_causal_softmax_attention(build, q_dtype, kv_dtype, settings) -> None:
+    """A prompt chunk's causal attention (servelab's tiles of 16 tokens against pieces of 64 columns, online softmax)
+    against the plain softmax: a first chunk, a chunk after a cached prefix whose tiles straddle pieces, one token,
+    head sizes of one and several vectors, queries as the strided view the decoder passes."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    torch.manual_seed(0)
+    for T, start, H, H_kv, D in [(70, 0, 6, 2, 64), (37, 100, 4, 4, 16), (1, 9, 4, 1, 32), (130, 5, 3, 3, 48)]:
+        qkv = (torch.randn(T, H + 2 * H_kv, D) * 2).to(q_dtype)
+        keys, values = (torch.randn(start + T, H_kv, D).to(kv_dtype).transpose(0, 1) for _ in range(2))
+        out = kernel.prefill_attention(qkv[:, :H], keys, values, start, D ** -0.5)
+        assert out.dtype == q_dtype and out.shape == (T, H * D)
+        expected = _causal_attention(qkv[:, :H], keys, values, start)
+        tolerance = {"atol": 1e-5, "rtol": 1e-4} if q_dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+        torch.testing.assert_close(out.float(), expected, **tolerance, msg=lambda m: f"T={T} start={start}: {m}")
+    with pytest.raises(RuntimeError, match="the keys must be the start columns before the chunk"):
+        kernel.prefill_attention(qkv[:, :H], keys, values, start + 1, D ** -0.5)
+
+
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel_equals_transformers_rms_norm(build, dtype, tiny_models, settings) -> None:

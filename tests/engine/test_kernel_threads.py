@@ -136,6 +136,18 @@ def test_threaded_decode_attention_equals_the_single_threaded_one(kernel, cache:
         assert_same_bits(at_threads(attend), f"decode attention, {cache} cache, rows of {lengths}")
 
 
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+def test_threaded_prefill_attention_equals_the_single_threaded_one(kernel) -> None:
+    """A prompt chunk's attention: a thread takes whole tiles (16 tokens, one kv head), each computed in one order,
+    so 2 and 3 threads give 1's bits; 40 tokens after a prefix of 30 make 3 tiles of unequal work per kv head."""
+    generator = torch.Generator().manual_seed(0)
+    T, start, H, H_kv, D = 40, 30, 6, 2, 64
+    qkv = torch.randn(T, H + 2 * H_kv, D, generator=generator)
+    keys, values = (torch.randn(start + T, H_kv, D, generator=generator).transpose(0, 1) for _ in range(2))
+    out = at_threads(kernel.prefill_attention, qkv[:, :H], keys, values, start, D ** -0.5)
+    assert_same_bits(out, "prefill attention")
+
+
 def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings) -> None:
     from servelab.config import ServingConfig
     from servelab.engine.loader import apply_threads

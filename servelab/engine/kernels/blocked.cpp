@@ -1151,6 +1151,200 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys
 
 namespace {
 
+// Causal attention over a prompt chunk (flash attention's tiling, on the CPU): a work item is kPrefillTokens query
+// tokens times the G query heads of one kv head, against the chunk's keys in pieces of kPrefillCols columns with an
+// online softmax (a running max and sum per query, the output rescaled when the max grows). Token t of the chunk
+// sees the first start + t + 1 columns, so a tile reads only the columns its last token sees and a whole prompt
+// costs about half of the full T x S product that SDPA with a mask computes. Scores, softmax and sums in fp32.
+constexpr int64_t kPrefillTokens = 16;
+constexpr int64_t kPrefillCols = 64;  // a multiple of both builds' lanes
+static_assert(kPrefillCols % kLanes == 0, "a chunk of columns is whole vectors");
+
+// Scores of R query rows (Qf: rows of D, already scaled) against C vectors of columns of the transposed keys
+// (kt: row d holds column s at s, rows ldkt apart) -> sc, rows kPrefillCols apart.
+template <int R, int C>
+inline void score_block(const float* Qf, int64_t D, const float* kt, int64_t ldkt, float* sc) {
+  Vec acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    Vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = vload(kt + d * ldkt + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec q = vset1(Qf[i * D + d]);
+      for (int c = 0; c < C; ++c) acc[i][c] = vfma(q, k[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) vstore(sc + i * kPrefillCols + c * kLanes, acc[i][c]);
+}
+
+// acc (R rows of D) += p (R rows, kPrefillCols apart) . v (n rows, ldv apart) over the C vectors of D from the
+// pointers given (acc and v already offset to them).
+template <int R, int C, typename KV>
+inline void value_block(const float* p, int64_t n, const KV* v, int64_t ldv, float* acc, int64_t D) {
+  Vec a[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = vload(acc + i * D + c * kLanes);
+  for (int64_t s = 0; s < n; ++s) {
+    Vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(v + s * ldv + c * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec w = vset1(p[i * kPrefillCols + s]);
+      for (int c = 0; c < C; ++c) a[i][c] = vfma(w, vv[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) vstore(acc + i * D + c * kLanes, a[i][c]);
+}
+
+template <int R, typename KV>
+inline void value_rows(const float* p, int64_t n, const KV* v, int64_t ldv, float* acc, int64_t D) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= D; d += 4 * kLanes) value_block<R, 4>(p, n, v + d, ldv, acc + d, D);
+  for (; d < D; d += kLanes) value_block<R, 1>(p, n, v + d, ldv, acc + d, D);
+}
+
+// floats of one thread's buffer for a tile of n query rows of D
+inline int64_t prefill_buffer(int64_t n, int64_t D) { return n * (2 * D + kPrefillCols + 2); }
+
+// One tile: tokens t0.. t0 + nt - 1 of the chunk (row i * G + j: token t0 + i, query head j of the group) against the
+// kv head's transposed keys KT (D rows of ldkt, zero past the last column) and values v (rows ldv apart).
+template <typename Q, typename KV>
+void prefill_tile(const Q* q, int64_t q_token_stride, int64_t q_head_stride, const float* KT, int64_t ldkt,
+                  const KV* v, int64_t ldv, int64_t D, int64_t G, int64_t t0, int64_t nt, int64_t start, float scale,
+                  Q* out, int64_t out_token_stride, float* buf) {
+  const int64_t n = nt * G;
+  float* Qf = buf;
+  float* acc = Qf + n * D;
+  float* sc = acc + n * D;
+  float* maxes = sc + n * kPrefillCols;
+  float* sums = maxes + n;
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t d = 0; d < D; ++d)
+        Qf[(i * G + j) * D + d] = static_cast<float>(q[(t0 + i) * q_token_stride + j * q_head_stride + d]) * scale;
+  std::fill(acc, acc + n * D, 0.f);
+  std::fill(maxes, maxes + n, -INFINITY);
+  std::fill(sums, sums + n, 0.f);
+  const int64_t seen_first = start + t0 + 1;  // columns the tile's first token sees; its last sees nt - 1 more
+  const int64_t columns = seen_first + nt - 1;
+  for (int64_t c0 = 0; c0 < columns; c0 += kPrefillCols) {
+    const int64_t kc = std::min(kPrefillCols, columns - c0);
+    const int64_t width = (kc + kLanes - 1) / kLanes * kLanes;
+    const int64_t r0 = std::max<int64_t>(0, c0 - seen_first + 1) * G;  // the first row that sees a column here
+    const float* kt = KT + c0;
+    int64_t r = r0;
+    for (; r + 4 <= n; r += 4) {
+      int64_t j = 0;
+      for (; j + 2 * kLanes <= width; j += 2 * kLanes) score_block<4, 2>(Qf + r * D, D, kt + j, ldkt, sc + r * kPrefillCols + j);
+      for (; j < width; j += kLanes) score_block<4, 1>(Qf + r * D, D, kt + j, ldkt, sc + r * kPrefillCols + j);
+    }
+    for (; r < n; ++r) {
+      int64_t j = 0;
+      for (; j + 2 * kLanes <= width; j += 2 * kLanes) score_block<1, 2>(Qf + r * D, D, kt + j, ldkt, sc + r * kPrefillCols + j);
+      for (; j < width; j += kLanes) score_block<1, 1>(Qf + r * D, D, kt + j, ldkt, sc + r * kPrefillCols + j);
+    }
+    for (r = r0; r < n; ++r) {
+      float* s = sc + r * kPrefillCols;
+      const int64_t valid = std::min(kc, seen_first + r / G - c0);
+      Vec top_lanes = vset1(maxes[r]);
+      int64_t j = 0;
+      for (; j + kLanes <= valid; j += kLanes) top_lanes = vmax(top_lanes, vload(s + j));
+      float top = vmaxall(top_lanes);
+      for (; j < valid; ++j) top = std::max(top, s[j]);
+      Vec total = vzero();
+      const Vec shift = vset1(-top);
+      for (j = 0; j < width; j += kLanes) vstore(s + j, vexp(vadd(vload(s + j), shift)));
+      for (j = valid; j < width; ++j) s[j] = 0.f;
+      for (j = 0; j < width; j += kLanes) total = vadd(total, vload(s + j));
+      const float alpha = std::exp(maxes[r] - top);  // 0 on the first piece (the max was -inf)
+      sums[r] = sums[r] * alpha + vsum(total);
+      maxes[r] = top;
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < D; d += kLanes) vstore(acc + r * D + d, vmul(vload(acc + r * D + d), vset1(alpha)));
+    }
+    const KV* vc = v + c0 * ldv;
+    for (r = r0; r + 2 <= n; r += 2)  // the later row of the two sees at least as many columns
+      value_rows<2>(sc + r * kPrefillCols, std::min(kc, seen_first + (r + 1) / G - c0), vc, ldv, acc + r * D, D);
+    for (; r < n; ++r) value_rows<1>(sc + r * kPrefillCols, std::min(kc, seen_first + r / G - c0), vc, ldv, acc + r * D, D);
+  }
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t r = i * G + j;
+      const Vec inv = vset1(1.f / sums[r]);
+      Q* o = out + (t0 + i) * out_token_stride + j * D;
+      for (int64_t d = 0; d < D; d += kLanes) vstore(o + d, vmul(vload(acc + r * D + d), inv));
+    }
+}
+
+template <typename Q, typename KV>
+void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            int64_t start, float scale, torch::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), H_kv = keys.size(0), S = keys.size(1), G = H / H_kv;
+  const int64_t padded = (S + kPrefillCols - 1) / kPrefillCols * kPrefillCols;
+  const KV* Kp = keys.data_ptr<KV>();
+  const KV* Vp = values.data_ptr<KV>();
+  // the keys transposed once per call, (H_kv, D, padded) fp32 and zero past S, for the score tiles' column vectors
+  std::vector<float> KT(H_kv * D * padded);
+  const int64_t pieces = padded / kPrefillCols;
+  at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * D * sizeof(KV)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / pieces, c0 = (i % pieces) * kPrefillCols;
+      float* kt = KT.data() + g * D * padded;
+      for (int64_t s = c0; s < c0 + kPrefillCols; ++s) {
+        const KV* k = Kp + g * keys.stride(0) + s * keys.stride(1);
+        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = s < S ? static_cast<float>(k[d]) : 0.f;
+      }
+    }
+  });
+  const Q* Qp = q.data_ptr<Q>();
+  Q* Op = out.data_ptr<Q>();
+  const int64_t tiles = (T + kPrefillTokens - 1) / kPrefillTokens;
+  // NOTE: tiles taken in the order first, last, second, second last, ...: at::parallel_for gives each thread a
+  // contiguous range of items, and a causal tile's work grows with its position, so each range gets a fair share
+  const int64_t item_bytes = 2 * S * D * static_cast<int64_t>(sizeof(float)) * std::min(T, kPrefillTokens);
+  at::parallel_for(0, H_kv * tiles, grain_for(item_bytes), [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(prefill_buffer(kPrefillTokens * G, D));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t u = i / H_kv, g = i % H_kv;
+      const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
+      const int64_t t0 = tile * kPrefillTokens, nt = std::min(kPrefillTokens, T - t0);
+      prefill_tile(Qp + g * G * q.stride(1), q.stride(0), q.stride(1), KT.data() + g * D * padded, padded,
+                   Vp + g * values.stride(0), values.stride(1), D, G, t0, nt, start, scale, Op + g * G * D, H * D,
+                   buf.data());
+    }
+  });
+}
+
+}  // namespace
+
+// Causal attention of a prompt chunk's T tokens at columns start.. start + T - 1: q (T, H, D) rotated queries
+// (strided views are fine, D contiguous), keys and values (H_kv, S, D) with S = start + T, every column the row
+// holds in order (its cached prefix, then the chunk) -> (T, H x D) in q's dtype; token t sees columns 0.. start + t.
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                                int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "prefill_attention: shapes");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) == keys.size(2), "prefill_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(keys.size(0) > 0 && q.size(1) % keys.size(0) == 0, "prefill_attention: heads per kv head");
+  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1, "prefill_attention: head_dim must be contiguous");
+  TORCH_CHECK(start >= 0 && keys.size(1) == start + q.size(0),
+              "prefill_attention: the keys must be the start columns before the chunk and the chunk's own");
+  auto out = torch::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  const auto qt = q.scalar_type(), kt = keys.scalar_type();
+  TORCH_CHECK(values.scalar_type() == kt, "prefill_attention: keys and values of one dtype");
+  const float s = static_cast<float>(scale);
+  if (qt == torch::kFloat32 && kt == torch::kFloat32) prefill_attention_impl<float, float>(q, keys, values, start, s, out);
+  else if (qt == torch::kFloat32 && kt == torch::kBFloat16) prefill_attention_impl<float, at::BFloat16>(q, keys, values, start, s, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) prefill_attention_impl<at::BFloat16, at::BFloat16>(q, keys, values, start, s, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kFloat32) prefill_attention_impl<at::BFloat16, float>(q, keys, values, start, s, out);
+  else TORCH_CHECK(false, "prefill_attention: fp32 or bf16 queries and keys");
+  return out;
+}
+
+namespace {
+
 template <typename T>
 inline float rounded(float v) {  // v as an operation in T's dtype leaves it
   if constexpr (std::is_same_v<T, at::BFloat16>) return static_cast<float>(at::BFloat16(v));
@@ -1843,6 +2037,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (-1: a row with NaN or inf), and how many gave -1");
   m.def("rms_norm", &rms_norm, "transformers' LlamaRMSNorm, in one pass");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache (grouped heads)");
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention over its row's columns",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("scale"));
   m.def("decode_step_attention", &decode_step_attention,
         "a decode step's rotary positions, cache write and attention for one layer over the paged cache, fused",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("keys"), py::arg("values"),
