@@ -250,6 +250,7 @@ def _measured_winners(probe: LinearKernel, candidates: list[str], *, dtype: torc
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype), "shapes": [list(s) for s in shapes], "candidates": candidates,
             "isa": probe.blocked.isa.name if probe.blocked else None, "rows": list(MEASURED_ROWS),
+            "build": probe.blocked.build if probe.blocked else None,
             "torch_on_blocked": torch_on_blocked, "rule": "one layout",
             # NOTE: choices measured while servelab's kernels ran on one thread whatever the count are not reused
             "parallel": bool(probe.blocked and probe.blocked.module.parallel())}
@@ -548,6 +549,7 @@ def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[i
     once), cached like the dense kernels' choice. One row and few rows always stream: the weights are read once."""
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "isa": blocked.isa.name if blocked.isa else None, "shapes": [list(s) for s in shapes], "group": group,
+            "build": blocked.build,
             "rows": list(INT4_MEASURED_ROWS), "kernel": "int4", "tiles": "gemm",
             "activations": "float" if float_activations else "int8", "parallel": bool(blocked.module.parallel())}
 

@@ -62,6 +62,12 @@ class BlockedKernel:
             return f"{name} (one thread: built without OpenMP)"
         return name
 
+    @property
+    def build(self) -> str | None:
+        """The build's module name, which hashes its source, torch's version, its flags and the CPU's: a choice
+        measured with one build is not reused by another (a changed kernel is measured again)."""
+        return self.module.__name__ if self.module is not None else None
+
     def bf16_note(self) -> str:
         """How bf16 weights run in this build."""
         if self.module is not None and self.module.native_bf16():

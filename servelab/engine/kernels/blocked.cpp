@@ -44,6 +44,7 @@ constexpr int64_t kMaxHeadDim = 256;  // an int8 KV cache's head_dim, at most (a
 constexpr const char* kIsa = "avx512";
 constexpr int kLanes = 16;
 constexpr int kMaxRows = 8;  // rows of x per pass over a span: 8 rows x 2 blocks of zmm accumulators
+constexpr int kF32Rows = kMaxRows;
 inline int64_t span_for(int64_t M) { return M <= 4 ? 4 : 2; }  // 4 weight streams in flight at 1-4 rows
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
@@ -92,6 +93,10 @@ inline void vstore(at::BFloat16* p, Vec v) {
 constexpr const char* kIsa = "avx2";
 constexpr int kLanes = 8;
 constexpr int kMaxRows = 4;  // 4 rows x 1 block = 8 accumulators
+// fp32 weights: 6 rows x 1 block, 12 accumulators, 2 weight vectors and a broadcast in the 16 registers; two FMA
+// pipes of 4 cycles' latency need 8 independent sums in flight, and 12 leave room for the loads (bf16's converted
+// weights need more registers than that leaves: 4 rows)
+constexpr int kF32Rows = 6;
 inline int64_t span_for(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }  // 8 accumulators each
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -305,23 +310,20 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y
 }
 #endif
 
-// fn(rows, blocks) with both as compile-time constants: rows 1..kMaxRows, blocks 1..4.
-template <typename Fn>
+// fn(rows, blocks) with both as compile-time constants: rows 1..MaxRows (at most 8), blocks 1..4.
+template <int MaxRows = kMaxRows, typename Fn>
 void dispatch(int rows, int blocks, Fn&& fn) {
+  static_assert(MaxRows >= 4 && MaxRows <= 8, "a pass takes 4 to 8 rows");
   auto with_rows = [&](auto b) {
-    switch (rows) {
+    switch (std::min(rows, MaxRows)) {
       case 1: fn(std::integral_constant<int, 1>{}, b); break;
       case 2: fn(std::integral_constant<int, 2>{}, b); break;
       case 3: fn(std::integral_constant<int, 3>{}, b); break;
-#if defined(__AVX512F__)
       case 4: fn(std::integral_constant<int, 4>{}, b); break;
-      case 5: fn(std::integral_constant<int, 5>{}, b); break;
-      case 6: fn(std::integral_constant<int, 6>{}, b); break;
-      case 7: fn(std::integral_constant<int, 7>{}, b); break;
-      default: fn(std::integral_constant<int, 8>{}, b); break;
-#else
-      default: fn(std::integral_constant<int, 4>{}, b); break;
-#endif
+      case 5: if constexpr (MaxRows >= 5) fn(std::integral_constant<int, 5>{}, b); break;
+      case 6: if constexpr (MaxRows >= 6) fn(std::integral_constant<int, 6>{}, b); break;
+      case 7: if constexpr (MaxRows >= 7) fn(std::integral_constant<int, 7>{}, b); break;
+      default: if constexpr (MaxRows >= 8) fn(std::integral_constant<int, 8>{}, b); break;
     }
   };
   switch (blocks) {
@@ -333,18 +335,19 @@ void dispatch(int rows, int blocks, Fn&& fn) {
 }
 
 // Every span of blocks once from memory; all rows of x against it while it is in cache.
-template <typename TW, typename TX, typename TY, typename Kernel>
+// Rows: the most rows of x one pass takes (a register tile of Rows x the span's blocks).
+template <int Rows = kMaxRows, typename TW, typename TX, typename TY, typename Kernel>
 void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64_t K, int64_t num_blocks,
                 Kernel&& kernel) {
   const int64_t span = span_for(M);
   const int64_t num_spans = (num_blocks + span - 1) / span;
-  const int64_t span_bytes = span * K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + kMaxRows - 1) / kMaxRows);
+  const int64_t span_bytes = span * K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + Rows - 1) / Rows);
   split_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t i = s0; i < s1; ++i) {
       const int64_t b = span * i;
       const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        dispatch(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), blocks, [&](auto rows, auto cols) {
+      for (int64_t m = 0; m < M; m += Rows) {
+        dispatch<Rows>(static_cast<int>(std::min<int64_t>(Rows, M - m)), blocks, [&](auto rows, auto cols) {
           const int64_t at = m * (num_blocks * kBlock) + b * kBlock;
           kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + at, res ? res + at : nullptr);
         });
@@ -390,7 +393,7 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
                 int64_t num_blocks) {
   const int64_t N = num_blocks * kBlock;
   if constexpr (std::is_same_v<T, float>) {
-    run_blocks(static_cast<const float*>(W), X, Y, res, M, K, num_blocks,
+    run_blocks<kF32Rows>(static_cast<const float*>(W), X, Y, res, M, K, num_blocks,
                [&](auto rows, auto cols, const float* w, const float* xr, float* yr, const float* rr) {
                  block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
                });
