@@ -134,6 +134,21 @@ def test_bf16_with_an_odd_k_is_served_by_another_kernel(settings) -> None:
 
 
 @pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_pass(build, dtype, settings) -> None:
+    """A pass takes up to 4-8 rows against 1-4 blocks (the register tile depends on the rows and the build), but
+    each output sums over k in one order: 13 rows at once (passes of 6, 6, 1 on AVX2) give each row the bits it
+    gets alone (1 row, 4 blocks a pass), so a request's tokens do not depend on its batch-mates."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(0)
+    packed = kernel.pack(torch.randn(64, 96, generator=generator).to(dtype))
+    x = torch.randn(13, 96, generator=generator).to(dtype)
+    together = kernel.linear(x, packed)
+    alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_decode_attention_kernel_equals_softmax_attention(build, q_dtype, kv_dtype, settings) -> None:
