@@ -370,10 +370,11 @@ class LlamaDecoder:
         # NOTE: a decode step's rotary positions, cache write and attention as one kernel call per layer: at batch 1
         # the dozen small operations it replaces cost as much as reading a layer's int4 weights
         self.decode_step_attention = blocked.decode_step_attention if self.decode_attention is not None else None
-        # NOTE: a prompt chunk's causal attention on servelab's threads, reading only the columns each tile of
-        # tokens sees (SDPA with the chunk's mask computes the whole T x S product); a window that hides columns
-        # keeps SDPA with its mask
-        self.prefill_attention = blocked.prefill_attention if self.decode_attention is not None else None
+        # NOTE: a prompt chunk's rotary positions, cache writes and causal attention as one kernel call per layer, on
+        # servelab's threads, reading only the columns each tile of tokens sees (SDPA with the chunk's mask computes
+        # the whole T x S product, and torch's rotary and cache writes barely gain from a second thread); a window
+        # that hides columns keeps torch's operations and SDPA with its mask
+        self.prefill_attention = blocked.prefill_step_attention if self.decode_attention is not None else None
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
@@ -484,10 +485,10 @@ class LlamaDecoder:
                                                         batch.block_table[:Bd], H, D ** -0.5, *cache.scales(i)))
             elif Bd:
                 parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places))
-            for (offset, start, num_tokens), place in zip(batch.chunks, places):
+            for j, ((offset, start, num_tokens), place) in enumerate(zip(batch.chunks, places)):
                 rows = slice(offset, offset + num_tokens)
                 parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start,
-                                                   batch.window, bs))
+                                                   batch.window, bs, batch.positions[rows], batch.block_table[Bd + j]))
             attended = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = add_projection(layer.o, attended.view(N, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
@@ -521,18 +522,21 @@ class LlamaDecoder:
         return new_blocks, lengths % bs, table, mask
 
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
-                         window: tuple[int, int] | None = None, bs: int = 1) -> torch.Tensor:
-        """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. -> attention out (T, H x D)."""
+                         window: tuple[int, int] | None = None, bs: int = 1, positions: torch.Tensor | None = None,
+                         table: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. (positions (T,) int64, the row's block table
+        (blocks,) int32) -> attention out (T, H x D)."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, blocks, offsets, key_positions = place
+        # NOTE: servelab's fused kernel where each token sees every column up to its own: nothing evicted (the columns
+        # are the row's 0.. start + T - 1) and no window, or one that still reaches back to the sink blocks
+        if (self.prefill_attention is not None and table is not None and key_positions.shape[0] == start + T
+                and (window is None or (start + T - 1) // bs - window[1] <= window[0])):
+            return self.prefill_attention(x, self.cos, self.sin, positions, cache.keys[layer], cache.values[layer], table,
+                                          start, H, D ** -0.5, *cache.scales(layer))
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
-        # NOTE: servelab's kernel where each token sees every column up to its own: nothing evicted (the columns are
-        # the row's 0.. start + T - 1) and no window, or one that still reaches back to the sink blocks
-        if self.prefill_attention is not None and keys.shape[1] == start + T and (
-                window is None or (start + T - 1) // bs - window[1] <= window[0]):
-            return self.prefill_attention(qk[:, :H], keys, values, start, D ** -0.5)
         query_positions = torch.arange(start, start + T, device=x.device)
         visible = key_positions[None, :] <= query_positions[:, None]
         if window is not None:  # each token sees the sinks and the window behind its own block

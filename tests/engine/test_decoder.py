@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from servelab.engine import linear as linear_module
-from servelab.engine.decoder import LlamaDecoder, build_decoder, unsupported_reason
+from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder, unsupported_reason
 from servelab.engine.kernels import ISAS, best_isa, isa_reason, load_blocked_kernel
-from servelab.engine.kvcache import StaticKVCache
+from servelab.engine.kvcache import StaticKVCache, dequantize_heads, quantize_heads
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
                                     TorchLinear, choose_linear_kernel, layout_families, linear_kernel_reason,
                                     one_layout_winners)
@@ -201,6 +201,69 @@ def test_prefill_attention_kernel_equals_causal_softmax_attention(build, q_dtype
         torch.testing.assert_close(out.float(), expected, **tolerance, msg=lambda m: f"T={T} start={start}: {m}")
     with pytest.raises(RuntimeError, match="the keys must be the start columns before the chunk"):
         kernel.prefill_attention(qkv[:, :H], keys, values, start + 1, D ** -0.5)
+
+
+def chunk_step_inputs(dtype: torch.dtype, cache: str, generator: torch.Generator) -> dict:
+    """A prompt chunk of 30 tokens after 21 cached columns (4 blocks of 16 in a shuffled table), a pool of 10 blocks
+    in the cache's precision, for prefill_step_attention and its unfused form."""
+    H, H_kv, D, bs, start, T = 6, 2, 32, 16, 21, 30
+    pool = torch.randn(10, H_kv, bs, D, generator=generator) * 2
+    keys, values = ((pool * 20).to(torch.int8) if cache == "int8" else pool.to(CACHE_DTYPES[cache]) for _ in range(2))
+    scales = [torch.rand(10, H_kv, bs, generator=generator) * 0.1 for _ in range(2)] if cache == "int8" else []
+    return {"qkv": torch.randn(T, H + 2 * H_kv, D, generator=generator).to(dtype),
+            "cos": torch.randn(128, D, generator=generator).to(dtype), "sin": torch.randn(128, D, generator=generator).to(dtype),
+            "positions": torch.arange(start, start + T), "keys": keys, "values": values,
+            "table": torch.randperm(10, generator=generator)[:6].to(torch.int32), "start": start, "num_heads": H,
+            "scale": D ** -0.5, "key_scales": scales[0] if scales else None, "value_scales": scales[1] if scales else None}
+
+
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _written_then_attended(kernel, qkv, cos, sin, positions, keys, values, table, start, num_heads, scale, key_scales,
+                           value_scales) -> torch.Tensor:
+    """The unfused chunk step, as the decoder ran it: torch's rotary, the pool's write and read (PagedKVCache.write /
+    read's own operations), then prefill_attention."""
+    T, _, D = qkv.shape
+    H, H_kv, bs = num_heads, keys.shape[1], keys.shape[2]
+    qk = _rotate(qkv[:, :H + H_kv].unsqueeze(0), cos[positions].view(1, T, 1, D), sin[positions].view(1, T, 1, D))[0]
+    columns = torch.arange(start + T)
+    blocks, offsets = table.long()[columns // bs], columns % bs
+    new_blocks, new_offsets = blocks[start:], offsets[start:]
+    if key_scales is not None:
+        (k, ks), (v, vs) = quantize_heads(qk[:, H:]), quantize_heads(qkv[:, H + H_kv:])
+        keys[new_blocks, :, new_offsets], key_scales[new_blocks, :, new_offsets] = k, ks
+        values[new_blocks, :, new_offsets], value_scales[new_blocks, :, new_offsets] = v, vs
+        k = dequantize_heads(keys[blocks, :, offsets], key_scales[blocks, :, offsets])
+        v = dequantize_heads(values[blocks, :, offsets], value_scales[blocks, :, offsets])
+    else:
+        keys[new_blocks, :, new_offsets] = qk[:, H:].to(keys.dtype)
+        values[new_blocks, :, new_offsets] = qkv[:, H + H_kv:].to(values.dtype)
+        k, v = keys[blocks, :, offsets], values[blocks, :, offsets]
+    return kernel.prefill_attention(qk[:, :H], k.transpose(0, 1), v.transpose(0, 1), start, scale)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(("dtype", "cache"), [(torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+                                              (torch.bfloat16, "fp32"), (torch.float32, "int8"), (torch.bfloat16, "int8")])
+def test_fused_prefill_step_equals_the_cache_write_then_prefill_attention(build, dtype, cache: str, settings) -> None:
+    """prefill_step_attention (rotary, cache writes and attention of a chunk in one call) writes the pool as torch's
+    rotary and the cache's write do and attends as prefill_attention over what the cache's read gives: the same bits,
+    the pool (and an int8 pool's scales) whole, columns outside the chunk untouched."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    inputs = chunk_step_inputs(dtype, cache, torch.Generator().manual_seed(0))
+    pools = ("keys", "values", "key_scales", "value_scales")
+    unfused = {**inputs, **{k: inputs[k].clone() for k in pools if inputs[k] is not None}}
+    fused = {**inputs, **{k: inputs[k].clone() for k in pools if inputs[k] is not None}}
+    want = _written_then_attended(kernel, **unfused)
+    got = kernel.prefill_step_attention(**fused)
+    assert got.dtype == dtype and torch.equal(got, want)
+    for k in pools:
+        if inputs[k] is not None:
+            assert torch.equal(fused[k], unfused[k]), k
+            assert not torch.equal(fused[k], inputs[k]), f"{k}: the chunk's columns were not written"
+    with pytest.raises(RuntimeError, match="the row's table holds fewer blocks"):
+        kernel.prefill_step_attention(**{**fused, "table": fused["table"][:3]})
 
 
 @pytest.mark.parametrize("build", BUILDS)

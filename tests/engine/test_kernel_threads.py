@@ -148,6 +148,23 @@ def test_threaded_prefill_attention_equals_the_single_threaded_one(kernel) -> No
     assert_same_bits(out, "prefill attention")
 
 
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+@pytest.mark.parametrize("cache", ["bf16", "int8"])
+def test_threaded_fused_prefill_step_equals_the_single_threaded_one(kernel, cache: str) -> None:
+    """The fused chunk step: a thread takes whole tokens (rotary, cache writes), whole pieces of columns (the read)
+    and whole tiles (attention), so the output and the pool are 1 thread's bits at 2 and 3."""
+    from tests.engine.test_decoder import chunk_step_inputs
+
+    inputs = chunk_step_inputs(torch.float32, cache, torch.Generator().manual_seed(1))
+    pools = ("keys", "values", "key_scales", "value_scales")
+
+    def step():
+        mine = {**inputs, **{k: inputs[k].clone() for k in pools if inputs[k] is not None}}
+        return [kernel.prefill_step_attention(**mine), *(mine[k] for k in pools if mine[k] is not None)]
+
+    assert_same_bits(at_threads(step), f"fused prefill step, {cache} cache")
+
+
 def test_threads_default_to_the_cores_the_process_may_run_on(tmp_path, settings) -> None:
     from servelab.config import ServingConfig
     from servelab.engine.loader import apply_threads

@@ -1281,28 +1281,13 @@ void prefill_tile(const Q* q, int64_t q_token_stride, int64_t q_head_stride, con
     }
 }
 
+// The tiles of a chunk's attention: Qp (T, H, D) queries at the strides given, KT (H_kv, D, padded) the keys
+// transposed to fp32 (zero past S = start + T), Vp the values at (kv head, column) strides -> Op (T, H x D).
 template <typename Q, typename KV>
-void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                            int64_t start, float scale, torch::Tensor& out) {
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), H_kv = keys.size(0), S = keys.size(1), G = H / H_kv;
-  const int64_t padded = (S + kPrefillCols - 1) / kPrefillCols * kPrefillCols;
-  const KV* Kp = keys.data_ptr<KV>();
-  const KV* Vp = values.data_ptr<KV>();
-  // the keys transposed once per call, (H_kv, D, padded) fp32 and zero past S, for the score tiles' column vectors
-  std::vector<float> KT(H_kv * D * padded);
-  const int64_t pieces = padded / kPrefillCols;
-  at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * D * sizeof(KV)), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / pieces, c0 = (i % pieces) * kPrefillCols;
-      float* kt = KT.data() + g * D * padded;
-      for (int64_t s = c0; s < c0 + kPrefillCols; ++s) {
-        const KV* k = Kp + g * keys.stride(0) + s * keys.stride(1);
-        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = s < S ? static_cast<float>(k[d]) : 0.f;
-      }
-    }
-  });
-  const Q* Qp = q.data_ptr<Q>();
-  Q* Op = out.data_ptr<Q>();
+void prefill_tiles(const Q* Qp, int64_t q_token_stride, int64_t q_head_stride, int64_t T, int64_t H, int64_t H_kv,
+                   int64_t D, int64_t start, const float* KT, int64_t padded, const KV* Vp, int64_t v_head_stride,
+                   int64_t v_column_stride, float scale, Q* Op) {
+  const int64_t G = H / H_kv, S = start + T;
   const int64_t tiles = (T + kPrefillTokens - 1) / kPrefillTokens;
   // NOTE: tiles taken in the order first, last, second, second last, ...: at::parallel_for gives each thread a
   // contiguous range of items, and a causal tile's work grows with its position, so each range gets a fair share
@@ -1313,11 +1298,35 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, c
       const int64_t u = i / H_kv, g = i % H_kv;
       const int64_t tile = u % 2 == 0 ? u / 2 : tiles - 1 - u / 2;
       const int64_t t0 = tile * kPrefillTokens, nt = std::min(kPrefillTokens, T - t0);
-      prefill_tile(Qp + g * G * q.stride(1), q.stride(0), q.stride(1), KT.data() + g * D * padded, padded,
-                   Vp + g * values.stride(0), values.stride(1), D, G, t0, nt, start, scale, Op + g * G * D, H * D,
+      prefill_tile(Qp + g * G * q_head_stride, q_token_stride, q_head_stride, KT + g * D * padded, padded,
+                   Vp + g * v_head_stride, v_column_stride, D, G, t0, nt, start, scale, Op + g * G * D, H * D,
                    buf.data());
     }
   });
+}
+
+inline int64_t prefill_padded(int64_t S) { return (S + kPrefillCols - 1) / kPrefillCols * kPrefillCols; }
+
+template <typename Q, typename KV>
+void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                            int64_t start, float scale, torch::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), H_kv = keys.size(0), S = keys.size(1);
+  const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
+  const KV* Kp = keys.data_ptr<KV>();
+  // the keys transposed once per call, (H_kv, D, padded) fp32 and zero past S, for the score tiles' column vectors
+  std::vector<float> KT(H_kv * D * padded);
+  at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * D * sizeof(KV)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / pieces, c0 = (i % pieces) * kPrefillCols;
+      float* kt = KT.data() + g * D * padded;
+      for (int64_t s = c0; s < c0 + kPrefillCols; ++s) {
+        const KV* k = Kp + g * keys.stride(0) + s * keys.stride(1);
+        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = s < S ? static_cast<float>(k[d]) : 0.f;
+      }
+    }
+  });
+  prefill_tiles(q.data_ptr<Q>(), q.stride(0), q.stride(1), T, H, H_kv, D, start, KT.data(), padded,
+                values.data_ptr<KV>(), values.stride(0), values.stride(1), scale, out.data_ptr<Q>());
 }
 
 }  // namespace
@@ -1362,7 +1371,10 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
   for (int64_t d = 0; d < D; ++d) {
     const float xd = static_cast<float>(x[d]);
     const float other = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
-    const float a = rounded<T>(xd * static_cast<float>(cos[d])), b = rounded<T>(other * static_cast<float>(sin[d]));
+    float a = rounded<T>(xd * static_cast<float>(cos[d])), b = rounded<T>(other * static_cast<float>(sin[d]));
+    // NOTE: each product rounded before the sum, as torch's separate operations round them: the empty asm keeps the
+    // compiler from contracting a + b into one FMA (GCC contracts by default where FMA is enabled)
+    asm("" : "+x"(a), "+x"(b));
     out[d] = static_cast<TO>(rounded<T>(a + b));
   }
 }
@@ -1633,6 +1645,139 @@ torch::Tensor decode_step_attention(const torch::Tensor& qkv, const torch::Tenso
   auto out = torch::empty({qkv.size(0), num_heads * qkv.size(2)}, qkv.options());
   run_decode_step_attention(qkv, cos, sin, positions, keys, values, lengths, block_table, num_heads, scale, key_scales,
                             value_scales, out);
+  return out;
+}
+
+namespace {
+
+template <typename Q, typename KV>
+void prefill_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                 const torch::Tensor& table, int64_t start, int64_t H, float scale, torch::Tensor& out,
+                                 float* key_scales = nullptr, float* value_scales = nullptr) {
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
+  const int64_t T = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), bs = keys.size(2), S = start + T;
+  const Q* X = qkv.data_ptr<Q>();
+  const Q* COS = cos.data_ptr<Q>();
+  const Q* SIN = sin.data_ptr<Q>();
+  const int64_t* P = positions.data_ptr<int64_t>();
+  const int32_t* blocks = table.data_ptr<int32_t>();
+  KV* Kc = keys.data_ptr<KV>();
+  KV* Vc = values.data_ptr<KV>();
+  const int64_t scale_stride = H_kv * bs;  // scales (blocks, H_kv, block_size)
+  // 1. each token's rotary positions and its key and value written at its column (as decode_step_attention writes
+  // a decode row's: the same rounding, the same int8 quantisation), its queries rotated into a buffer
+  auto queries = torch::empty({T, H, D}, qkv.options());
+  Q* QB = queries.data_ptr<Q>();
+  at::parallel_for(0, T, grain_for((H + 2 * H_kv) * D * static_cast<int64_t>(sizeof(Q)) * 4), [&](int64_t t0, int64_t t1) {
+    std::vector<float> fresh(kInt8 ? D : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Q* row = X + t * qkv.stride(0);
+      const Q* c = COS + P[t] * D;
+      const Q* s = SIN + P[t] * D;
+      const int64_t n = start + t, block = blocks[n / bs];
+      for (int64_t h = 0; h < H_kv; ++h) {
+        const int64_t at = block * keys.stride(0) + h * keys.stride(1) + (n % bs) * D;
+        if constexpr (kInt8) {
+          const int64_t at_scale = block * scale_stride + h * bs + n % bs;
+          rotate_head(row + (H + h) * D, c, s, D, fresh.data());
+          quantize_head(fresh.data(), D, Kc + at, key_scales + at_scale);
+          for (int64_t d = 0; d < D; ++d) fresh[d] = static_cast<float>(row[(H + H_kv + h) * D + d]);
+          quantize_head(fresh.data(), D, Vc + at, value_scales + at_scale);
+        } else {
+          rotate_head(row + (H + h) * D, c, s, D, Kc + at);
+          for (int64_t d = 0; d < D; ++d) Vc[at + d] = static_cast<KV>(static_cast<float>(row[(H + H_kv + h) * D + d]));
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) rotate_head(row + h * D, c, s, D, QB + (t * H + h) * D);
+    }
+  });
+  // 2. every column the row holds, read through its block table: keys transposed to fp32 (zero past S), values to
+  // fp32 (an int8 column times its scale, as cache.read dequantises it)
+  const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
+  std::vector<float> KT(H_kv * D * padded), V(H_kv * S * D);
+  at::parallel_for(0, H_kv * pieces, grain_for(2 * kPrefillCols * D * static_cast<int64_t>(sizeof(KV))), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / pieces, c0 = (i % pieces) * kPrefillCols;
+      float* kt = KT.data() + h * D * padded;
+      for (int64_t col = c0; col < c0 + kPrefillCols; ++col) {
+        if (col >= S) {
+          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = 0.f;
+          continue;
+        }
+        const int64_t block = blocks[col / bs], at = block * keys.stride(0) + h * keys.stride(1) + (col % bs) * D;
+        float* v = V.data() + (h * S + col) * D;
+        if constexpr (kInt8) {
+          const int64_t at_scale = block * scale_stride + h * bs + col % bs;
+          const float ks = key_scales[at_scale], vs = value_scales[at_scale];
+          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = static_cast<float>(Kc[at + d]) * ks;
+          for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]) * vs;
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = static_cast<float>(Kc[at + d]);
+          for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]);
+        }
+      }
+    }
+  });
+  // 3. the tiles, as prefill_attention computes them
+  prefill_tiles(QB, H * D, D, T, H, H_kv, D, start, KT.data(), padded, static_cast<const float*>(V.data()), S * D, D,
+                scale, out.data_ptr<Q>());
+}
+
+}  // namespace
+
+// A prompt chunk's attention for one layer, fused, over the paged cache: qkv (T, H + 2 H_kv, D) the chunk's joined
+// projection; cos, sin (P, D) in qkv's dtype; positions (T,) int64; keys / values the layer's pool (blocks, H_kv,
+// block_size, D), fp32, bf16 or int8 (with key_scales / value_scales (blocks, H_kv, block_size) fp32); table (n,)
+// int32 the row's block table; start: the columns the row holds before the chunk. Each token's key and value are
+// written at column start + t (rotated and rounded as decode_step_attention writes them), then the chunk attends
+// as prefill_attention does over columns 0.. start + t -> (T, H x D) in qkv's dtype. The columns must be the row's
+// positions in order (no evicted blocks).
+torch::Tensor prefill_step_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& positions, torch::Tensor& keys, torch::Tensor& values,
+                                     const torch::Tensor& table, int64_t start, int64_t num_heads, double scale,
+                                     const c10::optional<torch::Tensor>& key_scales = c10::nullopt,
+                                     const c10::optional<torch::Tensor>& value_scales = c10::nullopt) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "prefill_step_attention: qkv (T, heads, D)");
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() &&
+              keys.is_contiguous() && keys.size(3) == D, "prefill_step_attention: pool (blocks, H_kv, block_size, D), contiguous");
+  const int64_t H_kv = keys.size(1), bs = keys.size(2);
+  TORCH_CHECK(D % 16 == 0 && H_kv > 0 && num_heads % H_kv == 0 && qkv.size(1) == num_heads + 2 * H_kv,
+              "prefill_step_attention: heads");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "prefill_step_attention: cos / sin (P, D) in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.dim() == 1 && positions.numel() == T &&
+              positions.is_contiguous(), "prefill_step_attention: positions (T,) int64");
+  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 1 && table.is_contiguous(),
+              "prefill_step_attention: table (blocks,) int32");
+  TORCH_CHECK(start >= 0 && (T == 0 || (start + T - 1) / bs < table.size(0)),
+              "prefill_step_attention: the row's table holds fewer blocks than its ", start + T, " columns need");
+  const bool int8 = keys.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 == key_scales.has_value() && int8 == value_scales.has_value(),
+              "prefill_step_attention: an int8 pool, and only an int8 pool, comes with key_scales and value_scales");
+  if (int8)
+    for (const auto* t : {&*key_scales, &*value_scales})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 && t->size(0) == keys.size(0) &&
+                  t->size(1) == H_kv && t->size(2) == bs, "prefill_step_attention: scales (blocks, H_kv, block_size) fp32, contiguous");
+  const int32_t* blocks = table.data_ptr<int32_t>();
+  for (int64_t j = 0; T > 0 && j <= (start + T - 1) / bs; ++j)
+    TORCH_CHECK(blocks[j] >= 0 && blocks[j] < keys.size(0), "prefill_step_attention: block ", blocks[j], " outside the pool");
+  const int64_t* P = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(P[t] >= 0 && P[t] < cos.size(0), "prefill_step_attention: position ", P[t], " out of range");
+  auto out = torch::empty({T, num_heads * D}, qkv.options());
+  if (T == 0) return out;
+  const auto qt = qkv.scalar_type(), kt = keys.scalar_type();
+  const float s = static_cast<float>(scale);
+  if (qt == torch::kFloat32 && kt == torch::kFloat32) prefill_step_attention_impl<float, float>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out);
+  else if (qt == torch::kFloat32 && kt == torch::kBFloat16) prefill_step_attention_impl<float, at::BFloat16>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kBFloat16) prefill_step_attention_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out);
+  else if (qt == torch::kBFloat16 && kt == torch::kFloat32) prefill_step_attention_impl<at::BFloat16, float>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out);
+  else if (qt == torch::kFloat32 && int8) prefill_step_attention_impl<float, int8_t>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+  else if (qt == torch::kBFloat16 && int8) prefill_step_attention_impl<at::BFloat16, int8_t>(qkv, cos, sin, positions, keys, values, table, start, num_heads, s, out, key_scales->data_ptr<float>(), value_scales->data_ptr<float>());
+  else TORCH_CHECK(false, "prefill_step_attention: fp32 or bf16 queries, an fp32, bf16 or int8 cache");
   return out;
 }
 
@@ -2046,6 +2191,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode step's rotary positions, cache write and attention for one layer over the paged cache, fused",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("keys"), py::arg("values"),
         py::arg("lengths"), py::arg("block_table"), py::arg("num_heads"), py::arg("scale"),
+        py::arg("key_scales") = py::none(), py::arg("value_scales") = py::none());
+  m.def("prefill_step_attention", &prefill_step_attention,
+        "a prompt chunk's rotary positions, cache writes and causal attention for one layer over the paged cache, fused",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("keys"), py::arg("values"),
+        py::arg("table"), py::arg("start"), py::arg("num_heads"), py::arg("scale"),
         py::arg("key_scales") = py::none(), py::arg("value_scales") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of SwiGLU, gate and up side by side");
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())

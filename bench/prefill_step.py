@@ -1,10 +1,13 @@
-"""A prompt's prefill with servelab's prefill attention and with torch's SDPA, side by side in one engine per thread
-count, rounds interleaved (the machine's load moves them alike). Prefill tok/s = --prompt-tokens / the time to the
-first token of one row (the e2e prefill a user waits for); medians of the rounds, servelab's ratio to SDPA per
-round (median) with the rounds it was faster in, and each form's gain over the first thread count. The two forms
-differ only in the chunk's attention (tests/engine/test_decoder.py checks the kernel against the plain softmax).
+"""A prompt's prefill with servelab's chunk step and with torch's, side by side in one engine per thread count,
+rounds interleaved (the machine's load moves them alike). servelab: the chunk's rotary positions, cache writes and
+causal attention in one kernel call per layer (prefill_step_attention); torch: its rotary operations, the paged
+cache's write and read, then SDPA with the chunk's mask. Prefill tok/s = --prompt-tokens / the time to the first
+token of one row (the e2e prefill a user waits for); medians of the rounds, servelab's ratio to torch per round
+(median) with the rounds it was faster in, and each form's gain over the first thread count. The projections are
+the same in both (tests/engine/test_decoder.py checks the kernels against the plain softmax and the unfused
+write).
 
-    python -m bench.prefill_attention --configs configs/fp32.yaml --threads 1,2 --rounds 5
+    python -m bench.prefill_step --configs configs/fp32.yaml --threads 1,2 --rounds 5
 
 NOTE: quote figures from an idle machine: a descheduled thread holds the whole prefill at every join.
 """
@@ -23,7 +26,7 @@ from servelab.hardware import describe_hardware
 from servelab.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
-FORMS = ("servelab", "sdpa")
+FORMS = ("servelab", "torch")
 
 
 def main() -> None:
@@ -43,7 +46,7 @@ def main() -> None:
         first = engines[args.threads[0]]
         kernel = first.decoder.prefill_attention
         if kernel is None:
-            print(f"{first.config.name}: no servelab prefill attention here ({first.kernel})", flush=True)
+            print(f"{first.config.name}: no servelab chunk step here ({first.kernel})", flush=True)
             continue
         tokenizer = first.tokenizer
         ids = tokenizer("The history of the city " * (args.prompt_tokens // 4 + 8))["input_ids"][:args.prompt_tokens]
@@ -60,14 +63,14 @@ def main() -> None:
                     speeds[n, form].append(args.prompt_tokens / timed(engine, n, prompt, 1, 1))
         base = args.threads[0]
         for n in args.threads:
-            ratios = [s / b for s, b in zip(speeds[n, "servelab"], speeds[n, "sdpa"])]
+            ratios = [s / b for s, b in zip(speeds[n, "servelab"], speeds[n, "torch"])]
             cells = []
             for form in FORMS:
                 gain = "" if n == base else (
                     f", x{statistics.median(speeds[n, form]) / statistics.median(speeds[base, form]):.2f} over {base}t")
                 cells.append(f"{form} {statistics.median(speeds[n, form]):.1f} tok/s{gain}")
             print(f"{first.config.name} at {n} thread(s): " + " | ".join(cells)
-                  + f" | servelab / sdpa x{statistics.median(ratios):.3f} ({sum(x > 1 for x in ratios)} of "
+                  + f" | servelab / torch x{statistics.median(ratios):.3f} ({sum(x > 1 for x in ratios)} of "
                   f"{len(ratios)} faster)", flush=True)
         del engines
 
