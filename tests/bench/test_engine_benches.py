@@ -48,6 +48,8 @@ def test_huge_pages_refuses_bad_arguments_by_name(argv: list[str], message: str,
     ("bench.decode_step", ["--new-tokens", "1"], "--new-tokens must be at least 2"),
     ("bench.decode_step", ["--threads", "0"], "--threads: expected a comma list of positive integers, got '0'"),
     ("bench.prefill_step", ["--prompt-tokens", "1"], "--prompt-tokens must be at least 2"),
+    ("bench.matmul", ["--rows", "0"], "--rows: expected a comma list of positive integers, got '0'"),
+    ("bench.matmul", ["--dtype", "fp16"], "--dtype: invalid choice: 'fp16'"),
 ])
 def test_thread_benches_refuse_bad_arguments_by_name(module: str, argv: list[str], message: str, monkeypatch,
                                                      capsys) -> None:

@@ -1364,17 +1364,37 @@ inline float rounded(float v) {  // v as an operation in T's dtype leaves it
 }
 
 // One head's rotary positions, as transformers' apply_rotary_pos_emb computes them in T's dtype:
-// x cos + rotate_half(x) sin, each product and the sum rounded to T.
+// x cos + rotate_half(x) sin, each product and the sum rounded to T. Vectors of kLanes over each half of the head
+// (rotate_half: the first half meets -x[d + D/2], the second x[d - D/2]), scalars where a half is not whole vectors.
+template <typename T>
+inline Vec rounded_vec(Vec v) {  // v as an operation in T's dtype leaves it
+  if constexpr (std::is_same_v<T, at::BFloat16>) return round_to_bf16(v);
+  return v;
+}
+
 template <typename T, typename TO>
 void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
   const int64_t half = D / 2;
+  if (half % kLanes == 0) {
+    for (int64_t d = 0; d < half; d += kLanes) {
+      const Vec lo = vload(x + d), hi = vload(x + d + half);
+      for (int part = 0; part < 2; ++part) {
+        const int64_t at = d + part * half;
+        const Vec own = part == 0 ? lo : hi, other = part == 0 ? vmul(hi, vset1(-1.f)) : lo;
+        Vec a = rounded_vec<T>(vmul(own, vload(cos + at))), b = rounded_vec<T>(vmul(other, vload(sin + at)));
+        // NOTE: each product rounded before the sum, as torch's separate operations round them: the empty asm
+        // keeps the compiler from contracting a + b into one FMA (GCC contracts vector arithmetic too)
+        asm("" : "+x"(a), "+x"(b));
+        vstore(out + at, rounded_vec<T>(vadd(a, b)));
+      }
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) {
     const float xd = static_cast<float>(x[d]);
     const float other = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
     float a = rounded<T>(xd * static_cast<float>(cos[d])), b = rounded<T>(other * static_cast<float>(sin[d]));
-    // NOTE: each product rounded before the sum, as torch's separate operations round them: the empty asm keeps the
-    // compiler from contracting a + b into one FMA (GCC contracts by default where FMA is enabled)
-    asm("" : "+x"(a), "+x"(b));
+    asm("" : "+x"(a), "+x"(b));  // as above: no contraction
     out[d] = static_cast<TO>(rounded<T>(a + b));
   }
 }
