@@ -1163,42 +1163,38 @@ constexpr int64_t kPrefillTokens = 16;
 constexpr int64_t kPrefillCols = 64;  // a multiple of both builds' lanes
 static_assert(kPrefillCols % kLanes == 0, "a chunk of columns is whole vectors");
 
+// The attention tiles' one register tile: c (R rows of C vectors, rows ldc apart) = (Accumulate ? c : 0) +
+// a (R rows, lda apart) . b (K rows of C vectors, ldb apart), a's element broadcast against b's row. Scores: a the
+// scaled queries (rows of D), b the transposed keys (row d: the columns); values: a the probabilities, b the values.
+template <int R, int C, bool Accumulate, typename TB>
+inline void tile_fma(const float* a, int64_t lda, const TB* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
+  Vec acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) acc[i][j] = Accumulate ? vload(c + i * ldc + j * kLanes) : vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec row[C];
+    for (int j = 0; j < C; ++j) row[j] = vload(b + k * ldb + j * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec x = vset1(a[i * lda + k]);
+      for (int j = 0; j < C; ++j) acc[i][j] = vfma(x, row[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) vstore(c + i * ldc + j * kLanes, acc[i][j]);
+}
+
 // Scores of R query rows (Qf: rows of D, already scaled) against C vectors of columns of the transposed keys
 // (kt: row d holds column s at s, rows ldkt apart) -> sc, rows kPrefillCols apart.
 template <int R, int C>
 inline void score_block(const float* Qf, int64_t D, const float* kt, int64_t ldkt, float* sc) {
-  Vec acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = vzero();
-  for (int64_t d = 0; d < D; ++d) {
-    Vec k[C];
-    for (int c = 0; c < C; ++c) k[c] = vload(kt + d * ldkt + c * kLanes);
-    for (int i = 0; i < R; ++i) {
-      const Vec q = vset1(Qf[i * D + d]);
-      for (int c = 0; c < C; ++c) acc[i][c] = vfma(q, k[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) vstore(sc + i * kPrefillCols + c * kLanes, acc[i][c]);
+  tile_fma<R, C, false>(Qf, D, kt, ldkt, D, sc, kPrefillCols);
 }
 
 // acc (R rows of D) += p (R rows, kPrefillCols apart) . v (n rows, ldv apart) over the C vectors of D from the
 // pointers given (acc and v already offset to them).
 template <int R, int C, typename KV>
 inline void value_block(const float* p, int64_t n, const KV* v, int64_t ldv, float* acc, int64_t D) {
-  Vec a[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) a[i][c] = vload(acc + i * D + c * kLanes);
-  for (int64_t s = 0; s < n; ++s) {
-    Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = vload(v + s * ldv + c * kLanes);
-    for (int i = 0; i < R; ++i) {
-      const Vec w = vset1(p[i * kPrefillCols + s]);
-      for (int c = 0; c < C; ++c) a[i][c] = vfma(w, vv[c], a[i][c]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) vstore(acc + i * D + c * kLanes, a[i][c]);
+  tile_fma<R, C, true>(p, kPrefillCols, v, ldv, n, acc, D);
 }
 
 template <int R, typename KV>
