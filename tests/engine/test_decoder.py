@@ -264,6 +264,9 @@ def test_fused_prefill_step_equals_the_cache_write_then_prefill_attention(build,
             assert not torch.equal(fused[k], inputs[k]), f"{k}: the chunk's columns were not written"
     with pytest.raises(RuntimeError, match="the row's table holds fewer blocks"):
         kernel.prefill_step_attention(**{**fused, "table": fused["table"][:3]})
+    empty = torch.empty(4, 2, 0, 32, dtype=fused["keys"].dtype)
+    with pytest.raises(RuntimeError, match="pool \\(blocks, H_kv, block_size, D\\)"):  # a block size of 0: refused
+        kernel.prefill_step_attention(**{**fused, "keys": empty, "values": empty})
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -1316,8 +1316,12 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, c
       const int64_t g = i / pieces, c0 = (i % pieces) * kPrefillCols;
       float* kt = KT.data() + g * D * padded;
       for (int64_t s = c0; s < c0 + kPrefillCols; ++s) {
+        if (s >= S) {
+          for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = 0.f;
+          continue;
+        }
         const KV* k = Kp + g * keys.stride(0) + s * keys.stride(1);
-        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = s < S ? static_cast<float>(k[d]) : 0.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = static_cast<float>(k[d]);
       }
     }
   });
@@ -1332,6 +1336,7 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, c
 // holds in order (its cached prefix, then the chunk) -> (T, H x D) in q's dtype; token t sees columns 0.. start + t.
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                 int64_t start, double scale) {
+  TORCH_CHECK(q.is_cpu() && keys.is_cpu() && values.is_cpu(), "prefill_attention: CPU tensors");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "prefill_attention: shapes");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) == keys.size(2), "prefill_attention: head_dim must be a multiple of 16");
   TORCH_CHECK(keys.size(0) > 0 && q.size(1) % keys.size(0) == 0, "prefill_attention: heads per kv head");
@@ -1600,7 +1605,7 @@ static void check_decode_step_attention(const torch::Tensor& qkv, const torch::T
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "decode_step_attention: qkv (B, heads, D)");
   const int64_t B = qkv.size(0), D = qkv.size(2), H_kv = keys.size(1), bs = keys.size(2);
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() && keys.is_contiguous() &&
-              keys.size(3) == D, "decode_step_attention: pool (blocks, H_kv, block_size, D), contiguous");
+              keys.size(3) == D && keys.size(2) > 0, "decode_step_attention: pool (blocks, H_kv, block_size, D), contiguous");
   TORCH_CHECK(D % 16 == 0 && num_heads % H_kv == 0 && num_heads / H_kv <= 16 && qkv.size(1) == num_heads + 2 * H_kv,
               "decode_step_attention: heads");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() &&
@@ -1754,10 +1759,14 @@ torch::Tensor prefill_step_attention(const torch::Tensor& qkv, const torch::Tens
                                      const torch::Tensor& table, int64_t start, int64_t num_heads, double scale,
                                      const c10::optional<torch::Tensor>& key_scales = c10::nullopt,
                                      const c10::optional<torch::Tensor>& value_scales = c10::nullopt) {
+  for (const auto* t : {&qkv, &cos, &sin, &positions, &table, static_cast<const torch::Tensor*>(&keys),
+                        static_cast<const torch::Tensor*>(&values)})
+    TORCH_CHECK(t->is_cpu(), "prefill_step_attention: CPU tensors");
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "prefill_step_attention: qkv (T, heads, D)");
   const int64_t T = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.strides() == values.strides() &&
-              keys.is_contiguous() && keys.size(3) == D, "prefill_step_attention: pool (blocks, H_kv, block_size, D), contiguous");
+              keys.is_contiguous() && keys.size(3) == D && keys.size(2) > 0 && keys.scalar_type() == values.scalar_type(),
+              "prefill_step_attention: pool (blocks, H_kv, block_size, D), keys and values alike, contiguous");
   const int64_t H_kv = keys.size(1), bs = keys.size(2);
   TORCH_CHECK(D % 16 == 0 && H_kv > 0 && num_heads % H_kv == 0 && qkv.size(1) == num_heads + 2 * H_kv,
               "prefill_step_attention: heads");
