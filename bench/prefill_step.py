@@ -44,7 +44,7 @@ def main() -> None:
     for path in args.configs.split(","):
         engines = {n: engine_at(path, n, args.prompt_tokens, 1, settings, None) for n in args.threads}
         first = engines[args.threads[0]]
-        kernel = first.decoder.prefill_attention
+        kernel = first.decoder.prefill_step_attention
         if kernel is None:
             print(f"{first.config.name}: no servelab chunk step here ({first.kernel})", flush=True)
             continue
@@ -54,12 +54,12 @@ def main() -> None:
         speeds = {(n, form): [] for n in args.threads for form in FORMS}
         for n, engine in engines.items():
             for form in FORMS:
-                engine.decoder.prefill_attention = kernel if form == "servelab" else None
+                engine.decoder.prefill_step_attention = kernel if form == "servelab" else None
                 timed(engine, n, prompt, 1, 1)  # warm-up
         for r in range(args.rounds):
             for n, engine in engines.items():
                 for form in FORMS if r % 2 == 0 else FORMS[::-1]:
-                    engine.decoder.prefill_attention = kernel if form == "servelab" else None
+                    engine.decoder.prefill_step_attention = kernel if form == "servelab" else None
                     speeds[n, form].append(args.prompt_tokens / timed(engine, n, prompt, 1, 1))
         base = args.threads[0]
         for n in args.threads:

@@ -374,7 +374,7 @@ class LlamaDecoder:
         # servelab's threads, reading only the columns each tile of tokens sees (SDPA with the chunk's mask computes
         # the whole T x S product, and torch's rotary and cache writes barely gain from a second thread); a window
         # that hides columns keeps torch's operations and SDPA with its mask
-        self.prefill_attention = blocked.prefill_step_attention if self.decode_attention is not None else None
+        self.prefill_step_attention = blocked.prefill_step_attention if self.decode_attention is not None else None
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
         self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
         self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
@@ -522,18 +522,18 @@ class LlamaDecoder:
         return new_blocks, lengths % bs, table, mask
 
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
-                         window: tuple[int, int] | None = None, bs: int = 1, positions: torch.Tensor | None = None,
-                         table: torch.Tensor | None = None) -> torch.Tensor:
+                         window: tuple[int, int] | None, bs: int, positions: torch.Tensor,
+                         table: torch.Tensor) -> torch.Tensor:
         """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. (positions (T,) int64, the row's block table
         (blocks,) int32) -> attention out (T, H x D)."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, blocks, offsets, key_positions = place
         # NOTE: servelab's fused kernel where each token sees every column up to its own: nothing evicted (the columns
         # are the row's 0.. start + T - 1) and no window, or one that still reaches back to the sink blocks
-        if (self.prefill_attention is not None and table is not None and key_positions.shape[0] == start + T
+        if (self.prefill_step_attention is not None and key_positions.shape[0] == start + T
                 and (window is None or (start + T - 1) // bs - window[1] <= window[0])):
-            return self.prefill_attention(x, self.cos, self.sin, positions, cache.keys[layer], cache.values[layer], table,
-                                          start, H, D ** -0.5, *cache.scales(layer))
+            return self.prefill_step_attention(x, self.cos, self.sin, positions, cache.keys[layer], cache.values[layer],
+                                               table, start, H, D ** -0.5, *cache.scales(layer))
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
