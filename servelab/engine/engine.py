@@ -190,6 +190,9 @@ class Engine:
             linear = kernel_name(self.loaded.model)
         else:
             kernel = self.decoder.kernel.label if self.decoder.name == "servelab" else LABELS["torch"]
+            blocked = self.decoder.kernel.blocked if self.decoder.name == "servelab" else None
+            if self.loaded.dtype == torch.bfloat16 and blocked is not None and "servelab" in self.decoder.kernel.kernels:
+                kernel = f"{kernel}, {blocked.bf16_note()}"
             linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {kernel}"
         head = ", int8 output layer" if self.config.lm_head_weights == "int8" else ""
         return f"{self.decoder.name} decoder, {linear}{head}"

@@ -143,9 +143,81 @@ def test_blocked_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_pass(b
     generator = torch.Generator().manual_seed(0)
     packed = kernel.pack(torch.randn(64, 96, generator=generator).to(dtype))
     x = torch.randn(13, 96, generator=generator).to(dtype)
-    together = kernel.linear(x, packed)
-    alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
+    old = kernel.amx_rows(1 << 30)  # bf16 on AMX: the tiles' own test below
+    try:
+        together = kernel.linear(x, packed)
+        alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
+    finally:
+        kernel.amx_rows(old)
     assert torch.equal(together, alone)
+
+
+def amx_kernel(settings):
+    if isa_reason(ISAS[0]) is not None:
+        pytest.skip(isa_reason(ISAS[0]))
+    kernel = load_blocked_kernel(settings.cache_dir, "avx512").module
+    if kernel.amx_rows() == 0:
+        pytest.skip("this CPU (or this build, or the OS) runs no AMX bf16 tiles (amx_tile, amx_bf16)")
+    return kernel
+
+
+def on_path(kernel, amx: bool, fn, *args):
+    old = kernel.amx_rows(1 if amx else 1 << 30)
+    try:
+        return fn(*args)
+    finally:
+        kernel.amx_rows(old)
+
+
+@pytest.mark.parametrize("shape", [(208, 96), (64, 576), (48, 80)])
+def test_amx_tiles_agree_with_vdpbf16ps_within_one_bf16_rounding(shape, settings) -> None:
+    """bf16 matmuls from a few rows run on AMX tiles, which read the blocked layout as it is (a block's 16 lines of
+    2 k x 16 outputs are one B tile). Both accumulate in fp32 over the same k pairs, but TDPBF16PS adds inside a
+    tile in its own order: an output may differ by one bf16 rounding, no more. 13 blocks (an odd last pair), rows
+    that fill no whole tile (padded with zero rows), a residual; K not a multiple of 32 is left to vdpbf16ps."""
+    kernel = amx_kernel(settings)
+    generator = torch.Generator().manual_seed(0)
+    n, k = shape
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    packed = kernel.pack(weight)
+    for rows in (1, 4, 5, 16, 19, 33):
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        residual = torch.randn(rows, n, generator=generator).bfloat16()
+        for args in ((x, packed), (x, packed, residual)):
+            tiles, vdp = on_path(kernel, True, kernel.linear, *args), on_path(kernel, False, kernel.linear, *args)
+            if k % 32:
+                assert torch.equal(tiles, vdp), "K % 32 != 0 must be served by vdpbf16ps"
+                continue
+            torch.testing.assert_close(tiles.float(), vdp.float(), rtol=2 ** -7, atol=1e-6)
+            assert (tiles == vdp).float().mean() > 0.99
+        want = x.double() @ weight.double().T
+        torch.testing.assert_close(on_path(kernel, True, kernel.linear, x, packed).double(), want, rtol=2 ** -7,
+                                   atol=1e-3)
+
+
+def test_amx_tiles_give_a_row_the_same_bits_whatever_rows_share_its_tile(settings) -> None:
+    kernel = amx_kernel(settings)
+    generator = torch.Generator().manual_seed(1)
+    packed = kernel.pack(torch.randn(208, 576, generator=generator).bfloat16())
+    x = torch.randn(37, 576, generator=generator).bfloat16()
+    together = on_path(kernel, True, kernel.linear, x, packed)
+    alone = torch.cat([on_path(kernel, True, kernel.linear, x[i:i + 1].contiguous(), packed) for i in range(37)])
+    assert torch.equal(together, alone)
+
+
+def test_bf16_on_vdpbf16ps_gives_the_avx2_builds_bits(settings) -> None:
+    """vdpbf16ps adds a lane's odd product before its even one; the weights' and activations' halves are swapped in
+    registers so that it adds k before k + 1, as the AVX2 build's two fp32 FMAs do: both builds, one result."""
+    if isa_reason(ISAS[0]) is not None:
+        pytest.skip(isa_reason(ISAS[0]))
+    fast, wide = (load_blocked_kernel(settings.cache_dir, name).module for name in ("avx512", "avx2"))
+    if not fast.native_bf16():
+        pytest.skip("this CPU has no AVX-512 BF16: both builds convert bf16 to fp32 (the same code)")
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(208, 576, generator=generator).bfloat16()
+    for rows in (1, 2, 3, 5, 13):
+        x = torch.randn(rows, 576, generator=generator).bfloat16()
+        assert torch.equal(on_path(fast, False, fast.linear, x, fast.pack(weight)), wide.linear(x, wide.pack(weight)))
 
 
 @pytest.mark.parametrize("build", BUILDS)

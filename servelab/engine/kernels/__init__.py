@@ -71,7 +71,8 @@ class BlockedKernel:
     def bf16_note(self) -> str:
         """How bf16 weights run in this build."""
         if self.module is not None and self.module.native_bf16():
-            return "bf16 with AVX-512 BF16"
+            rows = self.module.amx_rows()
+            return f"bf16 with AVX-512 BF16, on AMX tiles from {rows} rows" if rows else "bf16 with AVX-512 BF16"
         return "bf16 weights converted to fp32 in registers"
 
 

@@ -26,6 +26,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -294,11 +297,12 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y
   for (int64_t p = 0; p < K / 2; ++p) {
     for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (p + kPrefetch) * 2 * kBlock), _MM_HINT_T0);
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K * kBlock + p * 2 * kBlock);
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(w + c * K * kBlock + p * 2 * kBlock), 16);
     for (int r = 0; r < R; ++r) {
-      int32_t pair;  // x[2p], x[2p + 1], broadcast to every lane
+      uint32_t pair;  // x[2p + 1], x[2p] (halves swapped as the weights' are), broadcast to every lane
       std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      pair = (pair << 16) | (pair >> 16);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
     }
   }
@@ -308,6 +312,120 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y
       store_out(y + at, acc[r][c], res ? res + at : nullptr);
     }
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel Xeon from the 4th generation: -march=native on such a CPU defines __AMX_BF16__). The blocked16 bf16
+// layout is already AMX's B-tile layout: 16 consecutive lines of a block (16 outputs x 2 adjacent k each, 64 bytes)
+// are one tile of 32 k x 16 outputs, read with a stride of 64 bytes. A tile of x is 16 rows x 32 k of the rows
+// themselves (stride K). TDPBF16PS accumulates each output in fp32 over the k pairs as vdpbf16ps does, and the
+// result is rounded to bf16 once, so the two paths agree to fp32 rounding in the sums (they are not bit for bit
+// equal: a row's bits may differ between a batch served by tiles and one served by vdpbf16ps, as between
+// oneDNN and servelab). At few rows the weights' stream is the bound and vdpbf16ps keeps it; from min_amx_rows up the
+// tiles serve (min_amx_rows, measured with bench/matmul.py).
+constexpr bool kAmx = true;
+std::atomic<int64_t> min_amx_rows{4};
+
+// Linux hands a process the tiles' register state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); asked once per process, for all its threads. A kernel that refuses leaves vdpbf16ps serving.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Palette 1, the eight tiles 16 rows x 64 bytes: tmm0-3 the fp32 sums of 2 x 2 (16-row, 16-output) tiles, tmm4-5 two
+// row tiles of x, tmm6-7 two blocks' weight tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+inline void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// RA x 16 rows of x (bf16, row stride K) against CB adjacent blocks of w over all K (a multiple of 32) -> the fp32
+// sums in c (RA x 16 rows of 32 floats; blocks side by side).
+template <int RA, int CB>
+void amx_block(const uint16_t* w, const uint16_t* x, int64_t K, float* c) {
+  _tile_zero(0);
+  if constexpr (CB == 2) _tile_zero(1);
+  if constexpr (RA == 2) {
+    _tile_zero(2);
+    if constexpr (CB == 2) _tile_zero(3);
+  }
+  const int64_t x_stride = K * 2;
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, x + k, x_stride);
+    if constexpr (RA == 2) _tile_loadd(5, x + 16 * K + k, x_stride);
+    _tile_loadd(6, w + k * kBlock, 64);  // lines k/2 .. k/2 + 15 of the block: k * 16 uint16 in
+    if constexpr (CB == 2) _tile_loadd(7, w + K * kBlock + k * kBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RA == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (CB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ldc = 2 * kBlock * sizeof(float);
+  _tile_stored(0, c, ldc);
+  if constexpr (CB == 2) _tile_stored(1, c + kBlock, ldc);
+  if constexpr (RA == 2) {
+    _tile_stored(2, c + 16 * 2 * kBlock, ldc);
+    if constexpr (CB == 2) _tile_stored(3, c + 16 * 2 * kBlock + kBlock, ldc);
+  }
+}
+
+// Y (M, N) = X (M, K) W^T (+ res) in bf16 on the tiles: each thread takes whole pairs of blocks and runs every row
+// group of 32 against a pair while its weights sit in L1 / L2. Rows past the last whole 16 are served from a copy of
+// x padded with zero rows.
+void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::BFloat16* res, int64_t M, int64_t K,
+              int64_t num_blocks) {
+  const int64_t Mp = (M + 15) / 16 * 16, N = num_blocks * kBlock, pairs = (num_blocks + 1) / 2;
+  std::vector<uint16_t> padded;
+  if (Mp != M) {
+    padded.assign(Mp * K, 0);
+    std::memcpy(padded.data(), X, M * K * sizeof(uint16_t));
+    X = padded.data();
+  }
+  const int64_t pair_bytes = 2 * K * kBlock * static_cast<int64_t>(sizeof(uint16_t)) * ((Mp + 31) / 32);
+  split_for(0, pairs, grain_for(pair_bytes), [&](int64_t p0, int64_t p1) {
+    amx_configure();
+    alignas(64) float c[32 * 2 * kBlock];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p;
+      const int cb = static_cast<int>(std::min<int64_t>(2, num_blocks - b));
+      const uint16_t* w = W + b * K * kBlock;
+      for (int64_t m = 0; m < Mp; m += 32) {
+        const int ra = Mp - m >= 32 ? 2 : 1;
+        if (ra == 2 && cb == 2) amx_block<2, 2>(w, X + m * K, K, c);
+        else if (ra == 2) amx_block<2, 1>(w, X + m * K, K, c);
+        else if (cb == 2) amx_block<1, 2>(w, X + m * K, K, c);
+        else amx_block<1, 1>(w, X + m * K, K, c);
+        const int64_t rows = std::min<int64_t>(32, M - m);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < cb; ++j) {
+            const int64_t at = (m + r) * N + (b + j) * kBlock;
+            store_out(Y + at, vload(c + r * 2 * kBlock + j * kBlock), res ? res + at : nullptr);
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+constexpr bool kAmx = false;
+std::atomic<int64_t> min_amx_rows{0};
+inline bool amx_ready() { return false; }
 #endif
 
 // fn(rows, blocks) with both as compile-time constants: rows 1..MaxRows (at most 8), blocks 1..4.
@@ -401,6 +519,12 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
     const auto* Wb = static_cast<const uint16_t*>(W);
 #ifdef __AVX512BF16__
     (void)xf;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (M >= min_amx_rows.load(std::memory_order_relaxed) && K % 32 == 0 && amx_ready()) {
+      amx_bf16(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
+      return;
+    }
+#endif
     run_blocks(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks,
                [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
                  block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
@@ -2161,6 +2285,13 @@ bool native_bf16() {
 
 std::string isa() { return kIsa; }
 
+// From how many rows bf16 matmuls run on AMX tiles; 0 where this build or this process has none. rows > 0 sets it
+// (a measurement's knob) -> the value before.
+int64_t amx_rows(int64_t rows) {
+  if (!kAmx || !amx_ready()) return 0;
+  return rows > 0 ? min_amx_rows.exchange(rows) : min_amx_rows.load();
+}
+
 // Whether at::parallel_for runs on torch's pool in this build (compiled with OpenMP), not on the calling thread alone.
 bool parallel() {
 #ifdef _OPENMP
@@ -2191,6 +2322,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x (M, K) @ W^T (+ residual) with W in the blocked16 layout", py::arg("x"), py::arg("packed"),
         py::arg("residual") = py::none());
   m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
+  m.def("amx_rows", &amx_rows, "from how many rows bf16 matmuls run on AMX tiles (0: none here); rows > 0 sets it -> the old value",
+        py::arg("rows") = 0);
   m.def("isa", &isa, "the instruction set this build was compiled for: avx512 or avx2");
   m.def("parallel", &parallel, "whether the kernels run on torch's thread pool (built with OpenMP)");
   m.def("threads_used", &threads_used, "threads the kernels' grain gives `items` items of `item_bytes` each, now",
