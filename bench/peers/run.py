@@ -77,6 +77,8 @@ def run(options: Options, threads: int) -> Report:
         ready = start_one_at_a_time(launchers(options, slots, models, threads), slots, processes)
         notes.extend(f"servelab {precision}: {m['info']['kernel']}" for (precision, engine), m in ready.items()
                      if engine == "servelab" and "kernel" in m.get("info", {}))
+        notes.extend(f"{engine} {precision}: {m['info']['note']}" for (precision, engine), m in ready.items()
+                     if "note" in m.get("info", {}))
         warm_up(options, processes, prompt)
         samples, firsts, errors = measure(options, processes, prompt)
     finally:

@@ -11,10 +11,20 @@ f16 for q4_0. Does not use the high-level Llama class: it decodes one sequence a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.peers.protocol import AdapterArgs, Loaded, serve
 
 KV_TYPES = {"f32": 0, "bf16": 30, "q4_0": 1}  # ggml_type: GGML_TYPE_F32, GGML_TYPE_BF16, GGML_TYPE_F16
 KV_CELLS_ALIGN = 256  # llama.cpp pads a sequence's KV size to this
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (this venv has no servelab dependencies to ask)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def load(args: AdapterArgs) -> Loaded:
@@ -22,7 +32,14 @@ def load(args: AdapterArgs) -> Loaded:
     import numpy as np
 
     ll.llama_backend_init()
-    model = ll.llama_model_load_from_file(args.model.encode(), ll.llama_model_default_params())
+    model_params, note = ll.llama_model_default_params(), None
+    if args.precision == "q4_0" and "amx_int8" in cpu_flags():
+        # NOTE: llama.cpp's AMX buffer (q4_0 weights repacked for AMX tiles, on by default where the CPU has AMX)
+        # segfaults in its first llama_decode on a 2-core Xeon (llama-cpp-python 0.3.36; a 10-line script with
+        # only llama.cpp in it does too); without the extra buffer types it runs its AVX-512 q4_0 path
+        model_params.use_extra_bufts = False
+        note = "AMX repacking off (use_extra_bufts = false): llama.cpp's AMX q4_0 path segfaults on this CPU"
+    model = ll.llama_model_load_from_file(args.model.encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {args.model}")
     n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
@@ -64,6 +81,8 @@ def load(args: AdapterArgs) -> Loaded:
         return out
 
     info = {"ggml_type_kv": params.type_k, "n_ctx": params.n_ctx, "system": ll.llama_print_system_info().decode()}
+    if note:
+        info["note"] = note
     return Loaded(generate, ll.__version__, info)
 
 
