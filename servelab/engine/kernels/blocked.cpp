@@ -1427,27 +1427,39 @@ void prefill_tiles(const Q* Qp, int64_t q_token_stride, int64_t q_head_stride, i
 
 inline int64_t prefill_padded(int64_t S) { return (S + kPrefillCols - 1) / kPrefillCols * kPrefillCols; }
 
+// The keys transposed once per call for the score tiles' column vectors: KT (H_kv, D, padded) fp32, zero past S.
+// column(h, col, kt) writes column col of kv head h (col < S) as kt[d * padded] for each d (and may gather what
+// else it reads there); a thread takes whole pieces of kPrefillCols columns of one head, `column_bytes` each.
+template <typename Column>
+std::vector<float> transposed_keys(int64_t H_kv, int64_t D, int64_t S, int64_t column_bytes, const Column& column) {
+  const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
+  std::vector<float> KT(H_kv * D * padded);
+  at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * column_bytes), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / pieces, c0 = (i % pieces) * kPrefillCols;
+      float* kt = KT.data() + h * D * padded;
+      for (int64_t col = c0; col < c0 + kPrefillCols; ++col) {
+        if (col >= S) {
+          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = 0.f;
+        } else {
+          column(h, col, kt + col);
+        }
+      }
+    }
+  });
+  return KT;
+}
+
 template <typename Q, typename KV>
 void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                             int64_t start, float scale, torch::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), H_kv = keys.size(0), S = keys.size(1);
-  const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
+  const int64_t padded = prefill_padded(S);
   const KV* Kp = keys.data_ptr<KV>();
-  // the keys transposed once per call, (H_kv, D, padded) fp32 and zero past S, for the score tiles' column vectors
-  std::vector<float> KT(H_kv * D * padded);
-  at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * D * sizeof(KV)), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / pieces, c0 = (i % pieces) * kPrefillCols;
-      float* kt = KT.data() + g * D * padded;
-      for (int64_t s = c0; s < c0 + kPrefillCols; ++s) {
-        if (s >= S) {
-          for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = 0.f;
-          continue;
-        }
-        const KV* k = Kp + g * keys.stride(0) + s * keys.stride(1);
-        for (int64_t d = 0; d < D; ++d) kt[d * padded + s] = static_cast<float>(k[d]);
-      }
-    }
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1);
+  const std::vector<float> KT = transposed_keys(H_kv, D, S, D * sizeof(KV), [&](int64_t g, int64_t s, float* kt) {
+    const KV* k = Kp + g * ks0 + s * ks1;
+    for (int64_t d = 0; d < D; ++d) kt[d * padded] = static_cast<float>(k[d]);
   });
   prefill_tiles(q.data_ptr<Q>(), q.stride(0), q.stride(1), T, H, H_kv, D, start, KT.data(), padded,
                 values.data_ptr<KV>(), values.stride(0), values.stride(1), scale, out.data_ptr<Q>());
@@ -1839,29 +1851,20 @@ void prefill_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& 
   });
   // 2. every column the row holds, read through its block table: keys transposed to fp32 (zero past S), values to
   // fp32 (an int8 column times its scale, as cache.read dequantises it)
-  const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
-  std::vector<float> KT(H_kv * D * padded), V(H_kv * S * D);
-  at::parallel_for(0, H_kv * pieces, grain_for(2 * kPrefillCols * D * static_cast<int64_t>(sizeof(KV))), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / pieces, c0 = (i % pieces) * kPrefillCols;
-      float* kt = KT.data() + h * D * padded;
-      for (int64_t col = c0; col < c0 + kPrefillCols; ++col) {
-        if (col >= S) {
-          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = 0.f;
-          continue;
-        }
-        const int64_t block = blocks[col / bs], at = block * keys.stride(0) + h * keys.stride(1) + (col % bs) * D;
-        float* v = V.data() + (h * S + col) * D;
-        if constexpr (kInt8) {
-          const int64_t at_scale = block * scale_stride + h * bs + col % bs;
-          const float ks = key_scales[at_scale], vs = value_scales[at_scale];
-          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = static_cast<float>(Kc[at + d]) * ks;
-          for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]) * vs;
-        } else {
-          for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = static_cast<float>(Kc[at + d]);
-          for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]);
-        }
-      }
+  const int64_t padded = prefill_padded(S), ks0 = keys.stride(0), ks1 = keys.stride(1);
+  std::vector<float> V(H_kv * S * D);
+  const std::vector<float> KT = transposed_keys(H_kv, D, S, 2 * D * static_cast<int64_t>(sizeof(KV)),
+                                                [&](int64_t h, int64_t col, float* kt) {
+    const int64_t block = blocks[col / bs], at = block * ks0 + h * ks1 + (col % bs) * D;
+    float* v = V.data() + (h * S + col) * D;
+    if constexpr (kInt8) {
+      const int64_t at_scale = block * scale_stride + h * bs + col % bs;
+      const float ks = key_scales[at_scale], vs = value_scales[at_scale];
+      for (int64_t d = 0; d < D; ++d) kt[d * padded] = static_cast<float>(Kc[at + d]) * ks;
+      for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]) * vs;
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * padded] = static_cast<float>(Kc[at + d]);
+      for (int64_t d = 0; d < D; ++d) v[d] = static_cast<float>(Vc[at + d]);
     }
   });
   // 3. the tiles, as prefill_attention computes them
