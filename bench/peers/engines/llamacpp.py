@@ -36,7 +36,8 @@ def load(args: AdapterArgs) -> Loaded:
     if args.precision == "q4_0" and "amx_int8" in cpu_flags():
         # NOTE: llama.cpp's AMX buffer (q4_0 weights repacked for AMX tiles, on by default where the CPU has AMX)
         # segfaults in its first llama_decode on a 2-core Xeon (llama-cpp-python 0.3.36; a 10-line script with
-        # only llama.cpp in it does too); without the extra buffer types it runs its AVX-512 q4_0 path
+        # only llama.cpp in it does too; ggml-org/llama.cpp #20824 reports it in ggml_backend_amx_mul_mat); without
+        # the extra buffer types it runs its AVX-512 q4_0 path
         model_params.use_extra_bufts = False
         note = "AMX repacking off (use_extra_bufts = false): llama.cpp's AMX q4_0 path segfaults on this CPU"
     model = ll.llama_model_load_from_file(args.model.encode(), model_params)
