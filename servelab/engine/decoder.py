@@ -73,7 +73,7 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
     int4 = None
     if choice == "auto" and unsupported_reason(model) is None:
         if int4_layers:
-            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float")
+            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float", dtype)
         if int4 is None:
             _warm_up_int4(model, int4_layers, device)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
@@ -95,16 +95,18 @@ class Int4Kernel:
     blocked: BlockedKernel
     int_rows: int
     float_activations: bool = False  # fp32 FMAs on weights dequantised in registers, not int8 dot products
+    amx: bool = False  # many rows on AMX tiles (bf16 activations on an AMX CPU), not torch's fp32 GEMM
 
     @property
     def label(self) -> str:
-        tiles = "" if self.int_rows >= 1 << 20 else f" up to {self.int_rows} rows, fp32 tiles above"
+        above = "AMX bf16 tiles" if self.amx else "fp32 tiles"
+        tiles = "" if self.int_rows >= 1 << 20 else f" up to {self.int_rows} rows, {above} above"
         streamed = "fp32 activations" if self.float_activations else self.blocked.module.int8_dot()
         return f"int4 {self.blocked.label} ({streamed}{tiles})"
 
 
 def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.device, cache_dir: Path,
-                 float_activations: bool = False) -> Int4Kernel | None:
+                 float_activations: bool = False, dtype: torch.dtype = torch.float32) -> Int4Kernel | None:
     if choice not in ("auto", "servelab"):
         return None
     reason = (next((r for m in layers if (r := int4_modules_reason([m])) is not None), None) if device.type == "cpu"
@@ -119,8 +121,9 @@ def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.devic
         return None
     group = layers[0].in_features // layers[0].scales.shape[0]
     per_layer = {(m.out_features, m.in_features) for m in layers[:7]}  # one decoder layer's shapes
-    int_rows = int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group, float_activations)
-    return Int4Kernel(blocked, int_rows, float_activations)
+    int_rows = int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group, float_activations, dtype)
+    amx = dtype == torch.bfloat16 and blocked.module.amx_rows() > 0
+    return Int4Kernel(blocked, int_rows, float_activations, amx)
 
 
 @torch.inference_mode()

@@ -542,20 +542,22 @@ INT4_MEASURED_ROWS = (16, 64, 256)
 
 
 def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[int, int], ...],
-                  group: int, float_activations: bool = False) -> int:
+                  group: int, float_activations: bool = False, dtype: torch.dtype = torch.float32) -> int:
     """Up to how many rows servelab's int4 kernel streams the weights (integer dot products, or fp32 FMAs with
-    float_activations) rather than torch's GEMM on the dequantised weight: measured once per CPU, threads, shapes
-    and activations (the GEMM wins at many rows, where the product's arithmetic outweighs dequantising the weight
-    once), cached like the dense kernels' choice. One row and few rows always stream: the weights are read once."""
+    float_activations) rather than a GEMM on the dequantised weight (torch's in fp32; AMX tiles for bf16 rows where
+    the CPU has them): measured once per CPU, threads, shapes and activations (in `dtype`, the model's: the GEMM
+    wins at many rows, where the product's arithmetic outweighs dequantising the weight once), cached like the dense
+    kernels' choice. One row and few rows always stream: the weights are read once."""
     what = {"flags": sorted(cpu_flags()), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "isa": blocked.isa.name if blocked.isa else None, "shapes": [list(s) for s in shapes], "group": group,
             "build": blocked.build,
             "rows": list(INT4_MEASURED_ROWS), "kernel": "int4", "tiles": "gemm",
-            "activations": "float" if float_activations else "int8", "parallel": bool(blocked.module.parallel())}
+            "activations": "float" if float_activations else "int8", "parallel": bool(blocked.module.parallel()),
+            "dtype": str(dtype)}
 
     def measure() -> dict:
         clock = PassClock(torch.get_num_threads())
-        timings = _measure_int4(blocked, shapes, group, float_activations, clock=clock)
+        timings = _measure_int4(blocked, shapes, group, float_activations, clock=clock, dtype=dtype)
         int_rows = 1 << 30
         for rows, (dot, tile) in zip(INT4_MEASURED_ROWS, timings):
             if tile < dot:
@@ -569,7 +571,7 @@ def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[i
 @torch.inference_mode()
 def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], group: int,
                   float_activations: bool = False, num_rounds: int = 3,
-                  clock: PassClock | None = None) -> list[tuple[float, float]]:
+                  clock: PassClock | None = None, dtype: torch.dtype = torch.float32) -> list[tuple[float, float]]:
     """(streaming path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds;
     `clock` times the passes."""
     kernel = blocked.module
@@ -582,7 +584,7 @@ def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], g
         weights.append(kernel.int4_pack(q, scales, zeros, group))
     out = []
     for rows in INT4_MEASURED_ROWS:
-        inputs = [torch.randn(rows, k, generator=generator) for _, k in shapes]
+        inputs = [torch.randn(rows, k, generator=generator).to(dtype) for _, k in shapes]
         best = [float("inf"), float("inf")]
         for round_idx in range(num_rounds + 1):  # the first round warms up
             for path, int_rows in enumerate((1 << 30, 0)):

@@ -176,3 +176,38 @@ def test_random_weights_of_a_models_shape_go_through_servelabs_int4_kernel(tmp_p
     finally:
         torch.set_num_threads(threads)
     assert all(len(t) == 6 for t in tokens[0]) and tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_prefill_on_amx_tiles_rounds_each_weight_to_bf16_once(group: int) -> None:
+    """Many bf16 rows on an AMX CPU: the weight dequantised to bf16 (s (q - z) in fp32, rounded once) and the tiles'
+    fp32 sums, within one bf16 rounding of that product in fp32; the fp32 tile path and K not a multiple of 32 are
+    untouched."""
+    if isa_reason(ISAS[0]) is not None:
+        pytest.skip(isa_reason(ISAS[0]))
+    kernel = load_blocked_kernel(CACHE, "avx512").module
+    if kernel.amx_rows() == 0:
+        pytest.skip("this CPU (or this build, or the OS) runs no AMX bf16 tiles (amx_tile, amx_bf16)")
+    generator = torch.Generator().manual_seed(group)
+    for out_features, in_features in [(48, 256), (1536, 384)]:
+        q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
+        zeros = torch.randint(0, 16, (in_features // group, out_features), generator=generator).float()
+        scales = (torch.rand(in_features // group, out_features, generator=generator) * 0.02 + 0.001).half().float()
+        weight = dequantize(q, zeros, scales, group)
+        packed = kernel.int4_pack(q, scales, zeros, group)
+        for rows in (5, 17, 40):
+            x = torch.randn(rows, in_features, generator=generator).bfloat16()
+            residual = torch.randn(rows, out_features, generator=generator).bfloat16()
+            want = x.float() @ weight.bfloat16().float().t()
+            tiles = kernel.int4_linear(x, *packed, group, 0)
+            assert tiles.dtype == torch.bfloat16
+            torch.testing.assert_close(tiles.float(), want, rtol=2 ** -7, atol=1e-5)
+            torch.testing.assert_close(kernel.int4_linear(x, *packed, group, 0, residual).float(),
+                                       (tiles.float() + residual.float()).bfloat16().float(), rtol=2 ** -7, atol=1e-5)
+            old = kernel.amx_rows(1 << 30)
+            try:  # the fp32 tile path: the exact weights, within one bf16 rounding of the tiles' result
+                exact = kernel.int4_linear(x, *packed, group, 0)
+            finally:
+                kernel.amx_rows(old)
+            torch.testing.assert_close(exact.float(), x.float() @ weight.t(), rtol=2 ** -7, atol=1e-5)
+            assert (tiles.float() - exact.float()).norm() <= 0.01 * exact.float().norm()

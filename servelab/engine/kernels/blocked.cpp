@@ -996,6 +996,36 @@ torch::Tensor dequantize_all(const uint8_t* W, const at::Half* S, const uint8_t*
   return tile;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Many bf16 rows on AMX: the weight dequantised to bf16 in the blocked16 pairs layout (each weight s (q - z) computed
+// in fp32, as dequantize_all does, then rounded to bf16 once), then the tiles (amx_bf16). As an AWQ prefill on
+// oneDNN / IPEX runs int4 with bf16 activations: the one extra rounding is the weight's, 2^-9 of it at most.
+void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::BFloat16* X, at::BFloat16* Y,
+              const at::BFloat16* res, int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
+  const int64_t block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
+  std::vector<uint16_t> Wb(num_blocks * K * kBlock);
+  at::parallel_for(0, num_blocks, grain_for(K * kBlock * static_cast<int64_t>(sizeof(float))), [&](int64_t b0, int64_t b1) {
+    std::vector<float> t(K * kBlock);
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    auto rounded = [&](const float* p) {  // 16 finite floats -> their bf16 (round to nearest even) in each lane's high half
+      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(p));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      return _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(half, lsb)), high);
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      dequantize_block(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups, Z + b * block_groups, K, group,
+                       t.data());
+      uint16_t* out = Wb.data() + b * K * kBlock;
+      for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane j holds k = 2p (low half) and 2p + 1 (high half) of output j
+        const __m512i even = rounded(t.data() + 2 * p * kBlock), odd = rounded(t.data() + (2 * p + 1) * kBlock);
+        _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+      }
+    }
+  });
+  amx_bf16(Wb.data(), reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
+}
+#endif
+
 // ---- int8 output layer --------------------------------------------------------------------------------------
 // Layout "int8x16": W (N, K) quantised per output row (symmetric: s = max|w| / 127, q = round(w / s)) becomes
 // (N/16, K/4, 64 bytes), quads interleaved as for int4: byte 4 j + t of a line holds q + 128 of output j, input
@@ -1121,6 +1151,14 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     else stream(x.data_ptr<float>(), y.data_ptr<float>());
     return y;
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (x.scalar_type() == torch::kBFloat16 && M >= min_amx_rows.load(std::memory_order_relaxed) && K % 32 == 0 &&
+      amx_ready()) {
+    int4_amx(W, S, Z, x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res), M, K,
+             num_blocks, group);
+    return y;
+  }
+#endif
   // many rows: x @ the dequantised tile, as N/16 products (M, K) x (K, 16) side by side, in fp32; the residual
   // added after the product is rounded to x's dtype, as the unfused add does
   const auto tile = dequantize_all(W, S, Z, K, num_blocks, group);
