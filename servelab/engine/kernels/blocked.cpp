@@ -33,6 +33,7 @@
 #include <cmath>
 #include <type_traits>
 #include <cstring>
+#include <memory>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -162,6 +163,13 @@ std::atomic<int64_t> min_thread_bytes{32 << 10};
 inline int64_t grain_for(int64_t item_bytes) {
   const int64_t item = std::max<int64_t>(item_bytes, 1);
   return std::max<int64_t>(1, (min_thread_bytes.load(std::memory_order_relaxed) + item - 1) / item);
+}
+
+// A per-call buffer of n values left uninitialised (std::vector would zero it first, on the calling thread alone,
+// while the others wait: 3 % of an int4 prefill at 2 threads): for buffers the kernel writes in full.
+template <typename T>
+std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
 }
 
 // A team: the threads of one parallel region that a fused step (DecodeStack) opens once for all its layers,
@@ -1003,7 +1011,7 @@ torch::Tensor dequantize_all(const uint8_t* W, const at::Half* S, const uint8_t*
 void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::BFloat16* X, at::BFloat16* Y,
               const at::BFloat16* res, int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
   const int64_t block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
-  std::vector<uint16_t> Wb(num_blocks * K * kBlock);
+  const auto Wb = scratch<uint16_t>(num_blocks * K * kBlock);  // every line written below
   at::parallel_for(0, num_blocks, grain_for(K * kBlock * static_cast<int64_t>(sizeof(float))), [&](int64_t b0, int64_t b1) {
     std::vector<float> t(K * kBlock);
     const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -1015,14 +1023,14 @@ void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::B
     for (int64_t b = b0; b < b1; ++b) {
       dequantize_block(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups, Z + b * block_groups, K, group,
                        t.data());
-      uint16_t* out = Wb.data() + b * K * kBlock;
+      uint16_t* out = Wb.get() + b * K * kBlock;
       for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane j holds k = 2p (low half) and 2p + 1 (high half) of output j
         const __m512i even = rounded(t.data() + 2 * p * kBlock), odd = rounded(t.data() + (2 * p + 1) * kBlock);
         _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
       }
     }
   });
-  amx_bf16(Wb.data(), reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
+  amx_bf16(Wb.get(), reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
 }
 #endif
 
@@ -1469,13 +1477,13 @@ inline int64_t prefill_padded(int64_t S) { return (S + kPrefillCols - 1) / kPref
 // column(h, col, kt) writes column col of kv head h (col < S) as kt[d * padded] for each d (and may gather what
 // else it reads there); a thread takes whole pieces of kPrefillCols columns of one head, `column_bytes` each.
 template <typename Column>
-std::vector<float> transposed_keys(int64_t H_kv, int64_t D, int64_t S, int64_t column_bytes, const Column& column) {
+std::unique_ptr<float[]> transposed_keys(int64_t H_kv, int64_t D, int64_t S, int64_t column_bytes, const Column& column) {
   const int64_t padded = prefill_padded(S), pieces = padded / kPrefillCols;
-  std::vector<float> KT(H_kv * D * padded);
+  auto KT = scratch<float>(H_kv * D * padded);  // every column written: a key or zero
   at::parallel_for(0, H_kv * pieces, grain_for(kPrefillCols * column_bytes), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / pieces, c0 = (i % pieces) * kPrefillCols;
-      float* kt = KT.data() + h * D * padded;
+      float* kt = KT.get() + h * D * padded;
       for (int64_t col = c0; col < c0 + kPrefillCols; ++col) {
         if (col >= S) {
           for (int64_t d = 0; d < D; ++d) kt[d * padded + col] = 0.f;
@@ -1495,11 +1503,11 @@ void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& keys, c
   const int64_t padded = prefill_padded(S);
   const KV* Kp = keys.data_ptr<KV>();
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1);
-  const std::vector<float> KT = transposed_keys(H_kv, D, S, D * sizeof(KV), [&](int64_t g, int64_t s, float* kt) {
+  const auto KT = transposed_keys(H_kv, D, S, D * sizeof(KV), [&](int64_t g, int64_t s, float* kt) {
     const KV* k = Kp + g * ks0 + s * ks1;
     for (int64_t d = 0; d < D; ++d) kt[d * padded] = static_cast<float>(k[d]);
   });
-  prefill_tiles(q.data_ptr<Q>(), q.stride(0), q.stride(1), T, H, H_kv, D, start, KT.data(), padded,
+  prefill_tiles(q.data_ptr<Q>(), q.stride(0), q.stride(1), T, H, H_kv, D, start, KT.get(), padded,
                 values.data_ptr<KV>(), values.stride(0), values.stride(1), scale, out.data_ptr<Q>());
 }
 
@@ -1890,11 +1898,11 @@ void prefill_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& 
   // 2. every column the row holds, read through its block table: keys transposed to fp32 (zero past S), values to
   // fp32 (an int8 column times its scale, as cache.read dequantises it)
   const int64_t padded = prefill_padded(S), ks0 = keys.stride(0), ks1 = keys.stride(1);
-  std::vector<float> V(H_kv * S * D);
-  const std::vector<float> KT = transposed_keys(H_kv, D, S, 2 * D * static_cast<int64_t>(sizeof(KV)),
+  const auto V = scratch<float>(H_kv * S * D);  // every column < S written with its key
+  const auto KT = transposed_keys(H_kv, D, S, 2 * D * static_cast<int64_t>(sizeof(KV)),
                                                 [&](int64_t h, int64_t col, float* kt) {
     const int64_t block = blocks[col / bs], at = block * ks0 + h * ks1 + (col % bs) * D;
-    float* v = V.data() + (h * S + col) * D;
+    float* v = V.get() + (h * S + col) * D;
     if constexpr (kInt8) {
       const int64_t at_scale = block * scale_stride + h * bs + col % bs;
       const float ks = key_scales[at_scale], vs = value_scales[at_scale];
@@ -1906,7 +1914,7 @@ void prefill_step_attention_impl(const torch::Tensor& qkv, const torch::Tensor& 
     }
   });
   // 3. the tiles, as prefill_attention computes them
-  prefill_tiles(QB, H * D, D, T, H, H_kv, D, start, KT.data(), padded, static_cast<const float*>(V.data()), S * D, D,
+  prefill_tiles(QB, H * D, D, T, H, H_kv, D, start, KT.get(), padded, static_cast<const float*>(V.get()), S * D, D,
                 scale, out.data_ptr<Q>());
 }
 
