@@ -330,7 +330,8 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y
 // result is rounded to bf16 once, so the two paths agree to fp32 rounding in the sums (they are not bit for bit
 // equal: a row's bits may differ between a batch served by tiles and one served by vdpbf16ps, as between
 // oneDNN and servelab). At few rows the weights' stream is the bound and vdpbf16ps keeps it; from min_amx_rows up the
-// tiles serve (min_amx_rows, measured with bench/matmul.py).
+// tiles serve (4: against vdpbf16ps the tiles measured x0.92-0.99 at 1-2 rows and x1.06-1.31 at 3-4 on a 2-core AMX
+// Xeon, the model's four projections; docs/engine.md).
 constexpr bool kAmx = true;
 std::atomic<int64_t> min_amx_rows{4};
 
