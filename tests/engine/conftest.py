@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from servelab.config import ServingConfig
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.engine import Engine
-from servelab.engine.kernels import load_blocked_kernel
+from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
 from servelab.engine.loader import resolve_model_folder
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
@@ -23,6 +24,27 @@ REPO = Path(__file__).resolve().parents[2]
 def settings() -> Settings:
     # NOTE: the converted bundled model is cached in the repo's .cache, shared across test runs.
     return Settings(cache_dir=REPO / ".cache")
+
+
+def amx_kernel(cache_dir: Path):
+    """The AVX-512 build where bf16 runs on AMX tiles, else the test skips with the reason."""
+    if isa_reason(ISAS[0]) is not None:
+        pytest.skip(isa_reason(ISAS[0]))
+    kernel = load_blocked_kernel(cache_dir, "avx512").module
+    if kernel.amx_rows() == 0:
+        pytest.skip("this CPU (or this build, or the OS) runs no AMX bf16 tiles (amx_tile, amx_bf16)")
+    return kernel
+
+
+@contextlib.contextmanager
+def amx_path(kernel, on: bool):
+    """bf16 matmuls on AMX tiles from one row (on) or never (off) inside the block; the threshold restored after.
+    A build without AMX ignores it."""
+    old = kernel.amx_rows(1 if on else 1 << 30)
+    try:
+        yield
+    finally:
+        kernel.amx_rows(old)
 
 
 def with_built_kernels(cache_dir: Path) -> Path:

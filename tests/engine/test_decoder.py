@@ -18,7 +18,7 @@ from servelab.engine.kvcache import StaticKVCache, dequantize_heads, quantize_he
 from servelab.engine.linear import (BlockedLinear, LinearKernel, LinearKernelError, OneDNNLinear, RowDispatchLinear,
                                     TorchLinear, choose_linear_kernel, layout_families, linear_kernel_reason,
                                     one_layout_winners)
-from tests.engine.conftest import with_built_kernels
+from tests.engine.conftest import amx_kernel, amx_path, with_built_kernels
 
 CPU = torch.device("cpu")
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
@@ -143,30 +143,15 @@ def test_blocked_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_pass(b
     generator = torch.Generator().manual_seed(0)
     packed = kernel.pack(torch.randn(64, 96, generator=generator).to(dtype))
     x = torch.randn(13, 96, generator=generator).to(dtype)
-    old = kernel.amx_rows(1 << 30)  # bf16 on AMX: the tiles' own test below
-    try:
+    with amx_path(kernel, False):  # bf16 on AMX: the tiles' own test below
         together = kernel.linear(x, packed)
         alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
-    finally:
-        kernel.amx_rows(old)
     assert torch.equal(together, alone)
 
 
-def amx_kernel(settings):
-    if isa_reason(ISAS[0]) is not None:
-        pytest.skip(isa_reason(ISAS[0]))
-    kernel = load_blocked_kernel(settings.cache_dir, "avx512").module
-    if kernel.amx_rows() == 0:
-        pytest.skip("this CPU (or this build, or the OS) runs no AMX bf16 tiles (amx_tile, amx_bf16)")
-    return kernel
-
-
 def on_path(kernel, amx: bool, fn, *args):
-    old = kernel.amx_rows(1 if amx else 1 << 30)
-    try:
+    with amx_path(kernel, amx):
         return fn(*args)
-    finally:
-        kernel.amx_rows(old)
 
 
 @pytest.mark.parametrize("shape", [(208, 96), (64, 576), (48, 80)])
@@ -175,7 +160,7 @@ def test_amx_tiles_agree_with_vdpbf16ps_within_one_bf16_rounding(shape, settings
     2 k x 16 outputs are one B tile). Both accumulate in fp32 over the same k pairs, but TDPBF16PS adds inside a
     tile in its own order: an output may differ by one bf16 rounding, no more. 13 blocks (an odd last pair), rows
     that fill no whole tile (padded with zero rows), a residual; K not a multiple of 32 is left to vdpbf16ps."""
-    kernel = amx_kernel(settings)
+    kernel = amx_kernel(settings.cache_dir)
     generator = torch.Generator().manual_seed(0)
     n, k = shape
     weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
@@ -196,7 +181,7 @@ def test_amx_tiles_agree_with_vdpbf16ps_within_one_bf16_rounding(shape, settings
 
 
 def test_amx_tiles_give_a_row_the_same_bits_whatever_rows_share_its_tile(settings) -> None:
-    kernel = amx_kernel(settings)
+    kernel = amx_kernel(settings.cache_dir)
     generator = torch.Generator().manual_seed(1)
     packed = kernel.pack(torch.randn(208, 576, generator=generator).bfloat16())
     x = torch.randn(37, 576, generator=generator).bfloat16()

@@ -19,7 +19,7 @@ from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
 from servelab.engine.engine import Engine
-from tests.engine.conftest import assert_stack_equals_the_layer_loop, make_config
+from tests.engine.conftest import amx_path, assert_stack_equals_the_layer_loop, make_config
 from tests.engine.test_decoder import KERNELS, runnable
 
 CPU = torch.device("cpu")
@@ -64,15 +64,12 @@ def test_int4_matmul_takes_bf16_activations_as_they_are(build: str, dtype: torch
     zeros = torch.randint(0, 16, (2, 32), generator=generator).float()
     packed = kernel.int4_pack(q, scales, zeros, 64)
     x = torch.randn(5, 128, generator=generator).to(dtype)
-    old = kernel.amx_rows(1 << 30)  # bf16 rows on AMX tiles round each weight to bf16: test_int4_kernel.py's own test
-    try:
+    with amx_path(kernel, False):  # bf16 rows on AMX tiles round each weight to bf16: test_int4_kernel.py's own test
         for int_rows in (0, 1 << 30):
             got = kernel.int4_linear(x, *packed, 64, int_rows)
             assert got.dtype == dtype
             torch.testing.assert_close(got, kernel.int4_linear(x.float(), *packed, 64, int_rows).to(dtype), atol=0,
                                        rtol=0)
-    finally:
-        kernel.amx_rows(old)
     assert packed[1].dtype == torch.float16 and packed[2].dtype == torch.uint8  # 3 bytes per output and group
     torch.testing.assert_close(kernel.int4_linear(x.float(), *packed, 64, 0),
                                x.float() @ dequantize(q, zeros, scales, 64).t(), atol=1e-4, rtol=1e-4)

@@ -17,6 +17,7 @@ import torch
 from servelab.engine.awq.unpack import ORDER, dequantize, unpack_awq
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
 from servelab.engine.linear import ServelabInt4Linear, int4_modules_reason
+from tests.engine.conftest import amx_kernel, amx_path
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
 BUILDS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa_reason(isa) is not None, reason=f"{isa_reason(isa)}"))
@@ -183,11 +184,7 @@ def test_int4_prefill_on_amx_tiles_rounds_each_weight_to_bf16_once(group: int) -
     """Many bf16 rows on an AMX CPU: the weight dequantised to bf16 (s (q - z) in fp32, rounded once) and the tiles'
     fp32 sums, within one bf16 rounding of that product in fp32; the fp32 tile path and K not a multiple of 32 are
     untouched."""
-    if isa_reason(ISAS[0]) is not None:
-        pytest.skip(isa_reason(ISAS[0]))
-    kernel = load_blocked_kernel(CACHE, "avx512").module
-    if kernel.amx_rows() == 0:
-        pytest.skip("this CPU (or this build, or the OS) runs no AMX bf16 tiles (amx_tile, amx_bf16)")
+    kernel = amx_kernel(CACHE)
     generator = torch.Generator().manual_seed(group)
     for out_features, in_features in [(48, 256), (1536, 384)]:
         q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
@@ -204,10 +201,8 @@ def test_int4_prefill_on_amx_tiles_rounds_each_weight_to_bf16_once(group: int) -
             torch.testing.assert_close(tiles.float(), want, rtol=2 ** -7, atol=1e-5)
             torch.testing.assert_close(kernel.int4_linear(x, *packed, group, 0, residual).float(),
                                        (tiles.float() + residual.float()).bfloat16().float(), rtol=2 ** -7, atol=1e-5)
-            old = kernel.amx_rows(1 << 30)
-            try:  # the fp32 tile path: the exact weights, within one bf16 rounding of the tiles' result
+            # the fp32 tile path: the exact weights, within one bf16 rounding of the tiles' result
+            with amx_path(kernel, False):
                 exact = kernel.int4_linear(x, *packed, group, 0)
-            finally:
-                kernel.amx_rows(old)
             torch.testing.assert_close(exact.float(), x.float() @ weight.t(), rtol=2 ** -7, atol=1e-5)
             assert (tiles.float() - exact.float()).norm() <= 0.01 * exact.float().norm()
