@@ -345,6 +345,11 @@ bool amx_ready() {
   return ok;
 }
 
+// Whether M rows of K inputs run on the tiles: enough rows, whole tiles of 32 k, and the process holds the tile state.
+inline bool amx_serves(int64_t M, int64_t K) {
+  return M >= min_amx_rows.load(std::memory_order_relaxed) && K % 32 == 0 && amx_ready();
+}
+
 // Palette 1, the eight tiles 16 rows x 64 bytes: tmm0-3 the fp32 sums of 2 x 2 (16-row, 16-output) tiles, tmm4-5 two
 // row tiles of x, tmm6-7 two blocks' weight tiles.
 struct alignas(64) TileConfig {
@@ -529,7 +534,7 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
 #ifdef __AVX512BF16__
     (void)xf;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (M >= min_amx_rows.load(std::memory_order_relaxed) && K % 32 == 0 && amx_ready()) {
+    if (amx_serves(M, K)) {
       amx_bf16(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
       return;
     }
@@ -1015,19 +1020,16 @@ void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::B
   const auto Wb = scratch<uint16_t>(num_blocks * K * kBlock);  // every line written below
   at::parallel_for(0, num_blocks, grain_for(K * kBlock * static_cast<int64_t>(sizeof(float))), [&](int64_t b0, int64_t b1) {
     std::vector<float> t(K * kBlock);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    auto rounded = [&](const float* p) {  // 16 finite floats -> their bf16 (round to nearest even) in each lane's high half
-      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(p));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-      return _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(half, lsb)), high);
+    auto bf16_bits = [](const float* p) {  // 16 floats -> their bf16 (as vstore rounds them) in each lane's low half
+      return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
     };
     for (int64_t b = b0; b < b1; ++b) {
       dequantize_block(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups, Z + b * block_groups, K, group,
                        t.data());
       uint16_t* out = Wb.get() + b * K * kBlock;
       for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane j holds k = 2p (low half) and 2p + 1 (high half) of output j
-        const __m512i even = rounded(t.data() + 2 * p * kBlock), odd = rounded(t.data() + (2 * p + 1) * kBlock);
-        _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
+        const __m512i even = bf16_bits(t.data() + 2 * p * kBlock), odd = bf16_bits(t.data() + (2 * p + 1) * kBlock);
+        _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(_mm512_slli_epi32(odd, 16), even));
       }
     }
   });
@@ -1161,8 +1163,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     return y;
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (x.scalar_type() == torch::kBFloat16 && M >= min_amx_rows.load(std::memory_order_relaxed) && K % 32 == 0 &&
-      amx_ready()) {
+  if (x.scalar_type() == torch::kBFloat16 && amx_serves(M, K)) {
     int4_amx(W, S, Z, x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res), M, K,
              num_blocks, group);
     return y;
