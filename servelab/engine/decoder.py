@@ -73,7 +73,7 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
     int4 = None
     if choice == "auto" and unsupported_reason(model) is None:
         if int4_layers:
-            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float", dtype)
+            int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float", dtype=dtype)
         if int4 is None:
             _warm_up_int4(model, int4_layers, device)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
@@ -106,7 +106,7 @@ class Int4Kernel:
 
 
 def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.device, cache_dir: Path,
-                 float_activations: bool = False, dtype: torch.dtype = torch.float32) -> Int4Kernel | None:
+                 float_activations: bool = False, *, dtype: torch.dtype) -> Int4Kernel | None:
     if choice not in ("auto", "servelab"):
         return None
     reason = (next((r for m in layers if (r := int4_modules_reason([m])) is not None), None) if device.type == "cpu"
@@ -121,7 +121,7 @@ def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.devic
         return None
     group = layers[0].in_features // layers[0].scales.shape[0]
     per_layer = {(m.out_features, m.in_features) for m in layers[:7]}  # one decoder layer's shapes
-    int_rows = int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group, float_activations, dtype)
+    int_rows = int4_int_rows(blocked, cache_dir, tuple(sorted(per_layer)), group, float_activations, dtype=dtype)
     amx = dtype == torch.bfloat16 and blocked.module.amx_rows() > 0
     return Int4Kernel(blocked, int_rows, float_activations, amx)
 

@@ -542,7 +542,7 @@ INT4_MEASURED_ROWS = (16, 64, 256)
 
 
 def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[int, int], ...],
-                  group: int, float_activations: bool = False, dtype: torch.dtype = torch.float32) -> int:
+                  group: int, float_activations: bool = False, *, dtype: torch.dtype) -> int:
     """Up to how many rows servelab's int4 kernel streams the weights (integer dot products, or fp32 FMAs with
     float_activations) rather than a GEMM on the dequantised weight (torch's in fp32; AMX tiles for bf16 rows where
     the CPU has them): measured once per CPU, threads, shapes and activations (in `dtype`, the model's: the GEMM
@@ -571,7 +571,7 @@ def int4_int_rows(blocked: BlockedKernel, cache_dir: Path, shapes: tuple[tuple[i
 @torch.inference_mode()
 def _measure_int4(blocked: BlockedKernel, shapes: tuple[tuple[int, int], ...], group: int,
                   float_activations: bool = False, num_rounds: int = 3,
-                  clock: PassClock | None = None, dtype: torch.dtype = torch.float32) -> list[tuple[float, float]]:
+                  clock: PassClock | None = None, *, dtype: torch.dtype) -> list[tuple[float, float]]:
     """(streaming path, tile path) seconds over `shapes` at each of INT4_MEASURED_ROWS, the fastest of the rounds;
     `clock` times the passes."""
     kernel = blocked.module

@@ -405,11 +405,12 @@ void amx_block(const uint16_t* w, const uint16_t* x, int64_t K, float* c) {
 void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::BFloat16* res, int64_t M, int64_t K,
               int64_t num_blocks) {
   const int64_t Mp = (M + 15) / 16 * 16, N = num_blocks * kBlock, pairs = (num_blocks + 1) / 2;
-  std::vector<uint16_t> padded;
-  if (Mp != M) {
-    padded.assign(Mp * K, 0);
-    std::memcpy(padded.data(), X, M * K * sizeof(uint16_t));
-    X = padded.data();
+  std::unique_ptr<uint16_t[]> padded;
+  if (Mp != M) {  // x's rows, then zero rows to the last whole 16 (each byte written once)
+    padded = scratch<uint16_t>(Mp * K);
+    std::memcpy(padded.get(), X, M * K * sizeof(uint16_t));
+    std::memset(padded.get() + M * K, 0, (Mp - M) * K * sizeof(uint16_t));
+    X = padded.get();
   }
   const int64_t pair_bytes = 2 * K * kBlock * static_cast<int64_t>(sizeof(uint16_t)) * ((Mp + 31) / 32);
   split_for(0, pairs, grain_for(pair_bytes), [&](int64_t p0, int64_t p1) {
