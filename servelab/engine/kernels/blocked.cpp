@@ -82,15 +82,28 @@ inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+#ifndef __AVX512BF16__
+// v rounded to bf16 (nearest even; NaN stays NaN) in the high half of each lane's bits, the low half left over
+inline __m512i bf16_rounded_bits(Vec v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+#endif
 inline void vstore(at::BFloat16* p, Vec v) {
 #ifdef __AVX512BF16__
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
 #else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)));
+#endif
+}
+// What storing v to bf16 and loading it back gives, in registers (the same rounding as vstore)
+inline Vec round_to_bf16(Vec v) {
+#ifdef __AVX512BF16__
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 #endif
 }
 #else  // AVX2 + FMA: 16 ymm registers
@@ -141,15 +154,22 @@ inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-inline void vstore(at::BFloat16* p, Vec v) {  // round to nearest even; NaN stays NaN
+// v rounded to bf16 (nearest even; NaN stays NaN) in the high half of each lane's bits, the low half left over
+inline __m256i bf16_rounded_bits(Vec v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
-  const __m256i halves = _mm256_srli_epi32(rounded, 16);  // 8 values in the low 16 bits of each lane
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+}
+inline void vstore(at::BFloat16* p, Vec v) {
+  const __m256i halves = _mm256_srli_epi32(bf16_rounded_bits(v), 16);  // 8 values in the low 16 bits of each lane
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+// What storing v to bf16 and loading it back gives, in registers (the same rounding as vstore)
+inline Vec round_to_bf16(Vec v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 #endif
 
@@ -206,11 +226,6 @@ void split_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 #endif
 }
 
-inline Vec round_to_bf16(Vec v) {  // what storing to bf16 and loading back gives (round to nearest even)
-  alignas(64) at::BFloat16 tmp[kLanes];
-  vstore(tmp, v);
-  return vload(tmp);
-}
 
 // e^x to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), x clamped to
 // [-87, 88], where e^x and 2^n are normal floats (what lies beyond only feeds silu, where it rounds away).
