@@ -415,10 +415,13 @@ void amx_block(const uint16_t* w, const uint16_t* x, int64_t K, float* c) {
 }
 
 // Y (M, N) = X (M, K) W^T (+ res) in bf16 on the tiles: each thread takes whole pairs of blocks and runs every row
-// group of 32 against a pair while its weights sit in L1 / L2. Rows past the last whole 16 are served from a copy of
-// x padded with zero rows.
-void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::BFloat16* res, int64_t M, int64_t K,
-              int64_t num_blocks) {
+// group of 32 against a pair while its weights sit in L1 / L2. pair_weights(b, cb, buffer) gives blocks b.. b + cb - 1
+// in the blocked16 pairs layout, side by side: a pointer into a bf16 weight, or (int4) the pair dequantised into
+// `buffer`, the thread's own buffer_bytes. Rows past the last whole 16 are served from a copy of x padded with zero
+// rows.
+template <typename PairWeights>
+void amx_tiles(const PairWeights& pair_weights, int64_t buffer_bytes, const uint16_t* X, at::BFloat16* Y,
+               const at::BFloat16* res, int64_t M, int64_t K, int64_t num_blocks) {
   const int64_t Mp = (M + 15) / 16 * 16, N = num_blocks * kBlock, pairs = (num_blocks + 1) / 2;
   std::unique_ptr<uint16_t[]> padded;
   if (Mp != M) {  // x's rows, then zero rows to the last whole 16 (each byte written once)
@@ -431,10 +434,11 @@ void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::B
   split_for(0, pairs, grain_for(pair_bytes), [&](int64_t p0, int64_t p1) {
     amx_configure();
     alignas(64) float c[32 * 2 * kBlock];
+    const auto buffer = scratch<uint8_t>(buffer_bytes);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = 2 * p;
       const int cb = static_cast<int>(std::min<int64_t>(2, num_blocks - b));
-      const uint16_t* w = W + b * K * kBlock;
+      const uint16_t* w = pair_weights(b, cb, buffer.get());
       for (int64_t m = 0; m < Mp; m += 32) {
         const int ra = Mp - m >= 32 ? 2 : 1;
         if (ra == 2 && cb == 2) amx_block<2, 2>(w, X + m * K, K, c);
@@ -451,6 +455,11 @@ void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::B
     }
     _tile_release();
   });
+}
+
+void amx_bf16(const uint16_t* W, const uint16_t* X, at::BFloat16* Y, const at::BFloat16* res, int64_t M, int64_t K,
+              int64_t num_blocks) {
+  amx_tiles([&](int64_t b, int, uint8_t*) { return W + b * K * kBlock; }, 0, X, Y, res, M, K, num_blocks);
 }
 #else
 constexpr bool kAmx = false;
@@ -1027,29 +1036,34 @@ torch::Tensor dequantize_all(const uint8_t* W, const at::Half* S, const uint8_t*
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Many bf16 rows on AMX: the weight dequantised to bf16 in the blocked16 pairs layout (each weight s (q - z) computed
-// in fp32, as dequantize_all does, then rounded to bf16 once), then the tiles (amx_bf16). As an AWQ prefill on
-// oneDNN / IPEX runs int4 with bf16 activations: the one extra rounding is the weight's, 2^-9 of it at most.
+// Many bf16 rows on AMX: each thread dequantises the pair of blocks it runs next into its own buffer, to bf16 in the
+// blocked16 pairs layout (each weight s (q - z) computed in fp32, as dequantize_all does, then rounded to bf16 once),
+// and runs the tiles against it while it sits in L1 / L2 (amx_tiles): no dequantised copy of the whole weight is
+// written to memory and read back. As an AWQ prefill on oneDNN / IPEX runs int4 with bf16 activations: the one extra
+// rounding is the weight's, 2^-9 of it at most.
 void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::BFloat16* X, at::BFloat16* Y,
               const at::BFloat16* res, int64_t M, int64_t K, int64_t num_blocks, int64_t group) {
   const int64_t block_bytes = K / 8 * kUnit, block_groups = K / group * kBlock;
-  const auto Wb = scratch<uint16_t>(num_blocks * K * kBlock);  // every line written below
-  at::parallel_for(0, num_blocks, grain_for(K * kBlock * static_cast<int64_t>(sizeof(float))), [&](int64_t b0, int64_t b1) {
-    std::vector<float> t(K * kBlock);
+  const int64_t pairs_bytes = 2 * K * kBlock * static_cast<int64_t>(sizeof(uint16_t));  // two blocks' bf16 lines
+  auto dequantise_pair = [&](int64_t b, int cb, uint8_t* buffer) -> const uint16_t* {
+    auto* lines = reinterpret_cast<uint16_t*>(buffer);
+    auto* t = reinterpret_cast<float*>(buffer + pairs_bytes);  // one block in fp32, (K, 16)
     auto bf16_bits = [](const float* p) {  // 16 floats -> their bf16 (as vstore rounds them) in each lane's low half
       return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
     };
-    for (int64_t b = b0; b < b1; ++b) {
-      dequantize_block(quad_at(W, b, num_blocks, block_bytes), S + b * block_groups, Z + b * block_groups, K, group,
-                       t.data());
-      uint16_t* out = Wb.get() + b * K * kBlock;
-      for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane j holds k = 2p (low half) and 2p + 1 (high half) of output j
-        const __m512i even = bf16_bits(t.data() + 2 * p * kBlock), odd = bf16_bits(t.data() + (2 * p + 1) * kBlock);
+    for (int j = 0; j < cb; ++j) {
+      dequantize_block(quad_at(W, b + j, num_blocks, block_bytes), S + (b + j) * block_groups,
+                       Z + (b + j) * block_groups, K, group, t);
+      uint16_t* out = lines + j * K * kBlock;
+      for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane i holds k = 2p (low half) and 2p + 1 (high half) of output i
+        const __m512i even = bf16_bits(t + 2 * p * kBlock), odd = bf16_bits(t + (2 * p + 1) * kBlock);
         _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(_mm512_slli_epi32(odd, 16), even));
       }
     }
-  });
-  amx_bf16(Wb.get(), reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
+    return lines;
+  };
+  amx_tiles(dequantise_pair, pairs_bytes + K * kBlock * static_cast<int64_t>(sizeof(float)),
+            reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
 }
 #endif
 
