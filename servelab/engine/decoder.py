@@ -471,13 +471,23 @@ class LlamaDecoder:
 
     def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """Decode rows and prefill chunks together, h (N, 1, C): the projections over every token at once; the
-        decode rows' attention through the fused kernel (or torch), each chunk's through SDPA over the columns
-        its row holds (its cached prefix, earlier chunks, itself, causal)."""
+        decode rows' attention through the fused kernel (or torch), each chunk's through the fused prefill kernel or
+        SDPA over the columns its row holds (its cached prefix, earlier chunks, itself, causal). Where the stack
+        serves (see _decode_stack) and the fused kernels take every row, every layer in one call."""
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         Bd = batch.num_decode
         bs = cache.block_size
         cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
         places = [self._chunk_places(batch, j, bs) for j in range(len(batch.chunks))]
+        if ((stack := self._decode_stack()) is not None and N <= self._stack_rows
+                and all(self._fuses(place, start, num_tokens, batch.window, bs)
+                        for (_, start, num_tokens), place in zip(batch.chunks, places))):
+            # NOTE: every layer in one call, the same kernels in the same order (DecodeStack.mixed in blocked.cpp)
+            out = stack.mixed(h.view(N, -1), self.cos, self.sin, batch.positions, cache.keys, cache.values, Bd,
+                              batch.decode_lengths, batch.block_table[:Bd], list(batch.chunks),
+                              [batch.block_table[Bd + j] for j in range(len(batch.chunks))], cache.key_scales,
+                              cache.value_scales)
+            return out.view(N, 1, -1)
         decode_places = self._decode_places(batch, bs) if Bd and self.decode_step_attention is None else None
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D)
@@ -531,10 +541,7 @@ class LlamaDecoder:
         (blocks,) int32) -> attention out (T, H x D)."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, blocks, offsets, key_positions = place
-        # NOTE: servelab's fused kernel where each token sees every column up to its own: nothing evicted (the columns
-        # are the row's 0.. start + T - 1) and no window, or one that still reaches back to the sink blocks
-        if (self.prefill_step_attention is not None and key_positions.shape[0] == start + T
-                and (window is None or (start + T - 1) // bs - window[1] <= window[0])):
+        if self.prefill_step_attention is not None and self._fuses(place, start, T, window, bs):
             return self.prefill_step_attention(x, self.cos, self.sin, positions, cache.keys[layer], cache.values[layer],
                                                table, start, H, D ** -0.5, *cache.scales(layer))
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
@@ -550,6 +557,13 @@ class LlamaDecoder:
                                              enable_gqa=True)  # (1, H, T, D)
         return out[0].transpose(0, 1).reshape(T, H * D)
 
+    @staticmethod
+    def _fuses(place, start: int, T: int, window: tuple[int, int] | None, bs: int) -> bool:
+        """Whether a chunk's attention fits servelab's fused kernel: each token sees every column up to its own,
+        nothing evicted (the columns are the row's 0.. start + T - 1) and no window, or one that still reaches back to
+        the sink blocks."""
+        return place[4].shape[0] == start + T and (window is None or (start + T - 1) // bs - window[1] <= window[0])
+
     def _torch_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, place) -> torch.Tensor:
         """Decode rows without the fused kernel (another device or dtype): plain torch gathers from the pool."""
         B, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -564,10 +578,11 @@ class LlamaDecoder:
         return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
 
     def _decode_stack(self):
-        """The decode step's layers as one kernel call, where the norms and attention are servelab's and every
-        projection is servelab's int4 kernel, or every one servelab's dense kernel on weights in the model's dtype
-        (up to the rows `auto` measured it fastest at: _stack_rows), without bias or padding: built on the first
-        decode step (after any change to a projection's int_rows), else None."""
+        """Every layer as one kernel call (a decode step's, or a step with prompt chunks where the fused attention
+        takes each), where the norms and attention are servelab's and every projection is servelab's int4 kernel, or
+        every one servelab's dense kernel on weights in the model's dtype (up to the rows `auto` measured it fastest
+        at: _stack_rows), without bias or padding: built on the first forward (after any change to a projection's
+        int_rows), else None."""
         if self._stack is None:
             projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             blocked = self.kernel.blocked.module if self.kernel.blocked is not None else None

@@ -166,3 +166,74 @@ def assert_stack_equals_the_layer_loop(engine: Engine, prompts: list[str], *, te
     finally:
         module.thread_grain(grain)
         torch.set_num_threads(threads)
+
+
+class _CountingStack:
+    """A DecodeStack that counts the steps with prompt chunks it ran in one call."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.mixed_steps = stack, 0
+
+    def mixed(self, *args, **kwargs):
+        self.mixed_steps += 1
+        return self.stack.mixed(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stack, name)
+
+
+def _prompt_steps(engine: Engine, prompts: list[str], stack: bool, num_threads: int):
+    """The first prompt prefills and decodes; the others join while it decodes, their prompts in chunks beside its
+    decode rows (the engine's max_prefill_tokens is small), through every layer in one call (stack) or the decoder's
+    Python loop -> (each forward's (decode rows, chunks, logits), the cache after them, the steps the stack ran)."""
+    decoder = engine.decoder
+    torch.set_num_threads(num_threads)
+    decoder._stack = None if stack else False  # None: built on first use; False: the Python loop
+    counting = None
+    if stack:
+        assert decoder._decode_stack() is not None, "the stack serves this engine"
+        decoder._stack = counting = _CountingStack(decoder._stack)
+    forward, steps = decoder.forward_paged, []
+
+    def recording(batch, cache):
+        logits = forward(batch, cache)
+        steps.append((batch.num_decode, len(batch.chunks), logits.clone()))
+        return logits
+
+    decoder.forward_paged = recording
+    try:
+        engine.add([GenerationRequest("r0", prompt=prompts[0], params=SamplingParams(max_new_tokens=12))])
+        for _ in range(3):
+            engine.step()
+        engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=3))
+                    for i, p in enumerate(prompts[1:], start=1)])
+        while engine._rows:
+            engine.step()
+    finally:
+        del decoder.forward_paged  # NOTE: the class's method again
+        decoder._stack = None
+    cache = engine._paged
+    kept = [t.clone() for t in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)]
+    engine.blocks.reset_prefix_cache()  # NOTE: every run prefills whole too, into the same blocks
+    return steps, kept, counting.mixed_steps if counting else 0
+
+
+def assert_prompt_steps_equal_the_layer_loop(engine: Engine, prompts: list[str]) -> None:
+    """Steps with prompt chunks (alone, beside decode rows, two in one step) through every layer in one call
+    (DecodeStack.mixed) give the decoder's Python loop's logits and cache to the bit, at 1, 2 and 3 threads, every
+    kernel splitting its work over the threads it has (grain 0)."""
+    module = engine.decoder.kernel.blocked.module
+    threads, grain = torch.get_num_threads(), module.thread_grain(0)
+    try:
+        reference, reference_cache, _ = _prompt_steps(engine, prompts, False, 1)
+        kinds = {(decode > 0, chunks) for decode, chunks, _ in reference}
+        assert {(False, 1), (True, 1), (True, 2)} <= kinds, f"the steps ran no such mix: {sorted(kinds)}"
+        for n in (1, 2, 3):
+            steps, cache, mixed_steps = _prompt_steps(engine, prompts, True, n)
+            assert mixed_steps == sum(chunks > 0 for _, chunks, _ in reference), (n, mixed_steps)
+            assert [s[:2] for s in steps] == [s[:2] for s in reference]
+            for a, b in zip([s[2] for s in steps] + cache, [s[2] for s in reference] + reference_cache):
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{n} thread(s): {m}")
+    finally:
+        module.thread_grain(grain)
+        torch.set_num_threads(threads)

@@ -24,7 +24,8 @@ from servelab.engine.linear import Int4Linear, ServelabInt4Linear
 from servelab.engine.measure import tensor_storage_bytes, weight_bytes
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
-from tests.engine.conftest import assert_stack_equals_the_layer_loop, save_tiny_llama, with_built_kernels
+from tests.engine.conftest import (assert_prompt_steps_equal_the_layer_loop, assert_stack_equals_the_layer_loop,
+                                   save_tiny_llama, with_built_kernels)
 from tests.engine.naive import naive_greedy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="needs gptqmodel==7.6.0")
@@ -294,6 +295,18 @@ def test_int4_decode_stack_equals_the_python_layer_loop(quantized, tiny_config: 
     if decoder._decode_stack() is None:
         pytest.skip("servelab's int4 kernel does not serve here")
     assert_stack_equals_the_layer_loop(engine, PROMPTS, team_serves=activations == "int8")
+
+
+@torch.inference_mode()
+def test_int4_prompt_chunks_in_one_call_equal_the_python_layer_loop(quantized, tiny_config: ServingConfig,
+                                                                   awq_settings: Settings) -> None:
+    """Steps with prompt chunks, alone or beside decode rows, through every int4 layer in one call
+    (DecodeStack.mixed) give the Python loop's logits and cache to the bit at 1, 2 and 3 threads."""
+    batching = tiny_config.batching.model_copy(update={"max_prefill_tokens": 12})
+    engine = Engine.from_config(tiny_config.model_copy(update={"batching": batching}), awq_settings)
+    if engine.decoder._decode_stack() is None:
+        pytest.skip("servelab's int4 kernel does not serve here")
+    assert_prompt_steps_equal_the_layer_loop(engine, [PROMPTS[0], *(p + " and then, after a while, again" for p in PROMPTS[1:3])])
 
 
 def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:

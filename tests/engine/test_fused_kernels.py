@@ -19,7 +19,8 @@ from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
 from servelab.engine.engine import Engine
-from tests.engine.conftest import amx_path, assert_stack_equals_the_layer_loop, make_config
+from tests.engine.conftest import (amx_path, assert_prompt_steps_equal_the_layer_loop, assert_stack_equals_the_layer_loop,
+                                   make_config)
 from tests.engine.test_decoder import KERNELS, runnable
 
 CPU = torch.device("cpu")
@@ -304,3 +305,16 @@ def test_dense_decode_step_in_one_call_equals_the_python_layer_loop(tiny_folder,
     assert engine.decoder._decode_stack() is not None and engine.decoder._stack_rows > 3
     prompts = ["The capital of France is", "A man is sitting on a roof. He", "Seven blue houses stood by the river"]
     assert_stack_equals_the_layer_loop(engine, prompts, team_serves=True)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("weights", "kv_cache_dtype"), [("fp32", "auto"), ("bf16", "int8")])
+def test_prompt_chunks_in_one_call_equal_the_python_layer_loop(tiny_folder, weights: str, kv_cache_dtype: str,
+                                                               settings) -> None:
+    """Steps with prompt chunks, alone or beside decode rows, through every layer in one call (DecodeStack.mixed)
+    give the Python loop's logits and cache to the bit at 1, 2 and 3 threads; over a float and an int8 cache."""
+    engine = Engine.from_config(make_config(str(tiny_folder), weights=weights, linear_kernel="servelab",
+                                            kv_cache_dtype=kv_cache_dtype, batching={"max_prefill_tokens": 12}), settings)
+    prompts = ["The capital of France is", "A man is sitting on a roof. He looks at the sky, then at the street below",
+               "Seven blue houses stood by the river, and the oldest of them had a red door"]
+    assert_prompt_steps_equal_the_layer_loop(engine, prompts)
