@@ -67,7 +67,7 @@ def test_threaded_matmul_equals_the_single_threaded_one(kernel, dtype) -> None:
     w_dtype = torch.bfloat16 if dtype == "mixed" else dtype
     x_dtype = torch.float32 if dtype == "mixed" else dtype
     packed = kernel.pack(torch.randn(208, 96, generator=generator).to(w_dtype))  # 13 blocks: uneven splits
-    for rows in (1, 2, 5, 19):
+    for rows in (1, 2, 5, 19, 400):  # bf16 at 400 rows where AMX runs: the tiles' rows in 2 parts at 2 threads, 3 at 3
         x = torch.randn(rows, 96, generator=generator).to(x_dtype)
         residual = torch.randn(rows, 208, generator=generator).to(x_dtype)
         assert_same_bits(at_threads(kernel.linear, x, packed), f"linear {dtype} at {rows} rows")
