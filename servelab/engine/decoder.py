@@ -477,7 +477,6 @@ class LlamaDecoder:
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         Bd = batch.num_decode
         bs = cache.block_size
-        cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
         places = [self._chunk_places(batch, j, bs) for j in range(len(batch.chunks))]
         if ((stack := self._decode_stack()) is not None and N <= self._stack_rows
                 and all(self._fuses(place, start, num_tokens, batch.window, bs)
@@ -488,6 +487,7 @@ class LlamaDecoder:
                               [batch.block_table[Bd + j] for j in range(len(batch.chunks))], cache.key_scales,
                               cache.value_scales)
             return out.view(N, 1, -1)
+        cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
         decode_places = self._decode_places(batch, bs) if Bd and self.decode_step_attention is None else None
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D)

@@ -306,7 +306,8 @@ def test_int4_prompt_chunks_in_one_call_equal_the_python_layer_loop(quantized, t
     engine = Engine.from_config(tiny_config.model_copy(update={"batching": batching}), awq_settings)
     if engine.decoder._decode_stack() is None:
         pytest.skip("servelab's int4 kernel does not serve here")
-    assert_prompt_steps_equal_the_layer_loop(engine, [PROMPTS[0], *(p + " and then, after a while, again" for p in PROMPTS[1:3])])
+    longer = [p + " and then, after a while, again" for p in PROMPTS[1:3]]  # NOTE: prompts of several chunks
+    assert_prompt_steps_equal_the_layer_loop(engine, [PROMPTS[0], *longer])
 
 
 def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:
