@@ -1073,16 +1073,15 @@ void int4_amx(const uint8_t* W, const at::Half* S, const uint8_t* Z, const at::B
   auto dequantise_pair = [&](int64_t b, int cb, uint8_t* buffer) -> const uint16_t* {
     auto* lines = reinterpret_cast<uint16_t*>(buffer);
     auto* t = reinterpret_cast<float*>(buffer + pairs_bytes);  // one block in fp32, (K, 16)
-    auto bf16_bits = [](const float* p) {  // 16 floats -> their bf16 (as vstore rounds them) in each lane's low half
-      return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
-    };
     for (int j = 0; j < cb; ++j) {
       dequantize_block(quad_at(W, b + j, num_blocks, block_bytes), S + (b + j) * block_groups,
                        Z + (b + j) * block_groups, K, group, t);
       uint16_t* out = lines + j * K * kBlock;
       for (int64_t p = 0; p < K / 2; ++p) {  // line p: lane i holds k = 2p (low half) and 2p + 1 (high half) of output i
-        const __m512i even = bf16_bits(t + 2 * p * kBlock), odd = bf16_bits(t + (2 * p + 1) * kBlock);
-        _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(_mm512_slli_epi32(odd, 16), even));
+        // NOTE: round_to_bf16 leaves a lane's bf16 in its high half and zeros in its low one
+        const __m512i even = _mm512_castps_si512(round_to_bf16(vload(t + 2 * p * kBlock)));
+        const __m512i odd = _mm512_castps_si512(round_to_bf16(vload(t + (2 * p + 1) * kBlock)));
+        _mm512_storeu_si512(out + p * 2 * kBlock, _mm512_or_si512(odd, _mm512_srli_epi32(even, 16)));
       }
     }
     return lines;
