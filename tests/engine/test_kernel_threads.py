@@ -213,3 +213,30 @@ def test_argmax_rows_is_torchs_argmax_and_sends_rows_with_nan_or_inf_to_torch(ke
     assert torch.equal(kernel_argmax(kernel)(x.double()), x.double().argmax(dim=-1))  # not fp32: torch's own
     with pytest.raises(RuntimeError, match="rows of no values have no argmax"):
         kernel.argmax_rows(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("kernel", BUILDS, indirect=True)
+def test_the_weight_prefetch_follows_the_vendor_moves_no_bits_and_refuses_unknown_settings(kernel) -> None:
+    vendor = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    default = kernel.weight_prefetch()
+    assert default == (("l2", 16) if vendor == "AuthenticAMD" else ("l1", 32)), (vendor, default)
+    torch.manual_seed(0)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = kernel.pack((torch.randn(160, 96) * 0.1).to(dtype))  # 10 blocks: passes of 4 and a rest
+            for rows in (1, 2, 4, 16):  # 4-block passes at 1-4 rows (AVX-512) or 1 (AVX2); fewer blocks above
+                x = torch.randn(rows, 96).to(dtype)
+                outputs = []
+                for setting in (("l1", 32), ("l2", 16), ("l2", 1), ("l1", 1024)):
+                    assert kernel.weight_prefetch(*setting) is not None
+                    assert kernel.weight_prefetch() == setting
+                    outputs.append(kernel.linear(x, weight))
+                assert all(torch.equal(outputs[0], other) for other in outputs[1:]), (dtype, rows)
+        kernel.weight_prefetch("l2", 16)
+        assert kernel.weight_prefetch("", 0) == ("l2", 16) and kernel.weight_prefetch() == ("l2", 16)  # kept
+        for bad in (("l3", 16), ("L1", 16), ("l1", -1), ("l1", 1025)):
+            with pytest.raises(RuntimeError, match="weight_prefetch"):
+                kernel.weight_prefetch(*bad)
+        assert kernel.weight_prefetch() == ("l2", 16)  # a refused setting changes nothing
+    finally:
+        kernel.weight_prefetch(*default)

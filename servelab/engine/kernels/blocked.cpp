@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -254,9 +256,39 @@ inline void store_out(TY* y, Vec acc, const TY* r) {
   }
   vstore(y, acc);
 }
-// Each block's stream is prefetched 2 KB ahead (32 lines): measured +10-30 % at 4 rows and in bf16 on an
-// Intel Xeon (both builds), unchanged at 1 fp32 row. A prefetch past the end of the weights is harmless.
-constexpr int64_t kPrefetch = 32;
+// Each block's stream of a dense matmul is prefetched some lines ahead of its loads. Where a pass streams 4 blocks
+// at once (the few-row passes, whose bound is the weights' stream), where to and how far is chosen by the CPU's
+// vendor, as measured; other passes (more rows, fewer blocks) prefetch 32 lines into L1 on every CPU. A prefetch past
+// the end of the weights is harmless. weight_prefetch() reads or sets the 4-stream setting; bench/prefetch.py compares
+// settings on a model's weights.
+// - Intel Xeon (both builds): 32 lines (2 KB) into L1 measured +10-30 % at 4 rows and in bf16 against none, the
+//   same at 1 fp32 row.
+// - AMD EPYC (CPU family 25, AVX-512): that prefetch into L1 cost 15-17 % at 1 row. 16 lines into L2 streamed a
+//   model's weights x1.15-1.33 faster at 1 and 4 rows (fp32 and bf16, 1 and 2 threads; AVX-512 build, 4 blocks a
+//   pass) and at 1 row in the AVX2 build (x1.09-1.21), but x0.68-0.87 at 4 and 16 rows there (1 block a pass) and
+//   x0.98-1.00 at 16 rows in the AVX-512 build (2 blocks): hence 4 streams only. In the engine: bf16 decode at batch
+//   1 x1.24 at one thread.
+struct WeightPrefetch {
+  bool to_l2;
+  int64_t lines;
+};
+constexpr WeightPrefetch kL1Prefetch{false, 32};
+const WeightPrefetch kVendorPrefetch = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? WeightPrefetch{true, 16} : kL1Prefetch;
+}();
+std::atomic<bool> prefetch_to_l2{kVendorPrefetch.to_l2};
+std::atomic<int64_t> prefetch_lines{kVendorPrefetch.lines};
+// The prefetch of a pass streaming `blocks` blocks at once.
+inline WeightPrefetch prefetch_for(int blocks) {
+  if (blocks < 4) return kL1Prefetch;
+  return {prefetch_to_l2.load(std::memory_order_relaxed), prefetch_lines.load(std::memory_order_relaxed)};
+}
+// The 64-byte line at p into L1 or L2.
+inline void prefetch_ahead(const void* p, bool to_l2) {
+  if (to_l2) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
 
 // R rows of x times C adjacent blocks (16 C outputs): R x C x kVecs accumulators, each weight line used R times.
 // y (and the residual r added to it, when given) has row stride ldy.
@@ -266,8 +298,9 @@ void block_f32(const float* w, const float* x, int64_t K, TY* y, int64_t ldy, co
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  const auto [to_l2, ahead] = prefetch_for(C);
   for (int64_t k = 0; k < K; ++k) {
-    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (k + kPrefetch) * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) prefetch_ahead(w + c * K * kBlock + (k + ahead) * kBlock, to_l2);
     Vec wv[C][kVecs];
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) wv[c][v] = vload(w + c * K * kBlock + k * kBlock + v * kLanes);
@@ -292,8 +325,9 @@ void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, i
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
+  const auto [to_l2, ahead] = prefetch_for(C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (p + kPrefetch) * 2 * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) prefetch_ahead(w + c * K * kBlock + (p + ahead) * 2 * kBlock, to_l2);
     Vec even[C][kVecs], odd[C][kVecs];
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) vload_pairs(w + c * K * kBlock + p * 2 * kBlock + v * 2 * kLanes, even[c][v], odd[c][v]);
@@ -317,8 +351,9 @@ void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const auto [to_l2, ahead] = prefetch_for(C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(w + c * K * kBlock + (p + kPrefetch) * 2 * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) prefetch_ahead(w + c * K * kBlock + (p + ahead) * 2 * kBlock, to_l2);
     __m512bh wv[C];
     for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(w + c * K * kBlock + p * 2 * kBlock), 16);
     for (int r = 0; r < R; ++r) {
@@ -2502,6 +2537,17 @@ int64_t threads_used(int64_t items, int64_t item_bytes) {
 
 // The least work in bytes a second thread is woken for; `bytes` >= 0 sets it (a measurement's knob), -1 only reads
 // it. -> the value before.
+// The dense kernels' weight prefetch: where ("l1" or "l2"; "" keeps it) and how many 64-byte lines ahead (0 keeps
+// it) -> the old setting.
+std::tuple<std::string, int64_t> weight_prefetch(const std::string& where, int64_t lines) {
+  TORCH_CHECK(where.empty() || where == "l1" || where == "l2", "weight_prefetch: where is 'l1' or 'l2', not '", where, "'");
+  TORCH_CHECK(lines >= 0 && lines <= 1024, "weight_prefetch: lines ahead from 1 to 1024 (0 keeps them), not ", lines);
+  const std::tuple<std::string, int64_t> old{prefetch_to_l2.load() ? "l2" : "l1", prefetch_lines.load()};
+  if (!where.empty()) prefetch_to_l2.store(where == "l2");
+  if (lines > 0) prefetch_lines.store(lines);
+  return old;
+}
+
 int64_t thread_grain(int64_t bytes) {
   return bytes >= 0 ? min_thread_bytes.exchange(bytes) : min_thread_bytes.load();
 }
@@ -2517,6 +2563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel", &parallel, "whether the kernels run on torch's thread pool (built with OpenMP)");
   m.def("threads_used", &threads_used, "threads the kernels' grain gives `items` items of `item_bytes` each, now",
         py::arg("items"), py::arg("item_bytes"));
+  m.def("weight_prefetch", &weight_prefetch, "the dense matmuls' weight prefetch: where ('l1', 'l2'; '' keeps it) and "
+        "lines ahead (0 keeps them) -> the old (where, lines)", py::arg("where") = "", py::arg("lines") = 0);
   m.def("thread_grain", &thread_grain, "the least bytes of work a thread is woken for; bytes >= 0 sets it -> the old value",
         py::arg("bytes") = -1);
   m.def("int4_pack", &int4_pack, "AWQ int4 values, scales and zeros -> the int4x16 layout");
