@@ -1,6 +1,6 @@
-"""bench.int4_activations and bench.huge_pages: their command lines refuse bad values by name, and agreement counts
-leading tokens. (What they measure needs the bundled model and minutes: they are run by hand, see
-docs/performance.md.)"""
+"""The engine's benches: their command lines refuse bad values by name, bench.int4_activations' agreement counts
+leading tokens, and bench.prefetch runs its settings side by side and leaves the kernel's setting as it found it.
+(What they measure needs the bundled model and minutes: they are run by hand, see docs/performance.md.)"""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def test_huge_pages_refuses_bad_arguments_by_name(argv: list[str], message: str,
     ("bench.prefill_step", ["--prompt-tokens", "1"], "--prompt-tokens must be at least 2"),
     ("bench.matmul", ["--rows", "0"], "--rows: expected a comma list of positive integers, got '0'"),
     ("bench.matmul", ["--dtype", "fp16"], "--dtype: invalid choice: 'fp16'"),
+    ("bench.prefetch", ["--settings", "l3:16"], "'l3:16': a setting is l1:LINES or l2:LINES, LINES from 1 to 1024"),
+    ("bench.prefetch", ["--settings", "l2:0"], "'l2:0': a setting is l1:LINES or l2:LINES"),
+    ("bench.prefetch", ["--settings", "l2:16,l2:16"], "'l2:16,l2:16' names a setting twice"),
+    ("bench.prefetch", ["--dtypes", "fp32,fp16"], "'fp32,fp16': dtypes from bf16, fp32"),
+    ("bench.prefetch", ["--layers", "0"], "--layers: invalid choice"),
 ])
 def test_thread_benches_refuse_bad_arguments_by_name(module: str, argv: list[str], message: str, monkeypatch,
                                                      capsys) -> None:
@@ -61,3 +66,21 @@ def test_thread_benches_refuse_bad_arguments_by_name(module: str, argv: list[str
         importlib.import_module(module).main()
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_prefetch_bench_compares_settings_and_leaves_the_default_as_it_was(capsys) -> None:
+    from bench import prefetch
+    from servelab.engine.kernels import best_isa, load_blocked_kernel
+
+    if best_isa() is None:
+        pytest.skip("servelab's kernel cannot run on this CPU")
+    kernel = load_blocked_kernel(prefetch.REPO / ".cache").module
+    default = kernel.weight_prefetch()
+    prefetch.main(["--settings", "l2:16,l1:32", "--dtypes", "bf16", "--rows", "1", "--threads", "1", "--layers", "1",
+                   "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert f"default setting {default[0]}:{default[1]}" in out
+    assert "NOTE: the weights are not twice the largest cache" in out  # one layer fits any cache
+    [line] = [line for line in out.splitlines() if line.startswith("bf16, 1 row(s), 1 thread(s): ")]
+    assert "l2:16 " in line and "(x1.00)" in line and "l1:32 " in line
+    assert kernel.weight_prefetch() == default
