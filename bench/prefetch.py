@@ -1,12 +1,12 @@
 """servelab's dense matmul kernels under each weight prefetch setting (blocked.cpp, `weight_prefetch`: into L1 or
 L2, some 64-byte lines ahead of the loads, for the passes that stream 4 blocks at once: the few-row passes, 1-4 rows
 in the AVX-512 build and 1 row in the AVX2 one; the others prefetch 32 lines into L1 whatever the setting), side by
-side in one process, rounds interleaved: GB/s of weights streamed
-through a model's worth of projections (--layers copies of the four projection shapes, one after another, as a
-decode step reads them), at each row count and thread count; medians of the rounds and each setting's ratio to the
-first per round (median). The kernel's default is chosen by the CPU's vendor (docs/performance.md): run this on a
-new kind of CPU to see whether another setting streams faster there. The outputs are checked to be the same bits
-under every setting (a prefetch moves no arithmetic).
+side in one process, rounds interleaved: GB/s of weights streamed through a model's worth of projections (--layers
+copies of the four projection shapes, one after another, as a decode step reads them), at each row count and thread
+count; medians of the rounds and each setting's ratio to the first per round (median). The kernel's default is
+chosen by the CPU's vendor (docs/performance.md): run this on a new kind of CPU to see whether another setting
+streams faster there. The outputs are checked to be the same bits under every setting (a prefetch moves no
+arithmetic).
 
     python -m bench.prefetch --settings l1:32,l2:16 --dtypes fp32,bf16 --rows 1,4,16 --threads 1,2
 
