@@ -265,7 +265,7 @@ inline void store_out(TY* y, Vec acc, const TY* r) {
 //   same at 1 fp32 row.
 // - AMD EPYC (CPU family 25, AVX-512): that prefetch into L1 cost 15-17 % at 1 row. 16 lines into L2 streamed a
 //   model's weights x1.15-1.33 faster at 1 and 4 rows (fp32 and bf16, 1 and 2 threads; AVX-512 build, 4 blocks a
-//   pass) and at 1 row in the AVX2 build (x1.09-1.21), but x0.68-0.87 at 4 and 16 rows there (1 block a pass) and
+//   pass) and at 1 row in the AVX2 build (x1.06-1.21), but x0.68-0.87 at 4 and 16 rows there (1 block a pass) and
 //   x0.98-1.00 at 16 rows in the AVX-512 build (2 blocks): hence 4 streams only. In the engine: bf16 decode at batch
 //   1 x1.24 at one thread.
 struct WeightPrefetch {
@@ -2535,8 +2535,6 @@ int64_t threads_used(int64_t items, int64_t item_bytes) {
   return used;
 }
 
-// The least work in bytes a second thread is woken for; `bytes` >= 0 sets it (a measurement's knob), -1 only reads
-// it. -> the value before.
 // The dense kernels' weight prefetch: where ("l1" or "l2"; "" keeps it) and how many 64-byte lines ahead (0 keeps
 // it) -> the old setting.
 std::tuple<std::string, int64_t> weight_prefetch(const std::string& where, int64_t lines) {
@@ -2548,6 +2546,8 @@ std::tuple<std::string, int64_t> weight_prefetch(const std::string& where, int64
   return old;
 }
 
+// The least work in bytes a second thread is woken for; `bytes` >= 0 sets it (a measurement's knob), -1 only reads
+// it. -> the value before.
 int64_t thread_grain(int64_t bytes) {
   return bytes >= 0 ? min_thread_bytes.exchange(bytes) : min_thread_bytes.load();
 }
