@@ -551,24 +551,33 @@ void dispatch(int rows, int blocks, Fn&& fn) {
   }
 }
 
+// Blocks 0.. num_blocks - 1 split over the threads as evenly as whole blocks allow (whole spans would not: the 9 spans
+// of 4 blocks of a 576-output projection go 5 and 4 to 2 threads), each thread's share in passes of up to `span`
+// blocks that never cross a multiple of span (int4's quads): fn(first block, blocks). block_bytes: what one block
+// costs a thread to stream (the grain). A block's outputs are the same bits in a pass of any width.
+template <typename Fn>
+void over_blocks(int64_t num_blocks, int64_t span, int64_t block_bytes, Fn&& fn) {
+  split_for(0, num_blocks, grain_for(block_bytes), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1;) {
+      const int64_t end = std::min(b1, (b / span + 1) * span);
+      fn(b, static_cast<int>(end - b));
+      b = end;
+    }
+  });
+}
+
 // Every span of blocks once from memory; all rows of x against it while it is in cache.
 // Rows: the most rows of x one pass takes (a register tile of Rows x the span's blocks).
 template <int Rows = kMaxRows, typename TW, typename TX, typename TY, typename Kernel>
 void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64_t K, int64_t num_blocks,
                 Kernel&& kernel) {
-  const int64_t span = span_for(M);
-  const int64_t num_spans = (num_blocks + span - 1) / span;
-  const int64_t span_bytes = span * K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + Rows - 1) / Rows);
-  split_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const int64_t b = span * i;
-      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += Rows) {
-        dispatch<Rows>(static_cast<int>(std::min<int64_t>(Rows, M - m)), blocks, [&](auto rows, auto cols) {
-          const int64_t at = m * (num_blocks * kBlock) + b * kBlock;
-          kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + at, res ? res + at : nullptr);
-        });
-      }
+  const int64_t block_bytes = K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + Rows - 1) / Rows);
+  over_blocks(num_blocks, span_for(M), block_bytes, [&](int64_t b, int blocks) {
+    for (int64_t m = 0; m < M; m += Rows) {
+      dispatch<Rows>(static_cast<int>(std::min<int64_t>(Rows, M - m)), blocks, [&](auto rows, auto cols) {
+        const int64_t at = m * (num_blocks * kBlock) + b * kBlock;
+        kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + at, res ? res + at : nullptr);
+      });
     }
   });
 }
@@ -1014,21 +1023,18 @@ Int4Rows quantize_rows(const T* X, int64_t M, int64_t K, int64_t group, std::vec
   return quantize_rows_into(X, M, K, group, xi.data(), d.data(), dsum.data());
 }
 
-// Every span of int4_span_for(M) blocks once from memory, `rows_per_pass` rows of x at a time against it while it
-// is in cache: fn(rows, blocks, first block, first row), rows and blocks as compile-time constants.
+// Every span of int4_span_for(M) blocks (or the part of one in a thread's share: over_blocks) once from memory,
+// `rows_per_pass` rows of x at a time against it while it is in cache: fn(rows, blocks, first block, first row), rows
+// and blocks as compile-time constants.
 // block_bytes: one block's weight bytes (the grain).
 template <typename Fn>
 void over_spans(int64_t M, int64_t num_blocks, int64_t rows_per_pass, int64_t block_bytes, Fn&& fn) {
-  const int64_t span = int4_span_for(M), num_spans = (num_blocks + span - 1) / span;
-  const int64_t span_bytes = span * block_bytes * ((M + rows_per_pass - 1) / rows_per_pass);
-  split_for(0, num_spans, grain_for(span_bytes), [&](int64_t s0, int64_t s1) {
-    for (int64_t i = s0; i < s1; ++i) {
-      const int64_t b = span * i;
-      const int blocks = static_cast<int>(std::min<int64_t>(span, num_blocks - b));
-      for (int64_t m = 0; m < M; m += rows_per_pass)
-        dispatch(static_cast<int>(std::min<int64_t>(rows_per_pass, M - m)), blocks, [&](auto r, auto c) { fn(r, c, b, m); });
-    }
-  });
+  over_blocks(num_blocks, int4_span_for(M), block_bytes * ((M + rows_per_pass - 1) / rows_per_pass),
+              [&](int64_t b, int blocks) {
+                for (int64_t m = 0; m < M; m += rows_per_pass)
+                  dispatch(static_cast<int>(std::min<int64_t>(rows_per_pass, M - m)), blocks,
+                           [&](auto r, auto c) { fn(r, c, b, m); });
+              });
 }
 
 // The rows, quantised, against the int4 weight: Y (M, N) (+ res, which may be Y itself: each output is read, then
