@@ -7,7 +7,10 @@ measured at that count, as a worker's are), then per round and count:
 - decode tok/s at each batch size: B x (N - 1) / (t_N - t_1), N = --new-tokens, EOS ignored.
 
 Medians of the rounds, and each count's ratio to the first per round (median). The CPU, its flags and the
-measured memory bandwidth head the table. Each config's line says whether greedy decoding gave the same tokens at
+measured memory bandwidth head the table. Each round also reads a 256 MiB buffer once at every count (torch's sum: a
+read-only stream on the same threads), and each config's last line gives that stream's GB/s and its ratio to the
+first count: on a machine whose other tenants take a changing share of the memory, a batch-1 decode (a weight stream)
+can gain from more threads only what the memory gave in those same rounds. Each config's line says whether greedy decoding gave the same tokens at
 every count (servelab's kernels split output blocks, attention rows and heads across threads, never a sum; torch's
 prefill GEMMs may round differently at other counts, so a 'no' names a difference to look at, not a failure).
 
@@ -72,6 +75,14 @@ def timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int)
     return _run(engine, threads, prompt, rows, new_tokens)[0]
 
 
+def read_stream_gbs(buffer: torch.Tensor, threads: int) -> float:
+    """GB/s of one read of `buffer` through torch's sum on `threads` threads: the memory's read pace now."""
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    buffer.sum()
+    return buffer.numel() * buffer.element_size() / (time.perf_counter() - started) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="configs/fp32.yaml,configs/bf16.yaml")
@@ -95,6 +106,8 @@ def main() -> None:
     print(f"cpu: {hardware.cpu}; cores this process may run on: {available_cores()}; threads {args.threads}; "
           "memory bandwidth (measured): " + ", ".join(f"{n}t {gbs:.1f} GB/s" for n, gbs in bandwidth.items())
           + f"; {args.rounds} rounds interleaved, medians", flush=True)
+    buffer = torch.ones(256 << 18)  # 256 MiB of fp32, beyond any CPU cache: the per-round read stream
+    buffer.sum()  # NOTE: its pages touched before the first round
     for path in args.configs.split(","):
         engines = {n: engine_at(path, n, args.prompt_tokens, max(args.batch_sizes), settings, args.random_weights)
                    for n in args.threads}
@@ -111,8 +124,10 @@ def main() -> None:
               + ("yes" if not differ else f"no, {differ} thread(s) differ from {args.threads[0]}"), flush=True)
         prefill: dict[int, list[float]] = {n: [] for n in args.threads}
         decode: dict[tuple[int, int], list[float]] = {(n, b): [] for n in args.threads for b in args.batch_sizes}
+        stream: dict[int, list[float]] = {n: [] for n in args.threads}
         for _ in range(args.rounds):
             for n, engine in engines.items():
+                stream[n].append(read_stream_gbs(buffer, n))
                 prefill[n].append(args.prompt_tokens / timed(engine, n, prompt, 1, 1))
                 for b in args.batch_sizes:
                     one, full = timed(engine, n, prompt[:200], b, 1), timed(engine, n, prompt[:200], b, args.new_tokens)
@@ -129,6 +144,8 @@ def main() -> None:
         for b in args.batch_sizes:
             print(f"  decode batch {b}, tok/s: " + " | ".join(f"{n}t {cells(decode, (n, b))}" for n in args.threads),
                   flush=True)
+        print("  memory read stream in the same rounds, GB/s: " + " | ".join(f"{n}t {cells(stream, n)}" for n in args.threads),
+              flush=True)
         del engines
 
 
