@@ -410,8 +410,8 @@ class BlockedLinear:
         if self.weight.dim() == 3:  # fp32 (N/16, K, 16)
             out = self.weight[block, :, lane]
         else:  # bf16 (N/16, K/2, 16, 2)
-            out = self.weight[block, :, lane, :].reshape(flat.shape[0], -1)
-        return out.reshape(*ids.shape, -1)
+            out = self.weight[block, :, lane, :].reshape(flat.shape[0], 2 * self.weight.shape[1])
+        return out.reshape(*ids.shape, out.shape[-1])  # NOTE: -1 cannot stand for K when there are no ids
 
     @property
     def takes_residual(self) -> bool:

@@ -142,8 +142,10 @@ def test_bf16_weights_with_fp32_activations_equal_the_fp32_product(build: str) -
         got = head(x)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
-    ids = torch.tensor([0, 15, 16, 71])
+    ids = torch.tensor([[0, 15], [16, 71]])
     assert torch.equal(head.rows(ids), weight[ids])  # the embedding read from the head's layout
+    every = torch.arange(72)
+    assert torch.equal(head.rows(every.flip(0)), weight.flip(0)) and head.rows(every[:0]).shape == (0, 64)
 
 
 def test_random_weights_of_a_models_shape_go_through_servelabs_int4_kernel(tmp_path: Path, bundled_folder: str,
