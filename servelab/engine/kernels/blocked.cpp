@@ -18,10 +18,10 @@
 //
 // Threads. Every kernel splits its work with at::parallel_for, torch's own pool (OpenMP in torch's CPU builds; the
 // extension is compiled with -fopenmp, without which at::parallel_for runs everything on the calling thread), so
-// torch.set_num_threads governs servelab's kernels as it does torch's. The unit a thread takes is whole: a span of
-// output blocks (matmuls: every row's outputs of those blocks), a row (RMSNorm, SwiGLU, activation quantisation),
-// a block (dequantisation), computed by the same code in the same order whatever the thread count, so the results
-// do not depend on it. A second thread is woken only for at least min_thread_bytes of work (grain_for).
+// torch.set_num_threads governs servelab's kernels as it does torch's. The unit a thread takes is whole: an even
+// share of the output blocks (matmuls: every row's outputs of those blocks; over_blocks), a row (RMSNorm, SwiGLU,
+// activation quantisation), a block (dequantisation), computed by the same code in the same order whatever the
+// thread count, so the results do not depend on it. A second thread is woken only for at least min_thread_bytes of work (grain_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
