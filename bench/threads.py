@@ -9,10 +9,11 @@ measured at that count, as a worker's are), then per round and count:
 Medians of the rounds, and each count's ratio to the first per round (median). The CPU, its flags and the
 measured memory bandwidth head the table. Each round also reads a 256 MiB buffer once at every count (torch's sum: a
 read-only stream on the same threads), and each config's last line gives that stream's GB/s and its ratio to the
-first count: on a machine whose other tenants take a changing share of the memory, a batch-1 decode (a weight stream)
-can gain from more threads only what the memory gave in those same rounds. Each config's line says whether greedy decoding gave the same tokens at
-every count (servelab's kernels split output blocks, attention rows and heads across threads, never a sum; torch's
-prefill GEMMs may round differently at other counts, so a 'no' names a difference to look at, not a failure).
+first count: on a machine whose other tenants take a changing share of the memory, a batch-1 decode (a weight
+stream) can gain from more threads only what the memory gave in those same rounds. Each config's line says whether
+greedy decoding gave the same tokens at every count (servelab's kernels split output blocks, attention rows and
+heads across threads, never a sum; torch's prefill GEMMs may round differently at other counts, so a 'no' names a
+difference to look at, not a failure).
 
     python -m bench.threads --configs configs/fp32.yaml,configs/bf16.yaml --threads 1,2 --batch-sizes 1,16
 
@@ -144,8 +145,8 @@ def main() -> None:
         for b in args.batch_sizes:
             print(f"  decode batch {b}, tok/s: " + " | ".join(f"{n}t {cells(decode, (n, b))}" for n in args.threads),
                   flush=True)
-        print("  memory read stream in the same rounds, GB/s: " + " | ".join(f"{n}t {cells(stream, n)}" for n in args.threads),
-              flush=True)
+        print("  memory read stream in the same rounds, GB/s: "
+              + " | ".join(f"{n}t {cells(stream, n)}" for n in args.threads), flush=True)
         del engines
 
 

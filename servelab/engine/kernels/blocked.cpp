@@ -21,7 +21,8 @@
 // torch.set_num_threads governs servelab's kernels as it does torch's. The unit a thread takes is whole: an even
 // share of the output blocks (matmuls: every row's outputs of those blocks; over_blocks), a row (RMSNorm, SwiGLU,
 // activation quantisation), a block (dequantisation), computed by the same code in the same order whatever the
-// thread count, so the results do not depend on it. A second thread is woken only for at least min_thread_bytes of work (grain_for).
+// thread count, so the results do not depend on it. A second thread is woken only for at least min_thread_bytes of
+// work (grain_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
