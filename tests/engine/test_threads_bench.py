@@ -1,0 +1,29 @@
+"""bench.threads end to end on the tiny model's shape with random weights (speed only): each config's figures at
+every thread count, and the memory's own read stream measured in the same rounds beside them."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from bench import threads
+
+
+def test_the_thread_bench_prints_the_memorys_read_stream_beside_each_config(tiny_folder: Path, monkeypatch,
+                                                                            capsys) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["bench.threads", "--random-weights", str(tiny_folder), "--configs",
+                                      str(threads.REPO / "configs/fp32.yaml"), "--threads", "1,2", "--batch-sizes", "1", "--rounds", "1",
+                                      "--prompt-tokens", "16", "--new-tokens", "4"])
+    try:
+        threads.main()
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert re.search(r"^  decode batch 1, tok/s: 1t +[\d.]+ \(x1\.00\) \| 2t +[\d.]+ \(x[\d.]+\)$", out, re.M), out
+    stream = re.findall(r"^  memory read stream in the same rounds, GB/s: 1t +([\d.]+) \(x1\.00\) \| 2t +([\d.]+) "
+                        r"\(x[\d.]+\)$", out, re.M)
+    assert len(stream) == 1 and all(float(gbs) > 0 for gbs in stream[0]), out
