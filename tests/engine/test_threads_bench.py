@@ -15,9 +15,9 @@ from bench import threads
 def test_the_thread_bench_prints_the_memorys_read_stream_beside_each_config(tiny_folder: Path, monkeypatch,
                                                                             capsys) -> None:
     before = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", ["bench.threads", "--random-weights", str(tiny_folder), "--configs",
-                                      str(threads.REPO / "configs/fp32.yaml"), "--threads", "1,2", "--batch-sizes", "1", "--rounds", "1",
-                                      "--prompt-tokens", "16", "--new-tokens", "4"])
+    monkeypatch.setattr(sys, "argv", ["bench.threads", "--random-weights", str(tiny_folder),
+                                      "--configs", str(threads.REPO / "configs/fp32.yaml"), "--threads", "1,2",
+                                      "--batch-sizes", "1", "--rounds", "1", "--prompt-tokens", "16", "--new-tokens", "4"])
     try:
         threads.main()
     finally:
