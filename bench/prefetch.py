@@ -1,6 +1,7 @@
 """servelab's dense matmul kernels under each weight prefetch setting (blocked.cpp, `weight_prefetch`: into L1 or
-L2, some 64-byte lines ahead of the loads, for the passes that stream 4 blocks at once: the few-row passes, 1-4 rows
-in the AVX-512 build and 1 row in the AVX2 one; the others prefetch 32 lines into L1 whatever the setting), side by
+L2, some 64-byte lines ahead of the loads, for the passes bound by the weights' stream: the few-row passes, 1-4 rows
+in the AVX-512 build (4 blocks a pass; bf16 in units of 2 interleaved blocks: a unit a pass) and 1 row in the AVX2
+one; the others prefetch 32 lines into L1 whatever the setting), side by
 side in one process, rounds interleaved: GB/s of weights streamed through a model's worth of projections (--layers
 copies of the four projection shapes, one after another, as a decode step reads them), at each row count and thread
 count; medians of the rounds and each setting's ratio to the first per round (median). The kernel's default is

@@ -406,11 +406,10 @@ class BlockedLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding lookup from the blocked layout): ids (...) -> (..., K)."""
         flat = ids.reshape(-1)
-        block, lane = flat // BLOCK, flat % BLOCK
         if self.weight.dim() == 3:  # fp32 (N/16, K, 16)
-            out = self.weight[block, :, lane]
-        else:  # bf16 (N/16, K/2, 16, 2)
-            out = self.weight[block, :, lane, :].reshape(flat.shape[0], 2 * self.weight.shape[1])
+            out = self.weight[flat // BLOCK, :, flat % BLOCK]
+        else:  # bf16: blocked16 or units of blocks interleaved (the kernel knows its build's layout)
+            out = self.kernel.bf16_rows(flat.long(), self.weight)
         return out.reshape(*ids.shape, out.shape[-1])  # NOTE: -1 cannot stand for K when there are no ids
 
     @property

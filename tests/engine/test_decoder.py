@@ -136,17 +136,19 @@ def test_bf16_with_an_odd_k_is_served_by_another_kernel(settings) -> None:
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocked_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_pass(build, dtype, settings) -> None:
-    """A pass takes up to 4-8 rows against 1-4 blocks (the register tile depends on the rows and the build), but
-    each output sums over k in one order: 13 rows at once (passes of 6, 6, 1 on AVX2) give each row the bits it
-    gets alone (1 row, 4 blocks a pass), so a request's tokens do not depend on its batch-mates."""
+    """A pass takes up to 4-8 rows against 1-4 blocks (the register tile depends on the rows, the build and the
+    layout), but each output sums over k in one order: 13 rows at once (passes of 6, 6, 1 on AVX2) give each row the
+    bits it gets alone (1 row, 4 blocks a pass; bf16 units: 2), so a request's tokens do not depend on its
+    batch-mates. 4 blocks, and 13 (bf16 units: a last block alone)."""
     kernel = load_blocked_kernel(settings.cache_dir, build).module
     generator = torch.Generator().manual_seed(0)
-    packed = kernel.pack(torch.randn(64, 96, generator=generator).to(dtype))
-    x = torch.randn(13, 96, generator=generator).to(dtype)
-    with amx_path(kernel, False):  # bf16 on AMX: the tiles' own test below
-        together = kernel.linear(x, packed)
-        alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
-    assert torch.equal(together, alone)
+    for outputs in (64, 208):
+        packed = kernel.pack(torch.randn(outputs, 96, generator=generator).to(dtype))
+        x = torch.randn(13, 96, generator=generator).to(dtype)
+        with amx_path(kernel, False):  # bf16 on AMX: the tiles' own test below
+            together = kernel.linear(x, packed)
+            alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed) for i in range(13)])
+        assert torch.equal(together, alone), outputs
 
 
 def on_path(kernel, amx: bool, fn, *args):
@@ -192,7 +194,9 @@ def test_amx_tiles_give_a_row_the_same_bits_whatever_rows_share_its_tile(setting
 
 def test_bf16_on_vdpbf16ps_gives_the_avx2_builds_bits(settings) -> None:
     """vdpbf16ps adds a lane's odd product before its even one; the weights' and activations' halves are swapped in
-    registers so that it adds k before k + 1, as the AVX2 build's two fp32 FMAs do: both builds, one result."""
+    registers so that it adds k before k + 1, as the AVX2 build's two fp32 FMAs do: both builds, one result. The
+    layouts differ too (this build interleaves each 2 blocks' lines where it runs no AMX; the AVX2 build keeps
+    blocked16): 13 blocks, so a last block alone."""
     if isa_reason(ISAS[0]) is not None:
         pytest.skip(isa_reason(ISAS[0]))
     fast, wide = (load_blocked_kernel(settings.cache_dir, name).module for name in ("avx512", "avx2"))

@@ -146,6 +146,8 @@ def test_bf16_weights_with_fp32_activations_equal_the_fp32_product(build: str) -
     assert torch.equal(head.rows(ids), weight[ids])  # the embedding read from the head's layout
     every = torch.arange(72)
     assert torch.equal(head.rows(every.flip(0)), weight.flip(0)) and head.rows(every[:0]).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="id 80 is not a row of the weight"):  # 72 rows, padded to 5 blocks
+        head.rows(torch.tensor([3, 80]))
 
 
 def test_random_weights_of_a_models_shape_go_through_servelabs_int4_kernel(tmp_path: Path, bundled_folder: str,

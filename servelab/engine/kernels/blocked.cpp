@@ -14,7 +14,9 @@
 // half of it on these CPUs. Accumulation is fp32 in both precisions. bf16 weights: with AVX-512 BF16,
 // vdpbf16ps on bf16 activations; without it, each 32-bit lane of a line (two adjacent k of one output)
 // becomes two fp32 values by a shift and a mask, and the activations are fp32 (half the weight bytes of
-// fp32, fp32 arithmetic). Either way the result is rounded to bf16 once (round to nearest even).
+// fp32, fp32 arithmetic). Either way the result is rounded to bf16 once (round to nearest even). In the
+// AVX-512 BF16 build without AMX, bf16 keeps those lines but interleaves each 2 consecutive blocks' lines
+// (kBf16Unit, bf16_lines): a pass over 2 blocks is one stream (measured faster at every row count there).
 //
 // Threads. Every kernel splits its work with at::parallel_for, torch's own pool (OpenMP in torch's CPU builds; the
 // extension is compiled with -fopenmp, without which at::parallel_for runs everything on the calling thread), so
@@ -291,6 +293,40 @@ inline void prefetch_ahead(const void* p, bool to_l2) {
   else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
 
+// bf16 weights in the AVX-512 BF16 build without AMX: each 2 consecutive blocks (a unit; the last block alone where
+// the blocks are odd) interleaved line by line, so a pass over a unit reads one sequential stream, where 2 or 4
+// blocks side by side were 2 or 4 streams of a few KB each. Every bf16 pass takes the blocks of one unit: 1-4 rows x
+// 2 blocks with the vendor's prefetch (AMD: 16 lines into L2), 5-8 rows x 2 blocks with 32 lines into L1. In a
+// micro-benchmark of those passes against blocked16's (1-4 rows x 4 blocks, 8 rows x 2), SmolLM2-135M's 30 layers of
+// weights from memory on huge pages, 2-core AMD EPYC (Zen 4, AVX-512 BF16), 1 and 2 threads: x1.06-1.28 at 1-4
+// rows, x1.12-1.27 at 8 and 16 rows, x1.03 at 64. (In blocked16 bf16 read 8-13 % fewer bytes a second than fp32 at
+// one row; 4 blocks interleaved read as fast at 1-4 rows, but its 8-row passes lost x0.88-0.94; fp32 gained nothing
+// from interleaving.) AMX's tiles read a block's lines at a stride of one line: the AMX build keeps blocked16. A
+// block's outputs are the same bits in either layout (the same sums in the same order).
+#if defined(__AVX512BF16__) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+constexpr int64_t kBf16Unit = 2;
+#else
+constexpr int64_t kBf16Unit = 1;
+#endif
+// Where a pass's bf16 lines are, in uint16 (a line: 16 outputs x 2 adjacent k): block c of the pass, line p at
+// first + c block_step + p line_step.
+struct Bf16Lines {
+  const uint16_t* first;
+  int64_t block_step, line_step;
+};
+inline Bf16Lines bf16_lines(const uint16_t* W, int64_t b, int64_t num_blocks, int64_t K) {
+  if constexpr (kBf16Unit == 1) return {W + b * K * kBlock, K * kBlock, 2 * kBlock};
+  const int64_t unit = b - b % kBf16Unit, blocks = std::min<int64_t>(kBf16Unit, num_blocks - unit);
+  return {W + unit * K * kBlock + (b - unit) * 2 * kBlock, 2 * kBlock, blocks * 2 * kBlock};
+}
+// The blocks a bf16 pass takes at M rows
+inline int64_t bf16_span_for(int64_t M) { return kBf16Unit > 1 ? kBf16Unit : span_for(M); }
+// The prefetch of a bf16 pass of R rows x C blocks: in units, a pass of 1-4 rows is bound by the weights' stream.
+inline WeightPrefetch bf16_prefetch_for(int R, int C) {
+  if (kBf16Unit > 1) return R <= 4 ? prefetch_for(4) : kL1Prefetch;
+  return prefetch_for(C);
+}
+
 // R rows of x times C adjacent blocks (16 C outputs): R x C x kVecs accumulators, each weight line used R times.
 // y (and the residual r added to it, when given) has row stride ldy.
 template <int R, int C, typename TY>
@@ -321,17 +357,18 @@ void block_f32(const float* w, const float* x, int64_t K, TY* y, int64_t ldy, co
 
 // bf16 weights converted to fp32 in registers, fp32 activations x, bf16 or fp32 output y.
 template <int R, int C, typename TY>
-void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
+void block_bf16_converted(Bf16Lines w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
-  const auto [to_l2, ahead] = prefetch_for(C);
+  const auto [to_l2, ahead] = bf16_prefetch_for(R, C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    for (int c = 0; c < C; ++c) prefetch_ahead(w + c * K * kBlock + (p + ahead) * 2 * kBlock, to_l2);
+    const uint16_t* at = w.first + p * w.line_step;
+    for (int c = 0; c < C; ++c) prefetch_ahead(at + c * w.block_step + ahead * 2 * kBlock, to_l2);
     Vec even[C][kVecs], odd[C][kVecs];
     for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) vload_pairs(w + c * K * kBlock + p * 2 * kBlock + v * 2 * kLanes, even[c][v], odd[c][v]);
+      for (int v = 0; v < kVecs; ++v) vload_pairs(at + c * w.block_step + v * 2 * kLanes, even[c][v], odd[c][v]);
     for (int r = 0; r < R; ++r) {
       const Vec xe = vset1(x[r * K + 2 * p]), xo = vset1(x[r * K + 2 * p + 1]);
       for (int c = 0; c < C; ++c)
@@ -347,20 +384,40 @@ void block_bf16_converted(const uint16_t* w, const float* x, int64_t K, TY* y, i
 }
 
 #ifdef __AVX512BF16__
-template <int R, int C>
-void block_bf16(const uint16_t* w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
+// x's n values (n even) with each pair's halves swapped, in the calling thread's buffer (until its next call)
+inline const uint16_t* swapped_pairs(const uint16_t* x, int64_t n) {
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n / 2) buffer.resize(n / 2);
+  uint32_t* out = buffer.data();
+  for (int64_t i = 0; i < n / 2; ++i) {
+    uint32_t pair;
+    std::memcpy(&pair, x + 2 * i, sizeof(pair));
+    out[i] = (pair << 16) | (pair >> 16);
+  }
+  return reinterpret_cast<const uint16_t*>(out);
+}
+
+// kSwapped: x's pairs come swapped already (swapped_pairs): a few-row pass's x is then one broadcast per pair
+template <int R, int C, bool kSwapped>
+void block_bf16(Bf16Lines w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
+  const auto* xp = reinterpret_cast<const uint32_t*>(x);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const auto [to_l2, ahead] = prefetch_for(C);
+  const auto [to_l2, ahead] = bf16_prefetch_for(R, C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    for (int c = 0; c < C; ++c) prefetch_ahead(w + c * K * kBlock + (p + ahead) * 2 * kBlock, to_l2);
+    const uint16_t* at = w.first + p * w.line_step;
+    for (int c = 0; c < C; ++c) prefetch_ahead(at + c * w.block_step + ahead * 2 * kBlock, to_l2);
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(w + c * K * kBlock + p * 2 * kBlock), 16);
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(at + c * w.block_step), 16);
     for (int r = 0; r < R; ++r) {
       uint32_t pair;  // x[2p + 1], x[2p] (halves swapped as the weights' are), broadcast to every lane
-      std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
-      pair = (pair << 16) | (pair >> 16);
+      if constexpr (kSwapped) {
+        pair = xp[r * (K / 2) + p];
+      } else {
+        std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
+        pair = (pair << 16) | (pair >> 16);
+      }
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
     }
@@ -567,17 +624,18 @@ void over_blocks(int64_t num_blocks, int64_t span, int64_t block_bytes, Fn&& fn)
   });
 }
 
-// Every span of blocks once from memory; all rows of x against it while it is in cache.
-// Rows: the most rows of x one pass takes (a register tile of Rows x the span's blocks).
-template <int Rows = kMaxRows, typename TW, typename TX, typename TY, typename Kernel>
-void run_blocks(const TW* W, const TX* X, TY* Y, const TY* res, int64_t M, int64_t K, int64_t num_blocks,
-                Kernel&& kernel) {
-  const int64_t block_bytes = K * kBlock * static_cast<int64_t>(sizeof(TW)) * ((M + Rows - 1) / Rows);
-  over_blocks(num_blocks, span_for(M), block_bytes, [&](int64_t b, int blocks) {
+// Every span of blocks once from memory; all rows of x against it while it is in cache: kernel(rows, blocks, first
+// block, rows of x, of y, of the residual).
+// Rows: the most rows of x one pass takes (a register tile of Rows x the span's blocks); weight_bytes: one weight's.
+template <int Rows = kMaxRows, typename TX, typename TY, typename Kernel>
+void run_blocks(int64_t weight_bytes, int64_t span, const TX* X, TY* Y, const TY* res, int64_t M, int64_t K,
+                int64_t num_blocks, Kernel&& kernel) {
+  const int64_t block_bytes = K * kBlock * weight_bytes * ((M + Rows - 1) / Rows);
+  over_blocks(num_blocks, span, block_bytes, [&](int64_t b, int blocks) {
     for (int64_t m = 0; m < M; m += Rows) {
       dispatch<Rows>(static_cast<int>(std::min<int64_t>(Rows, M - m)), blocks, [&](auto rows, auto cols) {
         const int64_t at = m * (num_blocks * kBlock) + b * kBlock;
-        kernel(rows, cols, W + b * K * kBlock, X + m * K, Y + at, res ? res + at : nullptr);
+        kernel(rows, cols, b, X + m * K, Y + at, res ? res + at : nullptr);
       });
     }
   });
@@ -593,7 +651,39 @@ torch::Tensor pack(const torch::Tensor& weight) {
     return weight.view({N / kBlock, kBlock, K}).transpose(1, 2).contiguous();  // (N/16, K, 16)
   }
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && K % 2 == 0, "pack: bf16 weight needs an even K");
-  return weight.view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // (N/16, K/2, 16, 2)
+  const int64_t num_blocks = N / kBlock;
+  auto blocked = weight.view({num_blocks, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // (N/16, K/2, 16, 2)
+  const int64_t whole = num_blocks - num_blocks % kBf16Unit;  // blocks in whole units
+  if (kBf16Unit == 1 || whole == 0) return blocked;
+  // each unit's lines interleaved: (units, K/2, kBf16Unit, 32); a last odd block stays as it is; same shape as blocked
+  auto units = blocked.slice(0, 0, whole).view({whole / kBf16Unit, kBf16Unit, K / 2, 2 * kBlock}).transpose(1, 2);
+  auto interleaved = torch::cat({units.reshape({-1}), blocked.slice(0, whole).reshape({-1})});
+  return interleaved.view({num_blocks, K / 2, kBlock, 2});
+}
+
+// Rows `ids` of a bf16 weight from pack() (an embedding lookup): ids (n,) int64 -> (n, K) bf16, read from
+// either layout.
+torch::Tensor bf16_rows(const torch::Tensor& ids, const torch::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.is_contiguous(),
+              "bf16_rows: a bf16 weight from pack()");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "bf16_rows: ids must be a 1-d int64 tensor");
+  const int64_t n = ids.size(0), num_blocks = packed.size(0), K = 2 * packed.size(1);
+  const auto ids_c = ids.contiguous();
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_blocks * kBlock, "bf16_rows: id ", id[i], " is not a row of the weight (",
+                num_blocks * kBlock, " rows)");
+  auto out = torch::empty({n, K}, packed.options());
+  const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* Y = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());  // a k pair of one output: 32 bits
+  split_for(0, n, grain_for(K * 2), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Bf16Lines lines = bf16_lines(W, id[i] / kBlock, num_blocks, K);
+      const uint16_t* at = lines.first + 2 * (id[i] % kBlock);
+      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(Y + i * (K / 2) + p, at + p * lines.line_step, sizeof(uint32_t));
+    }
+  });
+  return out;
 }
 
 // A residual to add to a matmul's output: (M, N) contiguous, in the output's dtype, or none.
@@ -620,10 +710,11 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
                 int64_t num_blocks) {
   const int64_t N = num_blocks * kBlock;
   if constexpr (std::is_same_v<T, float>) {
-    run_blocks<kF32Rows>(static_cast<const float*>(W), X, Y, res, M, K, num_blocks,
-               [&](auto rows, auto cols, const float* w, const float* xr, float* yr, const float* rr) {
-                 block_f32<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
-               });
+    const auto* Wf = static_cast<const float*>(W);
+    run_blocks<kF32Rows>(sizeof(float), span_for(M), X, Y, res, M, K, num_blocks,
+                         [&](auto rows, auto cols, int64_t b, const float* xr, float* yr, const float* rr) {
+                           block_f32<decltype(rows)::value, decltype(cols)::value>(Wf + b * K * kBlock, xr, K, yr, N, rr);
+                         });
   } else {
     const auto* Wb = static_cast<const uint16_t*>(W);
 #ifdef __AVX512BF16__
@@ -634,14 +725,23 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
       return;
     }
 #endif
-    run_blocks(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks,
-               [&](auto rows, auto cols, const uint16_t* w, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-                 block_bf16<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
-               });
+    // 1-4 rows: x's pairs swapped once per call (per thread in a team), not in every pass: the pass's work per weight
+    // line halves in units of 2 blocks, and at 4 rows the swap in every pass cost it x0.86 against blocked16 (1 thread)
+    const auto run = [&](const uint16_t* x, auto swapped) {
+      run_blocks(sizeof(uint16_t), bf16_span_for(M), x, Y, res, M, K, num_blocks,
+                 [&](auto rows, auto cols, int64_t b, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+                   block_bf16<decltype(rows)::value, decltype(cols)::value, decltype(swapped)::value>(
+                       bf16_lines(Wb, b, num_blocks, K), xr, K, yr, N, rr);
+                 });
+    };
+    const auto* Xb = reinterpret_cast<const uint16_t*>(X);
+    if (M <= 4) run(swapped_pairs(Xb, M * K), std::true_type{});
+    else run(Xb, std::false_type{});
 #else
-    run_blocks(Wb, xf, Y, res, M, K, num_blocks,
-               [&](auto rows, auto cols, const uint16_t* w, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
+    run_blocks(sizeof(uint16_t), bf16_span_for(M), xf, Y, res, M, K, num_blocks,
+               [&](auto rows, auto cols, int64_t b, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(bf16_lines(Wb, b, num_blocks, K), xr,
+                                                                                    K, yr, N, rr);
                });
 #endif
   }
@@ -657,10 +757,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto y = torch::empty({M, N}, x.options());
   const void* res = residual_of(residual, y, "linear");
   if (mixed) {  // bf16 weights, fp32 activations and output: fp32 arithmetic on half the weight bytes
-    run_blocks(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), x.data_ptr<float>(),
-               y.data_ptr<float>(), static_cast<const float*>(res), M, K, num_blocks,
-               [&](auto rows, auto cols, const uint16_t* w, const float* xr, float* yr, const float* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(w, xr, K, yr, N, rr);
+    const auto* Wb = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    run_blocks(sizeof(uint16_t), bf16_span_for(M), x.data_ptr<float>(), y.data_ptr<float>(),
+               static_cast<const float*>(res), M, K, num_blocks,
+               [&](auto rows, auto cols, int64_t b, const float* xr, float* yr, const float* rr) {
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(bf16_lines(Wb, b, num_blocks, K), xr,
+                                                                                    K, yr, N, rr);
                });
     return y;
   }
@@ -2563,6 +2665,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W (N, K) -> the blocked16 layout");
   m.def("linear", &linear, "x (M, K) @ W^T (+ residual) with W in the blocked16 layout", py::arg("x"), py::arg("packed"),
         py::arg("residual") = py::none());
+  m.def("bf16_rows", &bf16_rows, "rows ids of a bf16 weight from pack() (an embedding lookup)", py::arg("ids"),
+        py::arg("packed"));
+  m.def("bf16_unit", [] { return kBf16Unit; }, "how many bf16 blocks pack() interleaves line by line (1: blocked16)");
   m.def("native_bf16", &native_bf16, "whether bf16 runs on AVX-512 BF16 (else: converted to fp32 in registers)");
   m.def("amx_rows", &amx_rows, "from how many rows bf16 matmuls run on AMX tiles (0: none here); rows > 0 sets it -> the old value",
         py::arg("rows") = 0);
