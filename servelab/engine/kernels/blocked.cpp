@@ -295,32 +295,44 @@ inline void prefetch_ahead(const void* p, bool to_l2) {
 
 // bf16 weights in the AVX-512 BF16 build without AMX: each 2 consecutive blocks (a unit; the last block alone where
 // the blocks are odd) interleaved line by line, so a pass over a unit reads one sequential stream, where 2 or 4
-// blocks side by side were 2 or 4 streams of a few KB each. Every bf16 pass takes the blocks of one unit: 1-4 rows x
-// 2 blocks with the vendor's prefetch (AMD: 16 lines into L2), 5-8 rows x 2 blocks with 32 lines into L1. In a
-// micro-benchmark of those passes against blocked16's (1-4 rows x 4 blocks, 8 rows x 2), SmolLM2-135M's 30 layers of
-// weights from memory on huge pages, 2-core AMD EPYC (Zen 4, AVX-512 BF16), 1 and 2 threads: x1.06-1.28 at 1-4
-// rows, x1.12-1.27 at 8 and 16 rows, x1.03 at 64. (In blocked16 bf16 read 8-13 % fewer bytes a second than fp32 at
-// one row; 4 blocks interleaved read as fast at 1-4 rows, but its 8-row passes lost x0.88-0.94; fp32 gained nothing
-// from interleaving.) AMX's tiles read a block's lines at a stride of one line: the AMX build keeps blocked16. A
-// block's outputs are the same bits in either layout (the same sums in the same order).
+// blocks side by side were 2 or 4 streams of a few KB each. A bf16 pass takes one unit: 1-4 rows x 2 blocks with the
+// vendor's prefetch (AMD: 16 lines into L2), 5-8 rows x 2 blocks with 32 lines into L1 (bf16_span_for has the one
+// exception). The same process, old source against new, SmolLM2-135M's 30 layers of weights from memory on huge
+// pages, 2-core AMD EPYC (Zen 4, AVX-512 BF16): x1.03-1.16 at 1-4 rows on one thread, x1.14-1.18 at 8, x1.02-1.03
+// at 64 and 512; on two threads, where the host's memory moved most, x1.02-1.11 at 1-4 rows and x0.93-1.15 at 8-512
+// across runs. (In blocked16, bf16 read 8-13 % fewer bytes a second than fp32 at one row. 4 blocks interleaved read as
+// fast at 1-4 rows, but its 8-row passes lost x0.88-0.94; fp32 gained nothing from interleaving.) AMX's tiles read a
+// block's lines at a stride of one line: the AMX build keeps blocked16. A block's outputs are the same bits in
+// either layout (the same sums in the same order).
 #if defined(__AVX512BF16__) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
 constexpr int64_t kBf16Unit = 2;
 #else
 constexpr int64_t kBf16Unit = 1;
 #endif
-// Where a pass's bf16 lines are, in uint16 (a line: 16 outputs x 2 adjacent k): block c of the pass, line p at
-// first + c block_step + p line_step.
+// Where the lines of a pass's C bf16 blocks are, in uint16 (a line: 16 outputs x 2 adjacent k): block c's line p at
+// at[c] + p step[c] (a pass of 4 blocks in units reads 2 streams; a last block alone has a step of one line).
+template <int C>
 struct Bf16Lines {
-  const uint16_t* first;
-  int64_t block_step, line_step;
+  const uint16_t* at[C];
+  int64_t step[C];
 };
-inline Bf16Lines bf16_lines(const uint16_t* W, int64_t b, int64_t num_blocks, int64_t K) {
-  if constexpr (kBf16Unit == 1) return {W + b * K * kBlock, K * kBlock, 2 * kBlock};
-  const int64_t unit = b - b % kBf16Unit, blocks = std::min<int64_t>(kBf16Unit, num_blocks - unit);
-  return {W + unit * K * kBlock + (b - unit) * 2 * kBlock, 2 * kBlock, blocks * 2 * kBlock};
+template <int C>
+inline Bf16Lines<C> bf16_lines(const uint16_t* W, int64_t b, int64_t num_blocks, int64_t K) {
+  Bf16Lines<C> lines;
+  for (int c = 0; c < C; ++c) {
+    const int64_t block = b + c, unit = block - block % kBf16Unit;
+    lines.at[c] = W + unit * K * kBlock + (block - unit) * 2 * kBlock;
+    lines.step[c] = std::min<int64_t>(kBf16Unit, num_blocks - unit) * 2 * kBlock;
+  }
+  return lines;
 }
-// The blocks a bf16 pass takes at M rows
-inline int64_t bf16_span_for(int64_t M) { return kBf16Unit > 1 ? kBf16Unit : span_for(M); }
+// The blocks a bf16 pass takes at M rows (converted: the weights made fp32 in registers, fp32 rows). In units: one
+// unit a pass, but a converted pass of 3-4 rows takes 2 units (2 streams): its broadcasts of x, one per row and k,
+// over one unit's 2 blocks cost it x0.76 / x0.87 on 1 / 2 threads at 4 rows
+inline int64_t bf16_span_for(int64_t M, bool converted) {
+  if (kBf16Unit == 1) return span_for(M);
+  return converted && M > 2 && M <= 4 ? 2 * kBf16Unit : kBf16Unit;
+}
 // The prefetch of a bf16 pass of R rows x C blocks: in units, a pass of 1-4 rows is bound by the weights' stream.
 inline WeightPrefetch bf16_prefetch_for(int R, int C) {
   if (kBf16Unit > 1) return R <= 4 ? prefetch_for(4) : kL1Prefetch;
@@ -357,18 +369,19 @@ void block_f32(const float* w, const float* x, int64_t K, TY* y, int64_t ldy, co
 
 // bf16 weights converted to fp32 in registers, fp32 activations x, bf16 or fp32 output y.
 template <int R, int C, typename TY>
-void block_bf16_converted(Bf16Lines w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
+void block_bf16_converted(const Bf16Lines<C>& w, const float* x, int64_t K, TY* y, int64_t ldy, const TY* res) {
   Vec acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = vzero();
   const auto [to_l2, ahead] = bf16_prefetch_for(R, C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    const uint16_t* at = w.first + p * w.line_step;
-    for (int c = 0; c < C; ++c) prefetch_ahead(at + c * w.block_step + ahead * 2 * kBlock, to_l2);
+    const uint16_t* at[C];
+    for (int c = 0; c < C; ++c) at[c] = w.at[c] + p * w.step[c];
+    for (int c = 0; c < C; ++c) prefetch_ahead(at[c] + ahead * 2 * kBlock, to_l2);
     Vec even[C][kVecs], odd[C][kVecs];
     for (int c = 0; c < C; ++c)
-      for (int v = 0; v < kVecs; ++v) vload_pairs(at + c * w.block_step + v * 2 * kLanes, even[c][v], odd[c][v]);
+      for (int v = 0; v < kVecs; ++v) vload_pairs(at[c] + v * 2 * kLanes, even[c][v], odd[c][v]);
     for (int r = 0; r < R; ++r) {
       const Vec xe = vset1(x[r * K + 2 * p]), xo = vset1(x[r * K + 2 * p + 1]);
       for (int c = 0; c < C; ++c)
@@ -384,41 +397,37 @@ void block_bf16_converted(Bf16Lines w, const float* x, int64_t K, TY* y, int64_t
 }
 
 #ifdef __AVX512BF16__
-// x's n values (n even) with each pair's halves swapped, in the calling thread's buffer (until its next call)
-inline const uint16_t* swapped_pairs(const uint16_t* x, int64_t n) {
-  thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < n / 2) buffer.resize(n / 2);
-  uint32_t* out = buffer.data();
+// x's n values (n even) as pairs with their halves swapped (x[2i + 1] in the low half, x[2i] in the high one), as
+// block_bf16 broadcasts them. Swapped once per call (by each thread of a team), not once per pass: a pass over a unit
+// of 2 blocks has half the weight lines of blocked16's 4 to spread each row's swap over, and with the swap in every
+// pass 4 rows read x0.86 of blocked16 on one thread; swapped once, every row count gains (docs/performance.md).
+inline std::unique_ptr<uint32_t[]> swapped_pairs(const uint16_t* x, int64_t n) {
+  auto out = scratch<uint32_t>(n / 2);
   for (int64_t i = 0; i < n / 2; ++i) {
     uint32_t pair;
     std::memcpy(&pair, x + 2 * i, sizeof(pair));
     out[i] = (pair << 16) | (pair >> 16);
   }
-  return reinterpret_cast<const uint16_t*>(out);
+  return out;
 }
 
-// kSwapped: x's pairs come swapped already (swapped_pairs): a few-row pass's x is then one broadcast per pair
-template <int R, int C, bool kSwapped>
-void block_bf16(Bf16Lines w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
+// x: rows of pairs from swapped_pairs (row stride K / 2 pairs), as uint16
+template <int R, int C>
+void block_bf16(const Bf16Lines<C>& w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const auto [to_l2, ahead] = bf16_prefetch_for(R, C);
   for (int64_t p = 0; p < K / 2; ++p) {
-    const uint16_t* at = w.first + p * w.line_step;
-    for (int c = 0; c < C; ++c) prefetch_ahead(at + c * w.block_step + ahead * 2 * kBlock, to_l2);
+    const uint16_t* at[C];
+    for (int c = 0; c < C; ++c) at[c] = w.at[c] + p * w.step[c];
+    for (int c = 0; c < C; ++c) prefetch_ahead(at[c] + ahead * 2 * kBlock, to_l2);
     __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(at + c * w.block_step), 16);
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_rol_epi32(_mm512_loadu_si512(at[c]), 16);
     for (int r = 0; r < R; ++r) {
-      uint32_t pair;  // x[2p + 1], x[2p] (halves swapped as the weights' are), broadcast to every lane
-      if constexpr (kSwapped) {
-        pair = xp[r * (K / 2) + p];
-      } else {
-        std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
-        pair = (pair << 16) | (pair >> 16);
-      }
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+      // x[2p + 1], x[2p] (halves swapped as the weights' are), broadcast to every lane
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[r * (K / 2) + p]));
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
     }
   }
@@ -678,9 +687,9 @@ torch::Tensor bf16_rows(const torch::Tensor& ids, const torch::Tensor& packed) {
   auto* Y = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());  // a k pair of one output: 32 bits
   split_for(0, n, grain_for(K * 2), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Bf16Lines lines = bf16_lines(W, id[i] / kBlock, num_blocks, K);
-      const uint16_t* at = lines.first + 2 * (id[i] % kBlock);
-      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(Y + i * (K / 2) + p, at + p * lines.line_step, sizeof(uint32_t));
+      const auto lines = bf16_lines<1>(W, id[i] / kBlock, num_blocks, K);
+      const uint16_t* at = lines.at[0] + 2 * (id[i] % kBlock);
+      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(Y + i * (K / 2) + p, at + p * lines.step[0], sizeof(uint32_t));
     }
   });
   return out;
@@ -725,23 +734,18 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
       return;
     }
 #endif
-    // 1-4 rows: x's pairs swapped once per call (per thread in a team), not in every pass: the pass's work per weight
-    // line halves in units of 2 blocks, and at 4 rows the swap in every pass cost it x0.86 against blocked16 (1 thread)
-    const auto run = [&](const uint16_t* x, auto swapped) {
-      run_blocks(sizeof(uint16_t), bf16_span_for(M), x, Y, res, M, K, num_blocks,
-                 [&](auto rows, auto cols, int64_t b, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-                   block_bf16<decltype(rows)::value, decltype(cols)::value, decltype(swapped)::value>(
-                       bf16_lines(Wb, b, num_blocks, K), xr, K, yr, N, rr);
-                 });
-    };
-    const auto* Xb = reinterpret_cast<const uint16_t*>(X);
-    if (M <= 4) run(swapped_pairs(Xb, M * K), std::true_type{});
-    else run(Xb, std::false_type{});
+    const auto xs = swapped_pairs(reinterpret_cast<const uint16_t*>(X), M * K);
+    run_blocks(sizeof(uint16_t), bf16_span_for(M, false), reinterpret_cast<const uint16_t*>(xs.get()), Y, res, M, K,
+               num_blocks,
+               [&](auto rows, auto cols, int64_t b, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
+                 block_bf16<decltype(rows)::value, decltype(cols)::value>(
+                     bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
+               });
 #else
-    run_blocks(sizeof(uint16_t), bf16_span_for(M), xf, Y, res, M, K, num_blocks,
+    run_blocks(sizeof(uint16_t), bf16_span_for(M, true), xf, Y, res, M, K, num_blocks,
                [&](auto rows, auto cols, int64_t b, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(bf16_lines(Wb, b, num_blocks, K), xr,
-                                                                                    K, yr, N, rr);
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(
+                     bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
                });
 #endif
   }
@@ -758,11 +762,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const void* res = residual_of(residual, y, "linear");
   if (mixed) {  // bf16 weights, fp32 activations and output: fp32 arithmetic on half the weight bytes
     const auto* Wb = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    run_blocks(sizeof(uint16_t), bf16_span_for(M), x.data_ptr<float>(), y.data_ptr<float>(),
+    run_blocks(sizeof(uint16_t), bf16_span_for(M, true), x.data_ptr<float>(), y.data_ptr<float>(),
                static_cast<const float*>(res), M, K, num_blocks,
                [&](auto rows, auto cols, int64_t b, const float* xr, float* yr, const float* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(bf16_lines(Wb, b, num_blocks, K), xr,
-                                                                                    K, yr, N, rr);
+                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(
+                     bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
                });
     return y;
   }
