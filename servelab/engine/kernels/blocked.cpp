@@ -299,7 +299,7 @@ inline void prefetch_ahead(const void* p, bool to_l2) {
 // vendor's prefetch (AMD: 16 lines into L2), 5-8 rows x 2 blocks with 32 lines into L1 (bf16_span_for has the one
 // exception). The same process, old source against new, SmolLM2-135M's 30 layers of weights from memory on huge
 // pages, 2-core AMD EPYC (Zen 4, AVX-512 BF16): x1.03-1.16 at 1-4 rows on one thread, x1.14-1.18 at 8, x1.02-1.03
-// at 64 and 512; on two threads, where the host's memory moved most, x1.02-1.11 at 1-4 rows and x0.93-1.15 at 8-512
+// at 64 and 512; on two threads, where the host's memory moved most, x0.99-1.11 at 1-4 rows and x0.93-1.15 at 8-512
 // across runs. (In blocked16, bf16 read 8-13 % fewer bytes a second than fp32 at one row. 4 blocks interleaved read as
 // fast at 1-4 rows, but its 8-row passes lost x0.88-0.94; fp32 gained nothing from interleaving.) AMX's tiles read a
 // block's lines at a stride of one line: the AMX build keeps blocked16. A block's outputs are the same bits in
