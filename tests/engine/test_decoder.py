@@ -151,6 +151,22 @@ def test_blocked_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_pass(b
         assert torch.equal(together, alone), outputs
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_bf16_pack_interleaves_the_builds_units_of_blocks_and_reads_rows_back(build, settings) -> None:
+    """bf16 blocks (16 outputs x K/2 lines of 2 k) in units of bf16_unit() blocks, their lines interleaved line by
+    line (1: blocked16 as it is), a last block alone; rows (a tied embedding) read back from either."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    weight = torch.randn(208, 96, generator=torch.Generator().manual_seed(4)).bfloat16()  # 13 blocks
+    unit = kernel.bf16_unit()
+    assert unit in (1, 2)
+    blocked = weight.view(13, 16, 48, 2).permute(0, 2, 1, 3)  # (blocks, K/2, 16, 2)
+    whole = 13 - 13 % unit
+    want = [blocked[u:u + unit].transpose(0, 1).reshape(-1) for u in range(0, whole, unit)]
+    packed = kernel.pack(weight)
+    assert torch.equal(packed.reshape(-1), torch.cat([*want, blocked[whole:].reshape(-1)]))
+    assert torch.equal(kernel.bf16_rows(torch.arange(208).flip(0), packed), weight.flip(0))
+
+
 def on_path(kernel, amx: bool, fn, *args):
     with amx_path(kernel, amx):
         return fn(*args)
