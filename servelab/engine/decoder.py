@@ -368,7 +368,7 @@ class LlamaDecoder:
         fits = (self.head_dim % 16 == 0 and self.num_heads // self.num_kv_heads <= 16
                 and self.dtype in (torch.float32, torch.bfloat16)
                 and self.cache_dtype in (torch.float32, torch.bfloat16, torch.int8)
-                and (self.cache_dtype != torch.int8 or self.head_dim <= 256))  # the int8 kernel's key buffer
+                and self.head_dim <= 256)  # the kernel's key and query buffers
         self.decode_attention = blocked.decode_attention if blocked is not None and fits else None
         # NOTE: a decode step's rotary positions, cache write and attention as one kernel call per layer: at batch 1
         # the dozen small operations it replaces cost as much as reading a layer's int4 weights

@@ -155,6 +155,33 @@ def test_decode_step_attention_equals_rotate_write_and_attend(build, q_dtype, kv
 
 
 @pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(("H", "H_kv", "D"), [(10, 2, 48), (8, 1, 64), (4, 4, 128), (12, 1, 32)])
+def test_decode_step_attention_tiles_heads_and_dims_of_every_shape(build, H, H_kv, D, settings) -> None:
+    """The value sums run in register tiles of up to 4 query heads x 4 vectors of d: groups of 5 (4 + 1), 8 (4 + 4),
+    1 and 12 heads, head dims that take 1, 2 or 4 vectors a tile; a head_dim past the kernel's buffers is refused."""
+    kernel = load_blocked_kernel(settings.cache_dir, build).module
+    generator = torch.Generator().manual_seed(5)
+    bs, n = 16, 37  # 38 columns over 3 blocks, the last partly filled
+    keys, values = _cache(4, H_kv, bs, D, torch.bfloat16, generator), _cache(4, H_kv, bs, D, torch.bfloat16, generator)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    qkv = torch.randn(1, H + 2 * H_kv, D, generator=generator).bfloat16()
+    cos, sin = torch.ones(64, D).bfloat16(), torch.zeros(64, D).bfloat16()  # position 0's rotation: none
+    out = kernel.decode_step_attention(qkv, cos, sin, torch.tensor([0]), keys, values, torch.tensor([n]), table, H,
+                                       D ** -0.5)
+    row_keys = torch.cat([keys[t] for t in (2, 0, 3)], dim=1)[:, : n + 1].float()  # (H_kv, n + 1, D), new key written
+    row_values = torch.cat([values[t] for t in (2, 0, 3)], dim=1)[:, : n + 1].float()
+    q = qkv[0, :H].float().view(H_kv, H // H_kv, D)
+    want = ((q @ row_keys.transpose(-1, -2) * D ** -0.5).softmax(-1) @ row_values).reshape(H * D)
+    torch.testing.assert_close(out[0].float(), want, atol=1e-2, rtol=1e-2)
+    too_wide = torch.randn(1, 3, 272).bfloat16()
+    with pytest.raises(RuntimeError, match="head_dim is at most 256"):
+        kernel.decode_step_attention(too_wide, torch.ones(4, 272).bfloat16(), torch.zeros(4, 272).bfloat16(),
+                                     torch.tensor([0]), _cache(1, 1, bs, 272, torch.bfloat16, generator),
+                                     _cache(1, 1, bs, 272, torch.bfloat16, generator), torch.tensor([0]),
+                                     torch.tensor([[0]], dtype=torch.int32), 1, 0.1)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("q_dtype", DTYPES)
 def test_decode_step_attention_over_an_int8_cache_reads_it_as_stored_and_stays_near_the_float_cache(build, q_dtype,
                                                                                                      settings) -> None:
