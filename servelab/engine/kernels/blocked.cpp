@@ -1789,13 +1789,6 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, TO* out) {
   }
 }
 
-// One row, one kv head, over a paged cache: as attend_group, column s read from block table[s / bs] at offset
-// s % bs (k0, v0: the kv head's columns in block 0; block_stride: elements from one block to the next). Scores and
-// value sums run over the columns in attend_group's order; the softmax is vectorised (so the two differ in the last
-// bits). An int8 cache (KV int8_t)
-// holds a scale per column and kv head (ks0, vs0: the kv head's scales in block 0, scale_stride from one block to
-// the next): a score is q . k_int8 times the key's scale, a value row weighs its probability times its scale, so
-// the cache is read as it is stored (a quarter of fp32's bytes), never dequantised into a copy.
 // NG heads' value sums over NV vectors of d from d on: out[g][d..] = sum over the S columns, in order, of
 // scores[g][s] x v[s][d..] (scores: NG rows of S; out: the first head's, out_head_stride apart)
 template <int NG, int NV, typename KV, typename TO>
@@ -1821,6 +1814,13 @@ inline void value_sums(const float* scores, int64_t S, const KV* v0, int64_t blo
     for (int v = 0; v < NV; ++v) vstore(out + g * out_head_stride + v * kLanes, acc[g][v]);
 }
 
+// One row, one kv head, over a paged cache: as attend_group, column s read from block table[s / bs] at offset
+// s % bs (k0, v0: the kv head's columns in block 0; block_stride: elements from one block to the next). Scores and
+// value sums run over the columns in attend_group's order; the softmax is vectorised (so the two differ in the last
+// bits). An int8 cache (KV int8_t)
+// holds a scale per column and kv head (ks0, vs0: the kv head's scales in block 0, scale_stride from one block to
+// the next): a score is q . k_int8 times the key's scale, a value row weighs its probability times its scale, so
+// the cache is read as it is stored (a quarter of fp32's bytes), never dequantised into a copy.
 template <typename Q, typename KV>
 void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const KV* v0, int64_t block_stride,
                         const int32_t* table, int64_t bs, int64_t S, int64_t D, float scale, int64_t G, Q* out,
