@@ -1898,23 +1898,11 @@ void attend_group_paged(const Q* q, int64_t q_head_stride, const KV* k0, const K
     const int heads = static_cast<int>(std::min<int64_t>(4, G - g0));
     const int vecs = D % (4 * kLanes) == 0 && heads * 4 <= kValueAccs ? 4
                      : D % (2 * kLanes) == 0 && heads * 2 <= kValueAccs ? 2 : 1;
-    for (int64_t d = 0; d < D; d += vecs * kLanes) {
-      auto tile = [&](auto ng, auto nv) {
+    for (int64_t d = 0; d < D; d += vecs * kLanes)
+      dispatch<4>(heads, vecs, [&](auto ng, auto nv) {  // the matmuls' (rows, blocks) dispatch: 1-4 each
         value_sums<decltype(ng)::value, decltype(nv)::value>(scores + g0 * S, S, v0, block_stride, table, bs, D, d,
                                                              out + g0 * out_head_stride + d, out_head_stride);
-      };
-      auto with_heads = [&](auto nv) {
-        switch (heads) {
-          case 1: tile(std::integral_constant<int, 1>{}, nv); break;
-          case 2: tile(std::integral_constant<int, 2>{}, nv); break;
-          case 3: tile(std::integral_constant<int, 3>{}, nv); break;
-          default: tile(std::integral_constant<int, 4>{}, nv); break;
-        }
-      };
-      if (vecs == 4) with_heads(std::integral_constant<int, 4>{});
-      else if (vecs == 2) with_heads(std::integral_constant<int, 2>{});
-      else with_heads(std::integral_constant<int, 1>{});
-    }
+      });
   }
 }
 
