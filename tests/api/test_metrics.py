@@ -31,7 +31,8 @@ ACCEPTED = re.compile(r'^servelab:submissions_total\{endpoint="/v1/requests",mod
 
 @pytest.fixture
 def api_settings(service_settings, tmp_path: Path) -> ServiceSettings:
-    return service_settings_for(service_settings, metrics_dir=tmp_path / "metrics")
+    # NOTE: room for every submission the tests below may send (up to 420): none of them must meet the queue's limit
+    return service_settings_for(service_settings, metrics_dir=tmp_path / "metrics", max_queued_requests=500)
 
 
 @pytest.fixture
