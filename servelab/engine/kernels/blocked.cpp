@@ -397,21 +397,7 @@ void block_bf16_converted(const Bf16Lines<C>& w, const float* x, int64_t K, TY* 
 }
 
 #ifdef __AVX512BF16__
-// x's n values (n even) as pairs with their halves swapped (x[2i + 1] in the low half, x[2i] in the high one), as
-// block_bf16 broadcasts them. Swapped once per call (by each thread of a team), not once per pass: a pass over a unit
-// of 2 blocks has half the weight lines of blocked16's 4 to spread each row's swap over, and with the swap in every
-// pass 4 rows read x0.86 of blocked16 on one thread; swapped once, every row count gains (docs/performance.md).
-inline std::unique_ptr<uint32_t[]> swapped_pairs(const uint16_t* x, int64_t n) {
-  auto out = scratch<uint32_t>(n / 2);
-  for (int64_t i = 0; i < n / 2; ++i) {
-    uint32_t pair;
-    std::memcpy(&pair, x + 2 * i, sizeof(pair));
-    out[i] = (pair << 16) | (pair >> 16);
-  }
-  return out;
-}
-
-// x: rows of pairs from swapped_pairs (row stride K / 2 pairs), as uint16
+// x: rows of pairs from ready_bf16_rows (row stride K / 2 pairs), as uint16
 template <int R, int C>
 void block_bf16(const Bf16Lines<C>& w, const uint16_t* x, int64_t K, at::BFloat16* y, int64_t ldy, const at::BFloat16* res) {
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
@@ -711,11 +697,56 @@ constexpr bool kBf16RowsAsFp32 =
     true;
 #endif
 
+// bf16 rows as this build's bf16 kernel reads them (vdpbf16ps's or AMX's rows aside): with AVX-512 BF16, as pairs
+// with their halves swapped (x[2i + 1] in the low half, x[2i] in the high one), as block_bf16 broadcasts them;
+// without, in fp32 (exact). Made once per projection, by the caller (linear(), or DecodeStack's prepare, split over
+// its team), never in a pass: a pass over a unit of 2 blocks has half of blocked16's weight lines to spread each row's
+// swap over, and with the swap in every pass 4 rows read x0.86 of blocked16 on one thread (docs/performance.md).
+using Bf16Ready = std::conditional_t<kBf16RowsAsFp32, float, uint32_t>;
+constexpr int64_t kValuesPerReady = kBf16RowsAsFp32 ? 1 : 2;
+
+// Rows [m0, m1) of x (rows of K values, K even) -> the same rows of out (K / kValuesPerReady each).
+inline void ready_bf16_rows(const at::BFloat16* x, int64_t m0, int64_t m1, int64_t K, Bf16Ready* out) {
+  const int64_t begin = m0 * K / kValuesPerReady, end = m1 * K / kValuesPerReady;
+  for (int64_t i = begin; i < end; ++i) {
+    if constexpr (kBf16RowsAsFp32) {
+      out[i] = static_cast<float>(x[i]);
+    } else {
+      uint32_t pair;
+      std::memcpy(&pair, x + 2 * i, sizeof(pair));
+      out[i] = (pair << 16) | (pair >> 16);
+    }
+  }
+}
+
+// Whether M rows of K inputs against bf16 weights run on AMX tiles (which read the rows as they are).
+inline bool bf16_on_tiles(int64_t M, int64_t K) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_serves(M, K);
+#else
+  (void)M, (void)K;
+  return false;
+#endif
+}
+
+// fp32 rows xf (M, K) against bf16 weights Wb -> Y (M, N) in fp32 (linear's mixed path) or bf16 (a build without
+// AVX-512 BF16), + res as dense_path takes it.
+template <typename TY>
+void converted_path(const uint16_t* Wb, const float* xf, TY* Y, const TY* res, int64_t M, int64_t K,
+                    int64_t num_blocks) {
+  const int64_t N = num_blocks * kBlock;
+  run_blocks(sizeof(uint16_t), bf16_span_for(M, true), xf, Y, res, M, K, num_blocks,
+             [&](auto rows, auto cols, int64_t b, const float* xr, TY* yr, const TY* rr) {
+               block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(
+                   bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
+             });
+}
+
 // Rows X (M, K) in T against W in the blocked16 layout in T's precision -> Y (M, N) (+ res, which may be Y itself:
-// each output is read, then written, by the thread that computes it). xf: X in fp32 where kBf16RowsAsFp32 and T is
-// bf16 (the caller converts it), else unused.
+// each output is read, then written, by the thread that computes it). ready: where T is bf16, X as ready_bf16_rows
+// makes it (the caller makes it), or none where bf16_on_tiles said the rows run on AMX tiles; else unused.
 template <typename T>
-void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, int64_t M, int64_t K,
+void dense_path(const void* W, const T* X, const Bf16Ready* ready, T* Y, const T* res, int64_t M, int64_t K,
                 int64_t num_blocks) {
   const int64_t N = num_blocks * kBlock;
   if constexpr (std::is_same_v<T, float>) {
@@ -727,26 +758,20 @@ void dense_path(const void* W, const T* X, const float* xf, T* Y, const T* res, 
   } else {
     const auto* Wb = static_cast<const uint16_t*>(W);
 #ifdef __AVX512BF16__
-    (void)xf;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_serves(M, K)) {
+    if (ready == nullptr) {  // NOTE: the caller found that the rows run on the tiles (one reading of the threshold)
       amx_bf16(Wb, reinterpret_cast<const uint16_t*>(X), Y, res, M, K, num_blocks);
       return;
     }
 #endif
-    const auto xs = swapped_pairs(reinterpret_cast<const uint16_t*>(X), M * K);
-    run_blocks(sizeof(uint16_t), bf16_span_for(M, false), reinterpret_cast<const uint16_t*>(xs.get()), Y, res, M, K,
+    run_blocks(sizeof(uint16_t), bf16_span_for(M, false), reinterpret_cast<const uint16_t*>(ready), Y, res, M, K,
                num_blocks,
                [&](auto rows, auto cols, int64_t b, const uint16_t* xr, at::BFloat16* yr, const at::BFloat16* rr) {
                  block_bf16<decltype(rows)::value, decltype(cols)::value>(
                      bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
                });
 #else
-    run_blocks(sizeof(uint16_t), bf16_span_for(M, true), xf, Y, res, M, K, num_blocks,
-               [&](auto rows, auto cols, int64_t b, const float* xr, at::BFloat16* yr, const at::BFloat16* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(
-                     bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
-               });
+    converted_path(Wb, ready, Y, res, M, K, num_blocks);
 #endif
   }
 }
@@ -761,13 +786,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto y = torch::empty({M, N}, x.options());
   const void* res = residual_of(residual, y, "linear");
   if (mixed) {  // bf16 weights, fp32 activations and output: fp32 arithmetic on half the weight bytes
-    const auto* Wb = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    run_blocks(sizeof(uint16_t), bf16_span_for(M, true), x.data_ptr<float>(), y.data_ptr<float>(),
-               static_cast<const float*>(res), M, K, num_blocks,
-               [&](auto rows, auto cols, int64_t b, const float* xr, float* yr, const float* rr) {
-                 block_bf16_converted<decltype(rows)::value, decltype(cols)::value>(
-                     bf16_lines<decltype(cols)::value>(Wb, b, num_blocks, K), xr, K, yr, N, rr);
-               });
+    converted_path(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), x.data_ptr<float>(),
+                   y.data_ptr<float>(), static_cast<const float*>(res), M, K, num_blocks);
     return y;
   }
   if (x.scalar_type() == torch::kFloat32) {
@@ -776,9 +796,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
     return y;
   }
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: fp32 or bf16 only");
-  const auto xf = kBf16RowsAsFp32 ? x.to(torch::kFloat32) : torch::Tensor();  // (M, K): a few KB, converted once
-  dense_path<at::BFloat16>(packed.data_ptr(), x.data_ptr<at::BFloat16>(), xf.defined() ? xf.data_ptr<float>() : nullptr,
-                           y.data_ptr<at::BFloat16>(), static_cast<const at::BFloat16*>(res), M, K, num_blocks);
+  const auto* X = x.data_ptr<at::BFloat16>();
+  std::unique_ptr<Bf16Ready[]> ready;
+  if (!bf16_on_tiles(M, K)) {
+    ready = scratch<Bf16Ready>(M * K / kValuesPerReady);
+    split_for(0, M, grain_for(K * 2), [&](int64_t m0, int64_t m1) { ready_bf16_rows(X, m0, m1, K, ready.get()); });
+  }
+  dense_path<at::BFloat16>(packed.data_ptr(), X, ready.get(), y.data_ptr<at::BFloat16>(),
+                           static_cast<const at::BFloat16*>(res), M, K, num_blocks);
   return y;
 }
 
@@ -2482,24 +2507,25 @@ class DecodeStack {
     return dense(p) ? std::get<0>(p).numel() / outputs_of(p) : std::get<0>(p).size(1) * 8;
   }
 
-  // A projection's input rows as its kernel reads them: int4, quantised per its group; dense bf16 without AVX-512
-  // BF16, in fp32; else as they are.
+  // A projection's input rows as its kernel reads them: int4, quantised per its group; dense bf16, as
+  // ready_bf16_rows makes them (unless they run on AMX tiles); else as they are.
   template <typename T>
   struct Rows {
     const T* x;
-    const float* xf;
+    const Bf16Ready* ready;
     Int4Rows quantized;
   };
 
   template <typename T>
   static Rows<T> prepare(const Projection& p, const T* X, int64_t M, int64_t K, int8_t* xi, float* d, float* dsum,
-                         float* xf) {
+                         Bf16Ready* ready) {
     if (!dense(p)) return {X, nullptr, quantize_rows_into(X, M, K, std::get<3>(p), xi, d, dsum)};
-    if constexpr (std::is_same_v<T, at::BFloat16> && kBf16RowsAsFp32) {
-      split_for(0, M, grain_for(K * static_cast<int64_t>(sizeof(T))), [&](int64_t m0, int64_t m1) {
-        for (int64_t i = m0 * K; i < m1 * K; ++i) xf[i] = static_cast<float>(X[i]);
-      });
-      return {X, xf, {}};
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (!bf16_on_tiles(M, K)) {
+        split_for(0, M, grain_for(K * static_cast<int64_t>(sizeof(T))),
+                  [&](int64_t m0, int64_t m1) { ready_bf16_rows(X, m0, m1, K, ready); });
+        return {X, ready, {}};
+      }
     }
     return {X, nullptr, {}};
   }
@@ -2508,7 +2534,7 @@ class DecodeStack {
   template <typename T>
   static void project(const Projection& p, const Rows<T>& rows, int64_t M, T* y, const T* res) {
     if (dense(p)) {
-      dense_path<T>(std::get<0>(p).data_ptr(), rows.x, rows.xf, y, res, M, inputs_of(p), std::get<0>(p).size(0));
+      dense_path<T>(std::get<0>(p).data_ptr(), rows.x, rows.ready, y, res, M, inputs_of(p), std::get<0>(p).size(0));
       return;
     }
     int4_quantized_path(rows.quantized, std::get<0>(p).data_ptr<uint8_t>(), std::get<1>(p).data_ptr<at::Half>(),
@@ -2559,7 +2585,8 @@ class DecodeStack {
     auto normed_copies = torch::empty({copies, B, C}, h.options());
     std::vector<int8_t> xi(copies * B * widest);
     std::vector<float> d(copies * B * widest), dsum(copies * B * widest);  // NOTE: enough for any group size
-    std::vector<float> xf(kBf16RowsAsFp32 && std::is_same_v<T, at::BFloat16> ? copies * B * widest : 0);
+    const int64_t ready_per_copy = std::is_same_v<T, at::BFloat16> ? (B * widest + 1) / kValuesPerReady : 0;
+    const auto ready = scratch<Bf16Ready>(copies * ready_per_copy);
     std::vector<torch::Tensor> normed_views;  // NOTE: made here: no tensor is made inside the region
     for (int64_t c = 0; c < copies; ++c) normed_views.push_back(normed_copies[c]);
     T* H = hidden.data_ptr<T>();
@@ -2583,7 +2610,7 @@ class DecodeStack {
       int8_t* XI = xi.data() + copy * B * widest;
       float* XD = d.data() + copy * B * widest;
       float* XS = dsum.data() + copy * B * widest;
-      float* XF = xf.empty() ? nullptr : xf.data() + copy * B * widest;
+      Bf16Ready* XR = ready.get() + copy * ready_per_copy;
       // rows -> quantised, split over the team with a barrier after each kernel, or by every thread for itself
       const Team* rows_by = repeat_rows ? &alone : &team;
       current_team = &team;
@@ -2592,23 +2619,23 @@ class DecodeStack {
         const int64_t inner = outputs_of(layer.gate_up) / 2;
         current_team = rows_by;
         rms_norm_impl<T>(hidden, layer.attn_norm, eps_, normed);
-        Rows<T> rows = prepare(layer.qkv, N, B, C, XI, XD, XS, XF);
+        Rows<T> rows = prepare(layer.qkv, N, B, C, XI, XD, XS, XR);
         current_team = &team;
         project(layer.qkv, rows, B, Q, static_cast<const T*>(nullptr));
         run_decode_step_attention(qkv, cos, sin, positions, keys[i], values[i], lengths, block_table, H_, scale,
                                   scales_of(key_scales, i), scales_of(value_scales, i), attended);
         current_team = rows_by;
-        rows = prepare(layer.o, A, B, H_ * D_, XI, XD, XS, XF);
+        rows = prepare(layer.o, A, B, H_ * D_, XI, XD, XS, XR);
         current_team = &team;
         project(layer.o, rows, B, H, H);
         current_team = rows_by;
         rms_norm_impl<T>(hidden, layer.mlp_norm, eps_, normed);
-        rows = prepare(layer.gate_up, N, B, C, XI, XD, XS, XF);
+        rows = prepare(layer.gate_up, N, B, C, XI, XD, XS, XR);
         current_team = &team;
         project(layer.gate_up, rows, B, G, static_cast<const T*>(nullptr));
         current_team = rows_by;
         silu_mul_impl(G, S, B, inner);
-        rows = prepare(layer.down, S, B, inner, XI, XD, XS, XF);
+        rows = prepare(layer.down, S, B, inner, XI, XD, XS, XR);
         current_team = &team;
         project(layer.down, rows, B, H, H);
       }
