@@ -4,9 +4,10 @@ measured at that count, as a worker's are), then per round and count:
 
 - prefill: the time to the first token of one --prompt-tokens prompt (one row, one new token, the prompt in one
   chunk, no prefix cache), as tok/s;
-- decode tok/s at each batch size: B x (N - 1) / (the last token's time - the last first token's), in one closed
-  batch of B rows, N = --new-tokens, EOS ignored: the steps after every row's prefill. (Two runs' difference,
-  t_N - t_1, went negative when the 1-token run met a busy moment.)
+- decode tok/s at each batch size: one closed batch of B rows, N = --new-tokens each, EOS ignored: the tokens its
+  decode steps made over those steps' time, as the engine times them (`BatchTimings.decode_tok_s`, as `servelab
+  bench engine` reports it). (Two runs' difference, B x (N - 1) / (t_N - t_1), went negative when the 1-token run
+  met a busy moment.)
 
 Medians of the rounds, and each count's ratio to the first per round (median). The CPU, its flags and the
 measured memory bandwidth head the table. Each round also reads a 256 MiB buffer once at every count (torch's sum: a
@@ -41,7 +42,7 @@ from servelab.config import ServingConfig
 from servelab.engine.engine import Engine, check_configured_kernel
 from servelab.engine.loader import apply_threads
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs
-from servelab.outputs import Completion
+from servelab.outputs import BatchResult
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings, available_cores
 
@@ -65,30 +66,18 @@ def engine_at(path: str, threads: int, prompt_tokens: int, batch: int, settings:
     return Engine(random_loaded(config, random_weights), config, cache_dir=settings.cache_dir, settings=settings)
 
 
-def _run(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> tuple[float, list[Completion]]:
-    """Seconds for one closed batch of `rows` copies of the prompt, and its completions."""
+def _run(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> tuple[float, BatchResult]:
+    """Seconds for one closed batch of `rows` copies of the prompt, and its result."""
     torch.set_num_threads(threads)  # NOTE: the engines share the process: each count set before its call
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     requests = [GenerationRequest(f"r{i}", prompt=prompt, params=params) for i in range(rows)]
     started = time.perf_counter()
     result = engine.generate(requests)
-    return time.perf_counter() - started, list(result.completions)
+    return time.perf_counter() - started, result
 
 
 def timed(engine: Engine, threads: int, prompt: str, rows: int, new_tokens: int) -> float:
     return _run(engine, threads, prompt, rows, new_tokens)[0]
-
-
-def decode_tok_s(completions: list[Completion]) -> float:
-    """Tokens after each row's first, per second, from the last first token to the last token (one closed batch)."""
-    def at_ms(c: Completion, i: int) -> float:
-        return c.started_at_s * 1e3 + c.token_times_ms[i]
-
-    span_ms = max(at_ms(c, -1) for c in completions) - max(at_ms(c, 0) for c in completions)
-    steps = sum(c.num_generated_tokens - 1 for c in completions)
-    if steps < 1 or span_ms <= 0:
-        raise ValueError(f"no decode steps to time ({steps} tokens after the first, over {span_ms:.3f} ms)")
-    return steps / (span_ms / 1e3)
 
 
 def read_stream_gbs(buffer: torch.Tensor, threads: int) -> float:
@@ -111,7 +100,8 @@ def main() -> None:
                         help="a folder with a model's config.json and tokenizer: that shape, random weights")
     args = parser.parse_args()
     if args.new_tokens < 2:
-        parser.error(f"--new-tokens {args.new_tokens}: at least 2 (decode is timed from each row's first token on)")
+        parser.error(f"--new-tokens {args.new_tokens}: at least 2 (a row's first token comes from its prefill; "
+                     "decode steps make the rest)")
     if args.prompt_tokens < 1 or args.rounds < 1:
         parser.error("--prompt-tokens and --rounds: at least 1 each")
     if args.random_weights is not None and not (args.random_weights / "config.json").is_file():
@@ -138,7 +128,7 @@ def main() -> None:
         for n, engine in engines.items():
             print(f"{first.config.name} ({first.config.weights}) at {n} thread(s): {engine.kernel}", flush=True)
             timed(engine, n, prompt, 2, 4)  # warm-up
-        tokens = {n: [c.token_ids for c in _run(engine, n, prompt[:200], 3, args.new_tokens)[1]]
+        tokens = {n: [c.token_ids for c in _run(engine, n, prompt[:200], 3, args.new_tokens)[1].completions]
                   for n, engine in engines.items()}
         differ = [n for n in args.threads if tokens[n] != tokens[args.threads[0]]]
         print(f"  greedy tokens (3 rows, {args.new_tokens} new) the same at every count: "
@@ -151,7 +141,7 @@ def main() -> None:
                 stream[n].append(read_stream_gbs(buffer, n))
                 prefill[n].append(args.prompt_tokens / timed(engine, n, prompt, 1, 1))
                 for b in args.batch_sizes:
-                    decode[(n, b)].append(decode_tok_s(_run(engine, n, prompt[:200], b, args.new_tokens)[1]))
+                    decode[(n, b)].append(_run(engine, n, prompt[:200], b, args.new_tokens)[1].timings.decode_tok_s)
         base = args.threads[0]
 
         def cells(samples: dict, key) -> str:

@@ -104,6 +104,11 @@ class BatchTimings:
     def total_ms(self) -> float:
         return self.prefill_ms + self.decode_ms
 
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens the decode steps made per second of those steps (0 where none ran)."""
+        return self.num_decode_tokens / (max(self.decode_ms, 1e-6) / 1e3)
+
 
 @dataclass(frozen=True)
 class StepOutput:

@@ -63,8 +63,7 @@ def time_engine(engine: Engine, requests: list[GenerationRequest]) -> tuple[floa
     result = engine.generate(requests)
     num_tokens = sum(c.num_generated_tokens for c in result.completions)
     assert all(c.error is None for c in result.completions), [c.error for c in result.completions]
-    decode_s = max(result.timings.decode_ms, 1e-6) / 1e3
-    return num_tokens / (result.timings.total_ms / 1e3), result.timings.num_decode_tokens / decode_s
+    return num_tokens / (result.timings.total_ms / 1e3), result.timings.decode_tok_s
 
 
 @torch.inference_mode()

@@ -84,7 +84,7 @@ def time_batch(engine: Engine, batch_size: int, num_prompt_tokens: int,
     t = result.timings
     num_tokens = sum(c.num_generated_tokens for c in result.completions)
     tpot_ms = statistics.mean(c.tpot_ms for c in result.completions)
-    return t.num_decode_tokens / (max(t.decode_ms, 1e-6) / 1e3), tpot_ms, num_tokens / (t.total_ms / 1e3)
+    return t.decode_tok_s, tpot_ms, num_tokens / (t.total_ms / 1e3)
 
 
 def run_sweep(

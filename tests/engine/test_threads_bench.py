@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import threads
-from servelab.outputs import Completion
+from servelab.outputs import BatchTimings
 
 
 def test_the_thread_bench_prints_the_memorys_read_stream_beside_each_config(tiny_folder: Path, monkeypatch,
@@ -31,16 +31,13 @@ def test_the_thread_bench_prints_the_memorys_read_stream_beside_each_config(tiny
     assert len(stream) == 1 and all(float(gbs) > 0 for gbs in stream[0]), out
 
 
-def test_decode_is_timed_from_the_batchs_last_first_token_to_its_last_token_in_one_run() -> None:
-    def row(started_s: float, times_ms: tuple[float, ...]) -> Completion:
-        return Completion("r", "", tuple(range(len(times_ms))), 8, "length", started_at_s=started_s,
-                          token_times_ms=times_ms)
-
-    # two rows started 5 ms apart: decode runs from the later first token (1000.020 s) to the last (1000.060 s)
-    rows = [row(1000.0, (15.0, 25.0, 35.0, 45.0, 55.0)), row(1000.005, (15.0, 25.0, 35.0, 45.0, 55.0))]
-    assert threads.decode_tok_s(rows) == pytest.approx(8 / 0.040)
-    with pytest.raises(ValueError, match="no decode steps to time"):
-        threads.decode_tok_s([row(1000.0, (15.0,))])
+def test_decode_is_the_decode_steps_tokens_over_their_time_as_the_engine_timed_them() -> None:
+    # a closed batch of 2 rows, 5 tokens each: the prefill made the first of each, 4 decode steps the other 8 in 40 ms
+    timings = BatchTimings(prefill_ms=30.0, decode_ms=40.0, num_rows_per_step=(2, 2, 2, 2, 2), num_prefill_tokens=16,
+                           num_decode_tokens=8)
+    assert timings.decode_tok_s == pytest.approx(8 / 0.040)
+    assert BatchTimings(prefill_ms=30.0, decode_ms=0.0, num_rows_per_step=(2,), num_prefill_tokens=16,
+                        num_decode_tokens=0).decode_tok_s == 0
 
 
 def test_the_thread_bench_refuses_fewer_than_two_new_tokens(monkeypatch, capsys) -> None:
