@@ -939,9 +939,9 @@ constexpr bool kMayPrefetchL2 = true;
 template <int R, int C, bool L2>
 inline void prefetch_units(const uint8_t* first, int64_t unit_stride, int64_t u) {
   if constexpr (R >= kPrefetchRows) {
-    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(first + c * kUnit + (u + 8) * unit_stride), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c) prefetch_ahead(first + c * kUnit + (u + 8) * unit_stride, false);
   } else if constexpr (L2) {
-    for (int c = 0; c < C; ++c) _mm_prefetch((const char*)(first + c * kUnit + (u + 16) * unit_stride), _MM_HINT_T1);
+    for (int c = 0; c < C; ++c) prefetch_ahead(first + c * kUnit + (u + 16) * unit_stride, true);
   }
 }
 
