@@ -61,7 +61,7 @@ def _rate(engine: Engine, rows: int, constrained: int) -> float:
 def _mask_cost(engine: Engine, rows: int, repeats: int = 200) -> str:
     """The constraint's own work per decode step, timed alone (less noisy than two decode rates on a busy machine):
     the rows' bitmasks (llguidance), then the sampler with the masks against the sampler without."""
-    matchers = [engine._matcher(constraint_json(SCHEMA)) for _ in range(rows)]
+    matchers = [engine.decodings.matcher(constraint_json(SCHEMA)) for _ in range(rows)]
     answer = engine.tokenizer.encode('[{"name":"Rex","kind":"dog","age":3},{"name":"Tom","kind":"cat","age":', 
                                      add_special_tokens=False)
     for m in matchers:

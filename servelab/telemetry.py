@@ -85,10 +85,18 @@ def _histogram(name: str, doc: str, buckets: Sequence[float], labels: Sequence[s
 # --- the worker: one process per config and device, its own /metrics port ---
 RUNNING = _gauge("num_requests_running", "Rows in the engine's batch after the last step.")
 WAITING = _gauge("num_requests_waiting", "Requests this worker holds (read from the stream), not started yet.")
-KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "KV-cache budget the running rows hold (1 = 100 %): rows x (longest "
-                        "prompt + max_new_tokens) over max_batch_tokens / max_kv_cache_mib.")
-PREEMPTIONS = _counter("num_preemptions", "Rows taken out of the batch unfinished, to start over later.")
-PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens prefilled (a preempted row's prompt counts again).")
+KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "KV room the running rows hold (1 = 100 %): the paged pool's blocks in "
+                        "use over its blocks; without a pool, rows x (longest prompt + max_new_tokens) over "
+                        "max_batch_tokens / max_kv_cache_mib.")
+PREEMPTIONS = _counter("num_preemptions", "Rows taken out of the batch unfinished, by cause: priority (an interactive "
+                       "request took the room) or pool (the KV pool ran out mid-decode); each recomputes its tokens "
+                       "when it returns.", ("model_name", "cause"))
+PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens of the requests admitted, once each (computed + cached).")
+PROMPT_TOKENS_BY_SOURCE = _counter("prompt_tokens_by_source", "Prompt tokens of the requests admitted, by source: "
+                                   "computed (prefilled) or cached (found in the prefix cache).",
+                                   ("model_name", "source"))
+PROMPT_TOKENS_RECOMPUTED = _counter("prompt_tokens_recomputed", "Tokens computed again because a preemption threw "
+                                    "their keys and values away (a row's prompt and the tokens it had generated).")
 GENERATION_TOKENS = _counter("generation_tokens", "Tokens generated, counted at the step that made them.")
 # NOTE: vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: the hit rate is rate(hits) / rate(queries);
 # a worker whose engine looks nothing up (prefix caching off, transformers' decoder) counts 0 queries: no rate
@@ -96,8 +104,8 @@ PREFIX_CACHE_QUERIES = _counter("prefix_cache_queries", "Prompt tokens looked up
 PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
 FINISHED = _counter("request_success", "Requests that finished, by finish reason (stop, length, error, cancelled; "
                     "as vLLM's counts its aborted ones).", ("model_name", "finished_reason"))
-STEP_TOKENS = _histogram("iteration_tokens_total", "Tokens per engine turn: newcomers' prompt tokens and the "
-                         "tokens generated.", STEP_TOKEN_BUCKETS)
+STEP_TOKENS = _histogram("iteration_tokens_total", "Tokens per engine step: the prompt tokens it computed and the "
+                         "tokens it generated (vLLM's).", STEP_TOKEN_BUCKETS)
 STEP_ROWS = _histogram("num_rows_per_step", "Rows in each decode step (the batch size).", ROW_BUCKETS)
 REQUEST_PROMPT_TOKENS = _histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
                                    TOKEN_COUNT_BUCKETS)
@@ -149,30 +157,37 @@ class WorkerMeter:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        labelled = (RUNNING, WAITING, KV_CACHE_USAGE, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, STEP_TOKENS,
+        labelled = (RUNNING, WAITING, KV_CACHE_USAGE, PROMPT_TOKENS_RECOMPUTED, PROMPT_TOKENS, GENERATION_TOKENS, STEP_TOKENS,
                     STEP_ROWS, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, TTFT, ITL, TPOT, E2E, QUEUE_TIME,
                     PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
         # NOTE: children bound once: an observation is then a lock and an add, no label look-up
-        (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens, self.generation_tokens,
+        (self.running, self.waiting, self.kv_usage, self.prompt_recomputed, self.prompt_tokens, self.generation_tokens,
          self.step_tokens, self.step_rows, self.request_prompt_tokens, self.request_generation_tokens, self.ttft,
          self.itl, self.tpot, self.e2e, self.queue_time, self.prefix_queries, self.prefix_hits) = (
             m.labels(model_name) for m in labelled)
+        self.prompt_computed = PROMPT_TOKENS_BY_SOURCE.labels(model_name, "computed")
+        self.prompt_cached = PROMPT_TOKENS_BY_SOURCE.labels(model_name, "cached")
 
-    def turn(self, *, num_prompt_tokens: int, num_generated_tokens: int, num_step_rows: int, num_running: int,
-             num_waiting: int, kv_cache_usage: float) -> None:
-        """One engine turn: newcomers prefilled (their prompt tokens), a decode step of num_step_rows rows."""
+    def turn(self, *, num_prompt_tokens: int, num_cached_tokens: int, num_step_tokens: int, num_generated_tokens: int,
+             num_step_rows: int, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """One engine turn: the prompt tokens of the requests admitted for the first time (num_cached_tokens of them
+        found in the prefix cache), the tokens the step computed (num_step_tokens) and generated, its rows."""
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_computed.inc(num_prompt_tokens - num_cached_tokens)
+        self.prompt_cached.inc(num_cached_tokens)
         self.generation_tokens.inc(num_generated_tokens)
-        if num_prompt_tokens or num_generated_tokens:
-            self.step_tokens.observe(num_prompt_tokens + num_generated_tokens)
+        if num_step_tokens:
+            self.step_tokens.observe(num_step_tokens)
         if num_step_rows:
             self.step_rows.observe(num_step_rows)
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_cache_usage)
 
-    def preempted(self, num_rows: int) -> None:
-        self.preemptions.inc(num_rows)
+    def preempted(self, *, cause: str, num_rows: int, num_lost_tokens: int) -> None:
+        """Rows preempted, and the computed tokens they lost (computed again when they return)."""
+        PREEMPTIONS.labels(self.model_name, cause).inc(num_rows)
+        self.prompt_recomputed.inc(num_lost_tokens)
 
     def stretch(self, timings: BatchTimings) -> None:
         """The engine's figures of a stretch of steps (what take_stats hands over, once): its prefix-cache

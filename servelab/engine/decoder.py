@@ -25,7 +25,6 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.blocks import BlockManager
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
@@ -409,9 +408,9 @@ class LlamaDecoder:
                              capacity=capacity, head_dim=self.head_dim, dtype=self.dtype if quantized else self.cache_dtype,
                              device=self.device, quantized=quantized)
 
-    def new_paged_cache(self, manager: BlockManager) -> PagedKVCache:
+    def new_paged_cache(self, *, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                            dtype=self.cache_dtype, device=self.device, manager=manager)
+                            dtype=self.cache_dtype, device=self.device, num_blocks=num_blocks, block_size=block_size)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_block_bytes(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,

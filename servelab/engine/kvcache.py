@@ -21,7 +21,6 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from servelab.engine.blocks import BlockManager
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 SCALE_DTYPE = torch.float32  # an int8 cache's scale per token and kv head
@@ -192,7 +191,7 @@ class BatchKVCache(Protocol):
 
 class PagedKVCache:
     """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D), in the
-    cache precision; which block holds which row's columns is the BlockManager's (blocks.py). An int8 pool also
+    cache precision; which block holds which row's columns is the scheduler's pool's (servelab/scheduler/blocks.py). An int8 pool also
     holds key_scales and value_scales per layer (blocks, H_kv, block_size) fp32 (`quantize_heads`); a float pool's
     are empty lists.
 
@@ -202,9 +201,10 @@ class PagedKVCache:
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, manager: BlockManager) -> None:
+                 device: torch.device, num_blocks: int, block_size: int) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device, self.manager = dtype, device, manager
+        self.dtype, self.device = dtype, device
+        self.num_blocks, self._block_size = num_blocks, block_size  # the pool's size: how far the tensors may grow
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.key_scales: list[torch.Tensor] = []  # int8 only
@@ -221,7 +221,7 @@ class PagedKVCache:
 
     @property
     def block_size(self) -> int:
-        return self.manager.block_size
+        return self._block_size
 
     @property
     def num_allocated_blocks(self) -> int:
@@ -245,11 +245,11 @@ class PagedKVCache:
         """The tensors hold every block these tables name (grown, the held blocks copied, when one is past them);
         expected: blocks the running rows will reach by their end, so a batch that grows is copied once, at
         admission, not in the middle of its decode steps."""
-        needed = max(max((max(t) for t in tables if t), default=-1) + 1, min(expected, self.manager.num_blocks))
+        needed = max(max((max(t) for t in tables if t), default=-1) + 1, min(expected, self.num_blocks))
         have = self.num_allocated_blocks
         if needed <= have:
             return
-        blocks = min(self.manager.num_blocks, max(needed, have + have // 2))
+        blocks = min(self.num_blocks, max(needed, have + have // 2))
         shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
         # NOTE: zeros, not empty: no column is read before it is written, but a dump or a comparison of the pool
         # then never meets stale bits or NaN

@@ -140,7 +140,7 @@ def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num
         started = time.perf_counter()
         engine.step()
         alone.append((time.perf_counter() - started) * 1e3)
-    engine.preempt(engine.live_request_ids)
+    engine.cancel(engine.live_request_ids)
     engine.add(running)
     steps, prefills = [], []
     for i in range(num_rounds):

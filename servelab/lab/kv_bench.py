@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from servelab.engine.blocks import BlockManager
 from servelab.engine.decoder import LlamaDecoder, PagedBatch
 from servelab.engine.engine import Engine
 from servelab.request import ChatMessage, GenerationRequest, SamplingParams
@@ -47,12 +46,12 @@ def _prefilled_row(engine: Engine, prompt_ids: list[int], span: int) -> tuple[li
     """One row of `span` blocks prefilled with prompt_ids (a single chunk) -> its blocks' tensors per pool list (keys,
     values, then an int8 cache's scales) and the token its logits pick."""
     decoder: LlamaDecoder = engine.decoder
-    manager = BlockManager(span, engine.blocks.block_size, prefix_caching=False)
-    cache = decoder.new_paged_cache(manager)
-    manager.allocate("row", prompt_ids)
-    cache.reach([manager.table("row")], expected=span)
+    bs = engine.runner.block_size
+    cache = decoder.new_paged_cache(num_blocks=span, block_size=bs)
     n = len(prompt_ids)
-    batch = PagedBatch(torch.tensor(prompt_ids), torch.arange(n), cache.table_tensor([manager.table("row")]), 0,
+    table = list(range(-(-n // bs)))  # NOTE: one row alone: its blocks are the pool's first
+    cache.reach([table], expected=span)
+    batch = PagedBatch(torch.tensor(prompt_ids), torch.arange(n), cache.table_tensor([table]), 0,
                        ((0, 0, n),), torch.tensor([n - 1]))
     token = int(decoder.forward_paged(batch, cache).argmax(-1))
     return [t.clone() for t in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)], token
@@ -64,17 +63,13 @@ def time_decode(engine: Engine, source: list[torch.Tensor], first_token: int, *,
     """num_rows rows holding `context` columns each (source copied into every row's blocks), then num_steps decode
     steps -> (decode tok/s over the steps after warm-up, pool storage bytes and resident bytes grown per column)."""
     decoder: LlamaDecoder = engine.decoder
-    bs = engine.blocks.block_size
+    bs = engine.runner.block_size
     span = -(-(context + num_steps) // bs)  # every column the steps will write is in a row's blocks from the start
-    manager = BlockManager(num_rows * span, bs, prefix_caching=False)
     gc.collect()
     return_freed_memory()
     before = status_bytes("VmRSS")
-    cache = decoder.new_paged_cache(manager)
-    tables = []
-    for r in range(num_rows):
-        manager.allocate(str(r), range(span * bs))
-        tables.append(manager.table(str(r)))
+    cache = decoder.new_paged_cache(num_blocks=num_rows * span, block_size=bs)
+    tables = [list(range(r * span, (r + 1) * span)) for r in range(num_rows)]  # each row's own blocks, in turn
     cache.reach(tables, expected=num_rows * span)
     index = torch.tensor(tables, dtype=torch.long)  # (rows, span)
     for pool, held in zip((*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales), source):
@@ -111,12 +106,12 @@ def run_kv_dtype_bench(engines: dict[str, Engine], *, context_ids: list[int], ba
                        progress: Callable[[str], None] = lambda _: None) -> list[KVDtypeResult]:
     """engines: cache precision -> engine, the first the reference for agreement."""
     for name, engine in engines.items():
-        if not isinstance(engine.decoder, LlamaDecoder) or engine.blocks is None:
+        if not isinstance(engine.decoder, LlamaDecoder) or not engine.runner.block_size:
             raise KVBenchError(f"kv_cache_dtype {name}: the bench needs servelab's decoder and its paged cache "
                                f"({engine.decoder.name} decoder serves this model)")
     results = {name: KVDtypeResult(name) for name in engines}
     context = len(context_ids)
-    span = -(-(context + num_steps) // next(iter(engines.values())).blocks.block_size)
+    span = -(-(context + num_steps) // next(iter(engines.values())).runner.block_size)
     prefilled = {}
     for name, engine in engines.items():
         progress(f"{name}: prefilling a {context}-token context")

@@ -2,16 +2,16 @@
 row makes room.
 
 Pure policy: no Redis, no clock of its own (time is an argument), no torch. Two policies share the same
-limits (max_batch_size, and the KV-cache token budget counted as the room the batch's cache holds:
-rows x the longest row's prompt + max_new_tokens; with a paged pool (`paged`), what the rows hold when they
-join, their prompts and one token each, since the pool's blocks grow with each row and a row that finds none
-mid-decode gives its blocks back and is recomputed later):
+limits: max_batch_size, and the KV room. Without a paged pool the room is a token budget counted as the batch's
+cache holds it (rows x the longest row's prompt + max_new_tokens); with one (`paged`) the scheduler counts the
+pool's real free blocks (its cached prefixes shared) and these rules count rows only:
 - `window`: a batch forms within max_wait_ms after its first request, then runs closed until its last
   row ends (the card's time-window micro-batching);
-- `continuous`: waiting requests join at every step boundary while rows and the budget allow; an
+- `continuous`: waiting requests join at every step boundary while rows and the room allow; an
   interactive request that finds no room preempts the newest bulk row, and bulk newcomers wait while an
-  interactive row decodes (their prefill would run between its tokens); the newcomers of one step are
-  prefilled within max_prefill_tokens, so no step is held up by a large group's prefill.
+  interactive row decodes (their prefill would run between its tokens). Without a pool, the newcomers of one
+  step are prefilled whole, together, left-padded, within max_prefill_tokens; with one, the scheduler cuts
+  prompts into chunks within the step's token budget instead.
 Order of service: interactive before bulk, then higher `priority`, then age. Bulk progress is guaranteed
 by two rules: while bulk work waits, bulk keeps at least `min_bulk_rows` rows of the batch (its next
 request goes first when it holds fewer, and preemption never takes it below), and a row is preempted at
@@ -22,7 +22,7 @@ Does not know where requests come from, what runs them, or what a step does (the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from servelab.config import BatchingConfig
 from servelab.memory import ModelShape
@@ -39,7 +39,7 @@ class BatchPolicy:
     policy: AdmissionPolicy = "window"
     min_bulk_rows: int = 1
     max_prefill_tokens: int = 256
-    paged: bool = False  # the budget is a paged pool's tokens: rows are charged what they hold, not their worst case
+    paged: bool = False  # the KV room is a paged pool's blocks, which the scheduler counts: these rules count rows
 
     @classmethod
     def from_config(cls, batching: BatchingConfig, shape: ModelShape, *, bytes_per_element: float) -> BatchPolicy:
@@ -61,10 +61,7 @@ class BatchPolicy:
         return max(0, min(self.min_bulk_rows, self.max_batch_size - 1))
 
     def batch_tokens(self, rows: Sequence[ScheduledRequest]) -> int:
-        """The room the rows' cache holds: every row as long as the longest prompt + max_new_tokens; paged, each
-        row's prompt and its first token (the scheduler's room then counts blocks, prefix sharing included)."""
-        if self.paged:
-            return sum(c.num_prompt_tokens + 1 for c in rows)
+        """The room the rows' cache holds without a pool: every row as long as the longest prompt + max_new_tokens."""
         return len(rows) * max((c.num_columns for c in rows), default=0)
 
     def fits(self, rows: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:
@@ -72,7 +69,7 @@ class BatchPolicy:
             return True  # NOTE: a lone request is always served, even past the budget, so nothing starves
         if len(rows) >= self.max_batch_size or candidate.is_retry or any(c.is_retry for c in rows):
             return False  # NOTE: a retried request runs alone, so a poison request cannot take batch-mates down
-        return self.batch_tokens([*rows, candidate]) <= self.max_batch_tokens
+        return self.paged or self.batch_tokens([*rows, candidate]) <= self.max_batch_tokens
 
     def order(self, waiting: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         """Interactive first, then higher priority, then older."""
@@ -99,9 +96,10 @@ class BatchPolicy:
         return joining, []
 
     def prefill_fits(self, joining: Sequence[ScheduledRequest], candidate: ScheduledRequest) -> bool:
-        """Continuous: the newcomers of one step are prefilled together (padded to the longest prompt)
-        between two decode steps; their tokens stay within max_prefill_tokens (one newcomer always joins)."""
-        if not self.is_continuous or not joining:
+        """Continuous without a pool: the newcomers of one step are prefilled whole and together (padded to the longest
+        prompt) between two decode steps; their tokens stay within max_prefill_tokens (one newcomer always joins).
+        With a pool the scheduler chunks prompts within the step's token budget instead."""
+        if not self.is_continuous or not joining or self.paged:
             return True
         group = [*joining, candidate]
         return len(group) * max(c.num_prompt_tokens for c in group) <= self.max_prefill_tokens
@@ -111,10 +109,14 @@ class BatchPolicy:
         that row's tokens (bulk's share is exempt, see select)."""
         return self.is_continuous and not candidate.is_interactive and any(c.is_interactive for c in rows)
 
-    def victims(self, waiting: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest]
+    def victims(self, waiting: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest],
+                fits: Callable[[list[ScheduledRequest], ScheduledRequest, list[ScheduledRequest]], bool] | None = None
                 ) -> list[ScheduledRequest]:
         """Continuous only: the running bulk rows to preempt so that the interactive request at the head
-        fits (the newest first, each row at most once, bulk keeping its share); [] when none would do."""
+        fits (the newest first, each row at most once, bulk keeping its share); [] when none would do.
+        fits(rows left, head, victims so far): the room check (a paged pool's free blocks, what the victims free
+        counted); by default this policy's."""
+        fits = fits or (lambda rows, head, _victims: self.fits(rows, head))
         ordered = self.order(waiting)
         if not self.is_continuous or not ordered or not ordered[0].is_interactive:
             return []
@@ -125,14 +127,14 @@ class BatchPolicy:
         bulk_left = sum(not c.is_interactive for c in rows)
         victims = []
         for row in reversed(running):  # the newest row has done the least work
-            if self.fits(rows, head):
+            if fits(rows, head, victims):
                 return victims
             if row.is_interactive or row.num_preemptions > 0 or bulk_left <= self.bulk_share:
                 continue
             rows.remove(row)
             victims.append(row)
             bulk_left -= 1
-        return victims if self.fits(rows, head) else []
+        return victims if fits(rows, head, victims) else []
 
     def is_closed(self, batch: list[ScheduledRequest], rest: list[ScheduledRequest], *, first_seen_s: float,
                   now_s: float) -> bool:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from servelab.config import ServingConfig
 from servelab.outputs import BatchResult, Completion
-from servelab.request import FinishReason, SamplingParams
+from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams
 from servelab.store.models import (
     BatchRow,
     RequestMetricsRow,
@@ -50,6 +50,15 @@ class StoredRequest:
     num_attempts: int
     enqueued_at: datetime
     priority: int = 0
+
+    def generation_request(self) -> GenerationRequest:
+        """The engine's view of the stored request; stored fields it cannot read are a RequestError."""
+        try:
+            params = SamplingParams.from_stored(self.sampling)
+            messages = tuple(ChatMessage(m["role"], m["content"]) for m in self.messages) if self.messages else None
+            return GenerationRequest(self.id, prompt=self.prompt, messages=messages, params=params)
+        except (TypeError, KeyError, AssertionError) as exc:
+            raise RequestError(f"stored request cannot be read: {exc}") from None
 
 
 def create_request(

@@ -125,26 +125,29 @@ def _decode_steps(engine: Engine, prompts: list[str], team: bool | None, num_thr
     if team is not None:
         decoder._decode_stack().team = team
     before = decoder._stack.team_steps if team is not None else 0
+    engine.reset()  # NOTE: every run starts from an empty pool, so each writes the same blocks
     engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=6))
                 for i, p in enumerate(prompts)])
-    cache, blocks = engine._paged, engine.blocks
+    pool = engine.scheduler.pool
+    cache = engine.runner.cache(pool)
     steps = []
     for _ in range(3):
-        rows = engine._rows
+        rows = engine.scheduler.running
         for row in rows:
-            blocks.grow(row.request.request_id, row.num_computed + 1)
-        tables = [blocks.table(r.request.request_id) for r in rows]
+            pool.grow(row, row.num_computed_tokens + 1)
+        tables = [r.block_table for r in rows]
         cache.reach(tables)
-        batch = PagedBatch(torch.tensor([r.token_ids[-1] for r in rows]), torch.tensor([r.num_computed for r in rows]),
+        batch = PagedBatch(torch.tensor([r.token_ids[-1] for r in rows]),
+                           torch.tensor([r.num_computed_tokens for r in rows]),
                            cache.table_tensor(tables), len(rows), (), torch.arange(len(rows)))
         steps.append(decoder.forward_paged(batch, cache))
         for row, token in zip(rows, steps[-1].argmax(-1).tolist()):
             row.token_ids.append(token)
-            row.num_computed += 1
+            row.num_computed_tokens += 1
     keys = [k.clone() for k in (*cache.keys, *cache.key_scales, *cache.value_scales)]
     team_steps = decoder._stack.team_steps - before if team is not None else 0
     engine.cancel(engine.live_request_ids)
-    engine.blocks.reset_prefix_cache()  # NOTE: every run prefills whole too, into the same blocks
+    engine.reset()  # NOTE: every run prefills whole too, into the same blocks
     return steps, keys, team_steps
 
 
@@ -201,20 +204,21 @@ def _prompt_steps(engine: Engine, prompts: list[str], stack: bool, num_threads: 
         return logits
 
     decoder.forward_paged = recording
+    engine.reset()  # NOTE: every run starts from an empty pool, so each writes the same blocks
     try:
         engine.add([GenerationRequest("r0", prompt=prompts[0], params=SamplingParams(max_new_tokens=12))])
         for _ in range(3):
             engine.step()
         engine.add([GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=3))
                     for i, p in enumerate(prompts[1:], start=1)])
-        while engine._rows:
+        while engine.num_live:
             engine.step()
     finally:
         del decoder.forward_paged  # NOTE: the class's method again
         decoder._stack = None
-    cache = engine._paged
+    cache = engine.runner.cache(engine.scheduler.pool)
     kept = [t.clone() for t in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)]
-    engine.blocks.reset_prefix_cache()  # NOTE: every run prefills whole too, into the same blocks
+    engine.reset()  # NOTE: every run prefills whole too, into the same blocks
     return steps, kept, counting.mixed_steps if counting else 0
 
 

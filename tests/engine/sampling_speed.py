@@ -21,6 +21,7 @@ import torch
 from servelab.config import ServingConfig
 from servelab.engine import sampling
 from servelab.engine.engine import Engine
+from servelab.outputs import StepOutput
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
@@ -34,34 +35,31 @@ def _sample_next_before(logits, params, generators):
     return next_ids
 
 
-def _sample_before(self, logits, indices):
-    """Engine._sample before penalties and log-probabilities."""
-    rows = [self._rows[i] for i in indices]
-    next_ids = _sample_next_before(logits.float(), [r.request.params for r in rows], [r.generator for r in rows])
+def _sample_before(self, logits, rows):
+    """Decodings.sample as it was before penalties and log-probabilities."""
+    states = [self._by_id[r.request_id] for r in rows]
+    next_ids = _sample_next_before(logits.float(), [r.request.params for r in rows], [s.generator for s in states])
     now = time.perf_counter()
     tokens, texts, finished = [], [], []
-    for row, token_id in zip(rows, next_ids.tolist()):
-        tokens.append((row.request.request_id, token_id))
-        going_on = self._append_token(row, token_id, (now - row.started) * 1e3)
-        at = row.detok.released
-        piece = row.detok.release() if going_on else row.detok.finish()
+    for row, state, token_id in zip(rows, states, next_ids.tolist()):
+        tokens.append((row.request_id, token_id))
+        going_on = self._append_token(row, state, token_id, (now - state.started) * 1e3)
+        at = state.detok.released
+        piece = state.detok.release() if going_on else state.detok.finish()
         if piece:
-            texts.append((row.request.request_id, at, piece))
+            texts.append((row.request_id, at, piece))
         if not going_on:
-            finished.append(row)
-    if finished:
-        done = {id(r) for r in finished}
-        self._keep([i for i, r in enumerate(self._rows) if id(r) not in done])
-    return tuple(tokens), tuple(texts), tuple(self._complete(r) for r in finished)
+            finished.append(self.complete(row))
+    return StepOutput(tuple(tokens), tuple(finished), tuple(texts))
 
 
 @contextmanager
 def _before(engine: Engine):
-    engine._sample = _sample_before.__get__(engine)
+    engine.decodings.sample = _sample_before.__get__(engine.decodings)
     try:
         yield
     finally:
-        del engine._sample
+        del engine.decodings.sample
 
 
 def _requests(batch_size: int, num_new: int, **params) -> list[GenerationRequest]:

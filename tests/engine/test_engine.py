@@ -60,14 +60,14 @@ def test_finished_rows_leave_the_batch(tiny_engine: Engine) -> None:
 def _allocated_bytes(engine: Engine, num_retained: int) -> int:
     """What the cache tensors hold: servelab's paged pool reaches as far as the highest block handed out (grown
     by half again); transformers' cache grows to what is retained."""
-    if engine.blocks is not None:
-        return engine._paged.num_allocated_blocks * engine._paged.block_bytes
+    if engine.scheduler.pool is not None:
+        return engine.runner.cache(engine.scheduler.pool).num_allocated_blocks * engine.runner.cache(engine.scheduler.pool).block_bytes
     return engine.loaded.shape.kv_cache_bytes(num_retained, engine.kv_bytes_per_element)
 
 
 def _held(engine: Engine, num_tokens: int) -> int:
     """Columns a row of num_tokens holds: whole blocks in servelab's paged cache, the tokens in transformers'."""
-    bs = engine.blocks.block_size if engine.blocks is not None else 1
+    bs = engine.scheduler.pool.block_size if engine.scheduler.pool is not None else 1
     return -(-num_tokens // bs) * bs
 
 
@@ -83,9 +83,9 @@ def test_kv_cache_bytes_double_with_retained_tokens(either_engine: Engine) -> No
     assert long.kv_cache_bytes == shape.kv_cache_bytes(held_long, 4) and held_long >= 2 * num_short
     for memory, num_prompt in ((short, num_short), (long, 2 * num_short)):  # the formula matches real tensors
         assert memory.kv_cache_allocated_bytes >= memory.kv_cache_bytes
-        if either_engine.blocks is None:
+        if either_engine.scheduler.pool is None:
             assert memory.kv_cache_allocated_bytes == _allocated_bytes(either_engine, num_prompt)
-    if either_engine.blocks is not None:
+    if either_engine.scheduler.pool is not None:
         assert long.kv_cache_allocated_bytes <= _allocated_bytes(either_engine, 0)
 
 
@@ -95,10 +95,10 @@ def test_kv_cache_counts_padding_where_the_cache_holds_it(either_engine: Engine)
     width, short = (len(either_engine.encode(r)) for r in requests)
     shape = either_engine.loaded.shape
     # NOTE: servelab's blocks hold each row's own tokens; transformers' cache holds the short row left-padded
-    retained = _held(either_engine, width) + _held(either_engine, short) if either_engine.blocks else 2 * width
+    retained = _held(either_engine, width) + _held(either_engine, short) if either_engine.scheduler.pool else 2 * width
     assert memory.kv_cache_tokens == retained
     assert memory.kv_cache_bytes == shape.kv_cache_bytes(retained, 4)
-    if either_engine.blocks is None:
+    if either_engine.scheduler.pool is None:
         assert memory.kv_cache_allocated_bytes == _allocated_bytes(either_engine, 2 * width)
     else:
         assert memory.kv_cache_bytes <= memory.kv_cache_allocated_bytes <= _allocated_bytes(either_engine, 0)
@@ -249,8 +249,8 @@ def test_a_narrower_kv_cache_halves_its_bytes_and_still_decodes(tiny_engine: Eng
     assert engine.kv_bytes_per_element == 2 and tiny_engine.kv_bytes_per_element == 4
     assert result.memory.kv_cache_bytes * 2 == full.kv_cache_bytes
     # NOTE: bf16 tensors really stored: 2 bytes per element
-    assert engine._paged.keys[0].dtype == torch.bfloat16
-    assert result.memory.kv_cache_allocated_bytes == engine._paged.num_allocated_blocks * engine._paged.block_bytes
+    assert engine.runner.cache(engine.scheduler.pool).keys[0].dtype == torch.bfloat16
+    assert result.memory.kv_cache_allocated_bytes == engine.runner.cache(engine.scheduler.pool).num_allocated_blocks * engine.runner.cache(engine.scheduler.pool).block_bytes
     assert [c.num_generated_tokens for c in result.completions] == [6, 12]  # rows retire as with fp32
     assert result.timings.num_rows_per_step[-1] == 1
 

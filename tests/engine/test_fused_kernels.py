@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 from servelab.engine.awq.unpack import dequantize
 from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
-from servelab.engine.blocks import BlockManager
 from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.linear import linear_kernel_reason
@@ -239,11 +238,9 @@ def test_decode_step_attention_over_an_int8_cache_reads_it_as_stored_and_stays_n
 def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_steps: int, block_size: int = 4):
     """Prefill every row as a chunk of one forward, then greedy decode steps over the paged cache (the fused step
     where it runs) -> logits per step, sequences."""
-    manager = BlockManager(64, block_size, prefix_caching=False)
-    cache = decoder.new_paged_cache(manager)
-    for i, r in enumerate(rows):
-        manager.allocate(str(i), r)
-    tables = [manager.table(str(i)) for i in range(len(rows))]
+    cache = decoder.new_paged_cache(num_blocks=64, block_size=block_size)
+    taken = iter(range(64))  # NOTE: each row takes the next free blocks as it grows, as a pool would hand them out
+    tables = [[next(taken) for _ in range(-(-len(r) // block_size))] for r in rows]
     cache.reach(tables)
     offsets = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
     batch = PagedBatch(torch.tensor([t for r in rows for t in r]), torch.tensor([p for r in rows for p in range(len(r))]),
@@ -255,8 +252,7 @@ def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_step
         next_ids = logits[-1].argmax(-1)
         for i, (seq, token) in enumerate(zip(sequences, next_ids.tolist())):
             seq.append(token)
-            manager.grow(str(i), len(seq))
-        tables = [manager.table(str(i)) for i in range(len(rows))]
+            tables[i] += [next(taken) for _ in range(-(-len(seq) // block_size) - len(tables[i]))]
         cache.reach(tables)
         positions = torch.tensor([len(seq) - 1 for seq in sequences])
         logits.append(decoder.forward_paged(PagedBatch(next_ids, positions, cache.table_tensor(tables), len(rows), (),

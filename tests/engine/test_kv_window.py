@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelab.engine.blocks import BlockManager
+from servelab.scheduler.blocks import BlockManager
 from servelab.engine.engine import Engine
 from servelab.engine.kernels import ISAS, isa_reason
 from servelab.lab.long_context import evaluate_long_context, long_context_ratio, long_segments
@@ -23,65 +23,6 @@ from tests.engine.test_stepping import _request, _run_schedule
 
 BS, SINK, WINDOW = 4, 1, 2  # blocks of 4 tokens; 4 sink tokens, an 8-token window
 TEXT = "the quick brown fox jumps over the lazy dog"
-
-
-# --- the block manager alone ---
-
-def test_a_row_keeps_its_sinks_and_window_and_frees_the_blocks_between() -> None:
-    books = BlockManager(20, 4, prefix_caching=True, window=(1, 2))
-    prompt = list(range(100, 110))  # 10 tokens: blocks 0, 1, 2 (half full)
-    books.allocate("a", prompt)
-    books.commit("a", prompt)
-    first = list(books.table("a"))
-    assert books.evict("a", 10) == 0  # position 10 is in block 2: the window (blocks 0-2) still holds every block
-    books.grow("a", 21)  # decode up to position 20: logical blocks 0..5
-    assert books.evict("a", 20, cached_tokens=10) == 2  # position 20 is block 5: it sees block 0 (sink) and blocks 3, 4, 5
-    assert books.table("a")[0] == first[0] and len(books.table("a")) == 4 and books.evicted("a") == 2
-    assert books.num_used_blocks == 4 and books.num_cached_blocks == 2  # the freed full blocks stay findable
-    assert books.cached_prefix(prompt + [1, 2, 3]) == first[:2]
-    books.grow("a", 22)
-    assert len(books.table("a")) == 4  # the same block goes on filling
-    assert books.evict("a", 24) == 1 and books.grow("a", 25) is None and len(books.table("a")) == 4  # flat
-    books.free("a")
-    assert books.num_used_blocks == 0
-
-
-def test_a_long_row_reuses_the_blocks_it_freed_so_the_pool_stays_compact() -> None:
-    books = BlockManager(100, 4, prefix_caching=True, window=(1, 2))
-    tokens = list(range(1000, 1400))
-    books.allocate("a", tokens[:5])
-    highest = 0
-    for n in range(5, 400):  # decode 395 tokens after a 5-token prompt: evict, grow, commit, as the engine does
-        books.evict("a", n, cached_tokens=5)
-        books.grow("a", n + 1)
-        books.commit("a", tokens[:n + 1])
-        highest = max(highest, *books.table("a"))
-    assert len(books.table("a")) == 4 and highest < 1 + 2 + 1 + 1  # freed blocks taken again, not fresh ones
-    assert books.num_cached_blocks == 4 and books.num_evicted == 0  # only the held blocks: freed ones were forgotten
-
-
-def test_a_long_cached_prompt_takes_only_the_blocks_its_window_keeps() -> None:
-    books = BlockManager(40, 4, prefix_caching=True, window=(1, 2), chunk_tokens=8)
-    prompt = list(range(200, 241))  # 41 tokens: 10 full blocks and one token
-    books.allocate("a", prompt)
-    assert len(books.table("a")) == books.row_cap == 1 + 2 + 1 + 2  # a long prompt's first chunks only
-    books.free("a")
-    computed = BlockManager(40, 4, prefix_caching=True, window=(1, 2), chunk_tokens=8)
-    computed.allocate("a", prompt[:8])
-    computed.commit("a", prompt[:8])
-    for end in range(12, 41, 4):  # the prompt computed chunk by chunk, the window evicting as it goes
-        computed.evict("a", end - 4, cached_tokens=len(prompt))
-        computed.grow("a", end)
-        computed.commit("a", prompt[:end])
-    assert computed.evicted("a") == 10 - 1 - 2 - 1
-    computed.free("a")
-    # every full block was keyed before the window dropped it: freed to the least-recently-used end, all findable
-    assert len(computed.cached_prefix(prompt)) == 10
-    free = computed.num_free_blocks
-    assert computed.blocks_to_admit(prompt) == 1 + 2 + 1  # the sink and the window's cached blocks, one fresh
-    assert computed.allocate("b", prompt) == 40 and computed.evicted("b") == 10 - 1 - 2
-    assert len(computed.table("b")) == 1 + 2 + 1  # sink, blocks 8 and 9, and the block position 40 goes to
-    assert computed.num_free_blocks == free - 4  # the middle blocks were not taken
 
 
 def test_the_window_mask_is_sinks_and_the_blocks_behind_each_tokens_own() -> None:
@@ -145,14 +86,14 @@ def test_window_decoding_equals_a_naive_reference_with_the_same_mask(window_engi
         prompt = " ".join([TEXT] * rng.randint(1, 6))
         arrivals.setdefault(rng.randint(0, 10), []).append(
             GenerationRequest(f"w{i}", prompt=prompt, params=SamplingParams(max_new_tokens=rng.randint(16, 30))))
-    engine.blocks.reset_prefix_cache()
+    engine.reset()
     done = _run_schedule(engine, arrivals)
     requests = [r for group in arrivals.values() for r in group]
     for request in requests:
         assert list(done[request.request_id].token_ids) == _expected(engine, request), (build, request.request_id)
     everything = plain_engine.generate(requests).completions  # the same rows keeping every column
     assert sum(c.token_ids != done[c.request_id].token_ids for c in everything) >= 2  # the window changed them
-    assert engine.num_live == 0 and engine.blocks.num_used_blocks == 0
+    assert engine.num_live == 0 and engine.scheduler.pool.num_used_blocks == 0
 
 
 def test_rows_the_pool_gives_back_mid_decode_are_prefilled_again_under_the_window(tiny_folder: Path,
@@ -161,7 +102,7 @@ def test_rows_the_pool_gives_back_mid_decode_are_prefilled_again_under_the_windo
     # block each, then each row grows to 4 blocks
     engine = Engine.from_config(_window_config(tiny_folder, "torch", max_batch_tokens=40, prefix_caching=False),
                                 settings)
-    assert engine.blocks.num_blocks == 10
+    assert engine.scheduler.pool.num_blocks == 10
     requests = [GenerationRequest(f"p{i}", prompt=f"row {i} is" if i else " ".join([TEXT] * 3),
                                   params=SamplingParams(max_new_tokens=24)) for i in range(6)]
     result = engine.generate(requests)
@@ -172,7 +113,7 @@ def test_rows_the_pool_gives_back_mid_decode_are_prefilled_again_under_the_windo
 
 def test_a_prompt_served_from_cached_window_blocks_gives_the_same_tokens(window_engines) -> None:
     engine = window_engines["torch"]
-    engine.blocks.reset_prefix_cache()
+    engine.reset()
     request = GenerationRequest("c", prompt=" ".join([TEXT] * 3), params=SamplingParams(max_new_tokens=12))
     first = engine.generate([request]).completions[0]
     second = engine.generate([request]).completions[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelab.engine.blocks import BlockManager, OutOfBlocks
+from servelab.scheduler.blocks import BlockManager, OutOfBlocks
 from servelab.engine.decoder import TransformersDecoder
 from servelab.engine.engine import Engine, cache_namespace
 from servelab.engine.kernels import ISAS, isa_reason
@@ -21,65 +21,6 @@ from servelab.settings import Settings
 from tests.engine.conftest import make_config
 from tests.engine.naive import naive_greedy
 from tests.engine.test_stepping import _request, _run_schedule
-
-
-# --- the block manager alone ---
-
-def test_a_prompt_shares_the_full_blocks_another_computed_and_only_those() -> None:
-    books = BlockManager(10, 4, prefix_caching=True)
-    first = list(range(100, 111))  # 11 tokens: two full blocks and 3 columns of a third
-    assert books.allocate("a", first) == 0 and len(books.table("a")) == 3
-    books.commit("a", first)
-    # the same 8 tokens, then another tail: a prefix ending mid-block shares the two full blocks only
-    second = first[:8] + [7, 7, 7, 7, 7]
-    assert books.cached_prefix(second) == books.table("a")[:2]
-    assert books.blocks_to_admit(second) == 2  # 14 tokens + its first generated one: 4 blocks, 2 of them shared
-    assert books.allocate("b", second) == 8
-    assert books.table("b")[:2] == books.table("a")[:2] and books.table("b")[2] not in books.table("a")
-    assert books.num_shared_blocks == 2 and books.num_used_blocks == 3 + 2
-    assert books.private_blocks("a") == 1 and books.private_blocks("b") == 2
-    books.free("a")
-    assert books.num_used_blocks == 4 and books.num_shared_blocks == 0  # b still holds the two shared ones
-
-
-def test_a_prompt_cached_whole_still_computes_its_last_token() -> None:
-    books = BlockManager(10, 4, prefix_caching=True)
-    prompt = list(range(8))
-    books.allocate("a", prompt)
-    books.commit("a", prompt)
-    books.free("a")
-    # both blocks are cached, but the last token's logits are needed: its block is computed again, privately
-    assert books.allocate("b", prompt) == 4
-    assert books.table("b")[0] != books.table("b")[1]
-
-
-def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first() -> None:
-    books = BlockManager(6, 2, prefix_caching=True)
-    old, new = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]  # 3 blocks each: 2 full (cached) and a partial one
-    for row, prompt in (("old", old), ("new", new)):
-        books.allocate(row, prompt)
-        books.commit(row, prompt)
-        books.free(row)
-    assert books.num_free_blocks == 6 and books.num_cached_blocks == 4
-    books.allocate("x", list(range(20, 27)))  # 4 blocks: the 2 never cached, then the 2 least recently used
-    assert books.num_evicted == 2
-    assert books.cached_prefix(old) == [] and len(books.cached_prefix(new)) == 2
-    with pytest.raises(OutOfBlocks):
-        books.allocate("y", list(range(30, 39)))  # 5 blocks: only 2 can be found
-    assert not books.holds("y") and books.num_cached_blocks == 2  # a refused allocation took nothing
-
-
-def test_prefix_caching_off_shares_nothing_and_a_row_grows_block_by_block() -> None:
-    books = BlockManager(6, 4, prefix_caching=False)
-    books.allocate("a", [1, 2, 3, 4, 5])
-    books.commit("a", [1, 2, 3, 4, 5])
-    assert books.cached_prefix([1, 2, 3, 4, 5]) == [] and books.num_cached_blocks == 0
-    books.grow("a", 8)
-    assert len(books.table("a")) == 2
-    books.grow("a", 9)
-    assert len(books.table("a")) == 3 and books.step_blocks([("a", 13)]) == 1
-    books.free("a")
-    assert books.num_free_blocks == 6
 
 
 # --- the engine through the paged cache ---
@@ -113,7 +54,7 @@ def small_pool_engines(tiny_folder: Path, settings: Settings) -> dict[str, Engin
 def test_paged_rows_joining_and_leaving_in_a_small_pool_decode_like_naive(small_pool_engines, build: str,
                                                                             schedule_seed: int) -> None:
     engine = small_pool_engines[build]
-    assert engine.blocks.num_blocks == 24 and engine.decoder.decode_step_attention is not None
+    assert engine.scheduler.pool.num_blocks == 24 and engine.decoder.decode_step_attention is not None
     rng = random.Random(100 + schedule_seed)
     arrivals: dict[int, list[GenerationRequest]] = {}
     for i in range(rng.randint(5, 9)):
@@ -123,7 +64,7 @@ def test_paged_rows_joining_and_leaving_in_a_small_pool_decode_like_naive(small_
     timings, memory = engine.take_stats()
     for request in (r for group in arrivals.values() for r in group):
         assert list(done[request.request_id].token_ids) == _expected(engine, request), (build, request.request_id)
-    assert engine.num_live == 0 and engine.blocks.num_used_blocks == 0
+    assert engine.num_live == 0 and engine.scheduler.pool.num_used_blocks == 0
     assert memory.kv_block_size == 4 and memory.kv_cache_tokens <= 96
 
 
@@ -151,7 +92,7 @@ SYSTEM = "You answer in one word. Examples: sky is blue, grass is green, snow is
 
 def test_a_prompt_served_from_cached_blocks_gives_the_same_tokens(prefix_engines) -> None:
     on, off = prefix_engines[True], prefix_engines[False]
-    on.blocks.reset_prefix_cache()
+    on.reset()
     first = GenerationRequest("a", prompt=f"{SYSTEM} the sea is", params=SamplingParams(max_new_tokens=8))
     second = GenerationRequest("b", prompt=f"{SYSTEM} a lemon is", params=SamplingParams(max_new_tokens=8))
     on.take_stats()
@@ -173,7 +114,7 @@ def test_a_prompt_served_from_cached_blocks_gives_the_same_tokens(prefix_engines
 @torch.inference_mode()
 def test_logits_from_cached_blocks_match_a_whole_prefill_and_an_evicted_block_is_computed_again(prefix_engines) -> None:
     engine = prefix_engines[True]
-    engine.blocks.reset_prefix_cache()
+    engine.reset()
     request = GenerationRequest("x", prompt=f"{SYSTEM} the night is", params=SamplingParams(max_new_tokens=1,
                                                                                              logprobs=5))
     whole = engine.generate([request]).completions[0]
@@ -181,7 +122,7 @@ def test_logits_from_cached_blocks_match_a_whole_prefill_and_an_evicted_block_is
     assert whole.num_cached_tokens == 0 and cached.num_cached_tokens > 0
     for a, b in zip(whole.logprobs, cached.logprobs):  # fp32: the same prefix keys, a different matmul shape
         assert a.chosen.token_id == b.chosen.token_id and abs(a.chosen.logprob - b.chosen.logprob) < 1e-4
-    engine.blocks.reset_prefix_cache()  # every unreferenced cached block is evicted
+    engine.reset()  # every unreferenced cached block is evicted
     again = engine.generate([request]).completions[0]
     assert again.num_cached_tokens == 0 and again.token_ids == whole.token_ids
 
@@ -196,11 +137,11 @@ def test_an_int8_pool_serves_cached_blocks_holds_its_scales_and_names_int8_in_th
     whole = engine.generate([request]).completions[0]
     cached = engine.generate([request]).completions[0]
     assert whole.num_cached_tokens == 0 < cached.num_cached_tokens and cached.token_ids == whole.token_ids
-    pool = engine._paged
+    pool = engine.runner.cache(engine.scheduler.pool)
     assert pool.keys[0].dtype == torch.int8 and pool.key_scales[0].shape == pool.keys[0].shape[:3]
     assert pool.allocated_bytes == pool.num_allocated_blocks * pool.block_bytes
     head_dim = engine.loaded.shape.head_dim  # 16 here: a scale (4 bytes) per 16 int8 values
-    assert pool.block_bytes * 4 * head_dim == fp32._paged.block_bytes * (head_dim + 4)
+    assert pool.block_bytes * 4 * head_dim == fp32.runner.cache(fp32.scheduler.pool).block_bytes * (head_dim + 4)
     assert engine.kv_bytes_per_element == 1 + 4 / head_dim
     namespaces = {cache_namespace(e.config, e.loaded.dtype) for e in (engine, fp32)}
     assert len(namespaces) == 2 and any("|int8|" in n for n in namespaces)  # int8 blocks are never found by fp32

@@ -9,6 +9,9 @@ import random
 import pytest
 
 from servelab.engine.engine import Engine
+from servelab.scheduler.policy import BatchPolicy
+from servelab.scheduler.scheduler import Preemption, Scheduler
+from servelab.scheduler.state import ScheduledRequest
 from servelab.outputs import Completion, FinishReason
 from servelab.request import GenerationRequest, SamplingParams
 from tests.engine.naive import naive_greedy
@@ -67,10 +70,10 @@ def test_every_step_reports_each_rows_token_and_the_rows_that_finished(tiny_engi
     joined = tiny_engine.add([short])
     # NOTE: servelab's paged engine prefills a newcomer in the next step, beside the decoding rows (chunked
     # prefill); transformers' prefills it whole at once
-    assert [rid for rid, _ in joined.new_tokens] == ([] if tiny_engine.blocks is not None else ["short"])
+    assert [rid for rid, _ in joined.new_tokens] == ([] if tiny_engine.scheduler.pool is not None else ["short"])
     step = tiny_engine.step()
     assert [rid for rid, _ in step.new_tokens] == ["long", "short"]
-    if tiny_engine.blocks is not None:
+    if tiny_engine.scheduler.pool is not None:
         assert not step.finished
         step2 = tiny_engine.step()
         assert [rid for rid, _ in step2.new_tokens] == ["long", "short"]
@@ -92,14 +95,13 @@ def test_kv_tokens_follow_the_rows_held_at_every_step(either_engine: Engine) -> 
     either_engine.add([a])
     either_engine.step()  # a holds its prompt and its first token
     either_engine.add([b])
+    either_engine.step()  # b's prefill runs in the step after a's, beside a's decode step
     _timings, memory = either_engine.take_stats()
-    if either_engine.decoder.name == "servelab":  # whole blocks, no padding: a's prompt and first token, b's prompt
-        bs = either_engine.blocks.block_size
-        either_engine.step()  # b's prefill runs beside a's decode step
-        _timings, memory = either_engine.take_stats()
+    if either_engine.decoder.name == "servelab":  # whole blocks, no padding: a's prompt and two tokens, b's prompt
+        bs = either_engine.scheduler.pool.block_size
         assert memory.kv_cache_tokens == bs * (-(-(na + 2) // bs) + -(-nb // bs))
     else:  # left-padded to the wider of the two
-        assert memory.kv_cache_tokens == 2 * max(na + 1, nb)
+        assert memory.kv_cache_tokens == 2 * max(na + 2, nb)
     assert memory.kv_cache_bytes == either_engine.loaded.shape.kv_cache_bytes(memory.kv_cache_tokens, 4)
     while either_engine.num_live:
         either_engine.step()
@@ -108,28 +110,46 @@ def test_kv_tokens_follow_the_rows_held_at_every_step(either_engine: Engine) -> 
     assert memory.kv_cache_allocated_bytes > 0
 
 
-def test_a_preempted_row_starts_over_and_ends_with_the_same_answer(either_engine: Engine) -> None:
+def _drive(engine: Engine, scheduler: Scheduler, arrivals: dict[int, list[ScheduledRequest]]
+           ) -> tuple[dict[str, Completion], list[Preemption]]:
+    """A worker's loop without its queue: each step's arrivals join the scheduler, its plan runs on the engine's
+    runner, the plan is reported done and the finished rows leave; until every request has finished."""
+    done, preempted, step = {}, [], 0
+    while step <= max(arrivals) or scheduler.running or scheduler.waiting:
+        scheduler.add(arrivals.get(step, []))
+        plan = scheduler.schedule(float(step))
+        out = engine.runner.execute(plan)
+        scheduler.update(plan)
+        scheduler.finish([c.request_id for c in out.finished])
+        done.update((c.request_id, c) for c in out.finished)
+        preempted += plan.preempted
+        step += 1
+    return done, preempted
+
+
+def test_a_preempted_row_recomputes_its_tokens_and_ends_with_the_same_answer(either_engine: Engine) -> None:
+    """An interactive request preempts the newest bulk row (the scheduler's plan); the row keeps its tokens and its
+    seeded sampler, computes them again when it returns, and answers as if it had never left."""
     bulk = GenerationRequest("bulk", prompt="seven houses", params=SamplingParams(max_new_tokens=12,
                                                                                  temperature=0.9, seed=4))
     rng = random.Random(8)
-    before, after = _request(rng, "before"), _request(rng, "after")
+    before, urgent = _request(rng, "before"), _request(rng, "urgent")
     alone = either_engine.generate([bulk]).completions[0]
-    done = {c.request_id: c for c in either_engine.add([before, bulk, after]).finished}
-    for _ in range(2):
-        done.update((c.request_id, c) for c in either_engine.step().finished)
-    # its request comes back as admitted: tokenised once, with its seed (the same answer when added again)
-    assert either_engine.preempt(["bulk"]) == [either_engine.tokenize(bulk)]
-    assert "bulk" not in either_engine.live_request_ids
-    # the rows around it go on as if it had never been there
-    done.update(_run_schedule(either_engine, {0: []}))
-    for request in (before, after):
+    policy = BatchPolicy(max_batch_size=2, max_wait_ms=0, max_batch_tokens=1 << 20, policy="continuous",
+                         min_bulk_rows=0, paged=either_engine.runner.block_size > 0)
+    scheduler = Scheduler(policy, either_engine.new_kv_pool())
+    as_bulk = lambda r: ScheduledRequest(either_engine.tokenize(r), is_interactive=False)  # noqa: E731
+    done, preempted = _drive(either_engine, scheduler, {0: [as_bulk(before), as_bulk(bulk)],
+                                                        3: [ScheduledRequest(either_engine.tokenize(urgent))]})
+    assert [(p.request.request_id, p.cause) for p in preempted] == [("bulk", "priority")]
+    assert preempted[0].num_lost_tokens > preempted[0].request.num_prompt_tokens  # it had generated tokens
+    for request in (before, urgent):
         expected = naive_greedy(either_engine.model, either_engine.encode(request), request.params.max_new_tokens,
                                 either_engine.eos_token_ids)
         assert list(done[request.request_id].token_ids) == expected
-    timings, _memory = either_engine.take_stats()
+    assert done["bulk"].token_ids == alone.token_ids
+    timings, _memory = either_engine.runner.take_stats()
     assert timings.num_preempted == 1
-    again = _run_schedule(either_engine, {0: [bulk]})
-    assert again["bulk"].token_ids == alone.token_ids
 
 
 def test_generate_refuses_to_run_beside_a_running_batch(tiny_engine: Engine) -> None:

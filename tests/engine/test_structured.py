@@ -91,9 +91,9 @@ def test_sampled_answers_keep_to_the_schema_beside_free_rows(either_engine: Engi
 
 def test_a_constraint_compiles_once_per_engine_and_a_bad_one_fails_alone(tiny_engine: Engine) -> None:
     tiny_engine.generate([_request("warm", schema=ONE_ANSWER)])
-    compiled = tiny_engine._grammars.num_compiled
+    compiled = tiny_engine.decodings.grammars.num_compiled
     tiny_engine.generate([_request(f"again{i}", schema=ONE_ANSWER) for i in range(3)])
-    assert tiny_engine._grammars.num_compiled == compiled, "the same schema is compiled once"
+    assert tiny_engine.decodings.grammars.num_compiled == compiled, "the same schema is compiled once"
     bad = GenerationRequest("bad", prompt="x", params=SamplingParams(max_new_tokens=4, constraint='{"schema":{"type":'
                                                                                                   '"objekt"}}'))
     done = tiny_engine.generate([bad, _request("good", schema=ONE_ANSWER)]).completions
@@ -101,17 +101,24 @@ def test_a_constraint_compiles_once_per_engine_and_a_bad_one_fails_alone(tiny_en
     assert done[1].text == '{"name":"get_time","arguments":{}}'
 
 
-def test_a_preempted_constrained_row_starts_over_and_gives_the_same_answer(tiny_engine: Engine) -> None:
+def test_a_preempted_constrained_row_recomputes_and_gives_the_same_answer(tiny_engine: Engine) -> None:
+    """A constrained bulk row preempted by an interactive request keeps its tokens and its grammar's state, computes
+    them again when it returns, and ends with the answer it gives alone."""
+    from servelab.scheduler.policy import BatchPolicy
+    from servelab.scheduler.scheduler import Scheduler
+    from servelab.scheduler.state import ScheduledRequest
+    from tests.engine.test_stepping import _drive
+
     request = _request("p", schema=SMALL, temperature=1.2, seed=11)
     whole = tiny_engine.generate([request]).completions[0]
-    tiny_engine.add([request])
-    tiny_engine.step()
-    tiny_engine.step()
-    [taken] = tiny_engine.preempt(["p"])
-    finished = list(tiny_engine.add([taken]).finished)
-    while tiny_engine.num_live:
-        finished += tiny_engine.step().finished
-    assert finished[0].text == whole.text and finished[0].finish_reason is FinishReason.STOP
+    policy = BatchPolicy(max_batch_size=1, max_wait_ms=0, max_batch_tokens=1 << 20, policy="continuous",
+                         min_bulk_rows=0, paged=True)
+    urgent = GenerationRequest("urgent", prompt="the cat", params=SamplingParams(max_new_tokens=3))
+    done, preempted = _drive(tiny_engine, Scheduler(policy, tiny_engine.new_kv_pool()),
+                             {0: [ScheduledRequest(tiny_engine.tokenize(request), is_interactive=False)],
+                              3: [ScheduledRequest(tiny_engine.tokenize(urgent))]})
+    assert [p.request.request_id for p in preempted] == ["p"]
+    assert done["p"].text == whole.text and done["p"].finish_reason is FinishReason.STOP
 
 
 def test_max_new_tokens_cuts_a_constrained_answer_short_with_reason_length(tiny_engine: Engine) -> None:

@@ -154,18 +154,19 @@ def test_job_past_its_window_ends_expired_with_its_finished_results(make_stack) 
 
 
 class CrashingEngine:
-    """The tiny engine, except that its n-th step kills the serving thread mid-step, as a kill -9 would."""
+    """The tiny engine, except that its runner's n-th step kills the serving thread mid-step, as a kill -9 would."""
 
     def __init__(self, engine, *, crash_on: int) -> None:
         self._engine, self._left = engine, crash_on
+        self.runner = self  # NOTE: the worker runs its plans here
 
-    def step(self):
+    def execute(self, plan):
         self._left -= 1
         if self._left == 0:
-            self._engine.preempt(self._engine.live_request_ids)  # NOTE: the running batch dies with the process
+            self._engine.runner.drop([r.request_id for r in plan.rows])  # NOTE: the batch dies with the process
             self._engine.take_stats()
             raise SystemExit("killed mid-step")
-        return self._engine.step()
+        return self._engine.runner.execute(plan)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

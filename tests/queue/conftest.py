@@ -18,7 +18,8 @@ from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import RequestStreams
 from servelab.serving import FaultPolicy, ServingWorker
 from servelab.store.db import session_factory
-from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401 (fixtures)
+from tests.engine.conftest import (bundled_folder, settings, tiny_engine, tiny_folder,  # noqa: F401 (fixtures)
+                                   tiny_transformers_engine)
 
 
 @dataclass

@@ -16,30 +16,39 @@ import sys
 import time
 from pathlib import Path
 
-from servelab.engine.engine import Engine
+from servelab.engine.dense_runner import TransformersRunner
+from servelab.engine.runner import PagedRunner
 
-_real_step = Engine.step
+
+def faulty(real_execute):
+    """A runner's execute that crashes or stalls on the marked prompts of the plan's rows first."""
+
+    def execute(self, plan):
+        _fault(list(plan.rows))
+        return real_execute(self, plan)
+
+    return execute
 
 
-def _faulty_step(self):
-    prompts = {r.request.request_id: r.request.prompt or "" for r in self._rows}
+def _fault(rows) -> None:
+    prompts = {r.request.request_id: r.request.prompt or "" for r in rows}
     if any("CRASH" in p for p in prompts.values()):
         os._exit(17)
     if any("SLOW" in p for p in prompts.values()):
         time.sleep(0.05)
     marker = Path(os.environ["SERVELAB_TEST_STALL_MARKER"])
     died = marker.with_name("died")
-    if any("DIE" in (r.request.prompt or "") and len(r.token_ids) >= 3 for r in self._rows) and not died.exists():
+    if any("DIE" in (r.request.prompt or "") and r.num_generated_tokens >= 3 for r in rows) and not died.exists():
         died.write_text("1")
         os._exit(17)
-    stalling = [r for r in self._rows if "STALL" in (r.request.prompt or "") and len(r.token_ids) >= 2]
+    stalling = [r for r in rows if "STALL" in (r.request.prompt or "") and r.num_generated_tokens >= 2]
     if stalling and not marker.exists():
-        marker.write_text(json.dumps({r.request.request_id: len(r.token_ids) for r in self._rows}))
+        marker.write_text(json.dumps({r.request.request_id: r.num_generated_tokens for r in rows}))
         time.sleep(3600)
-    return _real_step(self)
 
 
-Engine.step = _faulty_step
+PagedRunner.execute = faulty(PagedRunner.execute)
+TransformersRunner.execute = faulty(TransformersRunner.execute)
 
 if __name__ == "__main__":
     from worker.gpu import main

@@ -31,7 +31,8 @@ def test_a_stop_during_the_read_claims_nothing_it_read(make_served) -> None:
 
     served.streams.read_new = read_then_stop
     assert served.worker.step() == 0
-    assert served.worker.running == [] and served.worker.engine.num_live == 0
+    assert served.worker.running == []  # held, read from its stream, but not started
+    assert [r.request_id for r in served.worker.scheduler.waiting] == [request_id]
     with session_scope(served.sessions) as session:
         row = session.get(RequestRow, uuid.UUID(request_id))
         assert (row.status, row.num_attempts) == (RequestStatus.QUEUED, 0)  # not claimed: no attempt counted

@@ -57,7 +57,7 @@ def test_one_round_trip_publishes_a_step_and_reads_the_cancel_flags(redis_client
 def test_text_a_redis_error_kept_from_its_step_goes_out_first_at_the_next(make_served, monkeypatch) -> None:
     import redis
 
-    from servelab import serving
+    from servelab.serving import worker as serving
     from servelab.scheduler.policy import BatchPolicy
     from servelab.queue.submit import submit_request
     from servelab.queue.tokens import decode_event
@@ -99,24 +99,21 @@ def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_
     served.streams.ensure_groups()
     request_id = submit_request(sessions=served.sessions, streams=served.streams, prompt="once upon a time",
                                 sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
-    engine, key = served.worker.engine, tokens_key(served.streams.prefix, request_id)
-    prefilled, seen_by_step = [], []
-    real_add, real_step = engine.add, engine.step
+    engine, runner, key = served.worker.engine, served.worker.runner, tokens_key(served.streams.prefix, request_id)
+    released, seen_before = [], []  # per step: the text it released, and what its stream held before it ran
+    real_execute = runner.execute
 
-    def add(requests):
-        out = real_add(requests)
-        prefilled.extend(t for t in out.new_text if t[0] == request_id)
+    def execute(plan):
+        seen_before.append([decode_event(f) for _, f in served.streams.client.xrange(key)])
+        out = real_execute(plan)
+        released.append([t for t in out.new_text if t[0] == request_id])
         return out
 
-    def step():
-        seen_by_step.append([decode_event(f) for _, f in served.streams.client.xrange(key)])
-        return real_step()
-
-    monkeypatch.setattr(engine, "add", add)
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(runner, "execute", execute)
     finished = step_until_one_finishes(served.worker, max_steps=20)
+    prefilled = released[0]
     assert finished == 1 and prefilled, "the prefill released no text: pick another prompt"
-    first_step = seen_by_step[0]
+    first_step = seen_before[1]  # what the step that makes its second token finds published
     assert [e["kind"] for e in first_step] == ["start", "text"]
     assert (first_step[1]["at"], first_step[1]["text"]) == prefilled[0][1:]
     # the usage so far rides along (vLLM's continuous usage): the prompt at the start, one token made

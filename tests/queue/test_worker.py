@@ -10,13 +10,13 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 
-import servelab.serving as serving
+import servelab.serving.worker as serving
 
 from servelab.scheduler.policy import BatchPolicy
 from servelab.queue.streams import GROUP, wait_done
 from servelab.queue.submit import submit_request
 from servelab.request import SamplingParams
-from servelab.serving import FaultPolicy
+from servelab.serving import FaultPolicy, measured_alone
 from servelab.store.db import session_scope
 from servelab.store.models import BatchRow, RequestMetricsRow, RequestRow, RequestStatus, ResultRow, StreamKind
 from tests.queue.exactly_once import assert_each_ran_to_one_end, read_ledger, reference_token_ids
@@ -64,14 +64,19 @@ def test_lone_request_is_served_alone_when_the_window_closes(make_served) -> Non
     assert [b.num_requests for b in batches_of(served)] == [1]  # the window, not a full batch, closed it
 
 
-def test_kv_budget_caps_a_batch_of_long_requests(make_served) -> None:
+def test_kv_budget_caps_a_batch_of_long_requests(tiny_transformers_engine, engine, redis_client, key_prefix) -> None:
+    """Without a paged pool (transformers' decoder), the KV budget counts every row at its worst case: no batch
+    holds more rows than max_batch_tokens has room for. (A paged pool counts its real blocks: tests/scheduler.)"""
+    from tests.queue.conftest import serving_workers
+
     long_prompt = "seven blue houses by the river " * 8  # about 50 tokens
     sampling = SamplingParams(max_new_tokens=50)
-    served = make_served(BatchPolicy(max_batch_size=8, max_wait_ms=300, max_batch_tokens=3 * 110))
-    ids = submit(served, 6, prompt=long_prompt, sampling=sampling)
-    served.start()
-    wait_all(served, ids)
-    sizes = [b.num_requests for b in batches_of(served)]
+    with serving_workers(tiny_transformers_engine, engine, redis_client, key_prefix) as make:
+        served = make(BatchPolicy(max_batch_size=8, max_wait_ms=300, max_batch_tokens=3 * 110))
+        ids = submit(served, 6, prompt=long_prompt, sampling=sampling)
+        served.start()
+        wait_all(served, ids)
+        sizes = [b.num_requests for b in batches_of(served)]
     assert max(sizes) <= 3 and sum(sizes) == 6, sizes
 
 
@@ -170,6 +175,11 @@ def test_a_workers_kv_budget_counts_the_models_shape_and_cache_dtype(tiny_engine
 
 # --- token-level serving, driven step by step: each worker.step() is one admission + one engine step ---
 
+def live(served) -> list[str]:
+    """The requests the worker's batch runs, in order of admission."""
+    return [r.request_id for r in served.worker.running]
+
+
 def statuses(served, ids: list[str]) -> list[RequestStatus]:
     with session_scope(served.sessions) as session:
         rows = {str(r.id): r.status for r in session.scalars(
@@ -200,7 +210,7 @@ def test_a_rows_result_is_stored_when_it_finishes_not_when_its_batch_does(make_s
     assert wait_all(served, short, timeout_s=1)[short[0]].status is RequestStatus.SUCCEEDED  # notified already
     late = submit(served, 1)
     served.worker.step()
-    assert served.worker.engine.live_request_ids == long  # window: nothing joins a running batch
+    assert live(served) == long  # window: nothing joins a running batch
     step_until(served, long + late)
 
 
@@ -212,7 +222,7 @@ def test_under_continuous_an_interactive_request_joins_running_rows_and_leaves_f
         served.worker.step()
     interactive = submit(served, 1, sampling=SamplingParams(max_new_tokens=3))
     served.worker.step()
-    assert set(served.worker.engine.live_request_ids) == {*bulk, *interactive}  # joined at the next step
+    assert set(live(served)) == {*bulk, *interactive}  # joined at the next step
     steps = step_until(served, interactive)
     assert steps <= 3 and statuses(served, bulk) == [RequestStatus.RUNNING] * 2
     step_until(served, bulk)
@@ -225,10 +235,10 @@ def test_a_full_batch_preempts_its_newest_bulk_row_which_still_finishes_once(mak
     bulk = submit(served, 2, kind=StreamKind.BULK, sampling=LONG)
     for _ in range(5):
         served.worker.step()
-    assert served.worker.engine.live_request_ids == bulk
+    assert live(served) == bulk
     interactive = submit(served, 1, sampling=SamplingParams(max_new_tokens=3))
     served.worker.step()
-    assert served.worker.engine.live_request_ids == [bulk[0], interactive[0]]  # the newest bulk row made room
+    assert live(served) == [bulk[0], interactive[0]]  # the newest bulk row made room
     step_until(served, interactive)
     assert statuses(served, bulk) == [RequestStatus.RUNNING] * 2
     step_until(served, bulk)
@@ -245,6 +255,47 @@ def test_a_full_batch_preempts_its_newest_bulk_row_which_still_finishes_once(mak
 
     alone = tiny_engine.generate([GenerationRequest("x", prompt="the cat sat 1", params=LONG)]).completions[0]
     assert tuple(results[bulk[1]].token_ids) == alone.token_ids  # started over: the same answer, stored once
+
+
+def test_an_interactive_request_preempts_bulk_rows_whose_tokens_fill_the_pool_below_max_batch_size(
+        tiny_folder, settings, engine, redis_client, key_prefix) -> None:
+    """A pool of 12 blocks of 4 tokens, three bulk rows in a batch of up to 8: their generated tokens fill the pool
+    while the batch has rows to spare. An interactive request then preempts the newest bulk row at once (the
+    scheduler counts the pool's real free blocks), rather than waiting for a row to finish; every request is still
+    served once."""
+    from servelab.engine.engine import Engine
+    from tests.engine.conftest import make_config
+    from tests.queue.conftest import serving_workers
+
+    small = Engine.from_config(make_config(str(tiny_folder), kv_cache={"block_size": 4},
+                                           batching={"max_batch_tokens": 48, "max_prefill_tokens": 16},
+                                           decoding={"max_new_tokens": 24, "max_context_tokens": 48}), settings)
+    policy = BatchPolicy(max_batch_size=8, max_wait_ms=0, max_batch_tokens=48, policy="continuous", min_bulk_rows=0)
+    with serving_workers(small, engine, redis_client, key_prefix) as make:
+        served = make(policy)
+        served.streams.ensure_groups()
+        pool = served.worker.scheduler.pool
+        assert pool.num_blocks == 12
+        bulk = submit(served, 3, kind=StreamKind.BULK, sampling=SamplingParams(max_new_tokens=24, ignore_eos=True))
+        for _ in range(40):
+            served.worker.step()
+            if len(served.worker.running) == 3 and pool.num_free_blocks <= 2:
+                break
+        assert len(served.worker.running) == 3 and pool.num_free_blocks <= 2, "the bulk rows never filled the pool"
+        interactive = submit(served, 1, prompt="the cat sat on the mat and the dog", sampling=GREEDY)
+        served.worker.step()
+        assert interactive[0] in live(served)  # it got in at the next step
+        assert sample_preemptions(served, "priority") == 1 and len(live(served)) == 3
+        step_until(served, interactive + bulk)
+        rows = wait_all(served, interactive + bulk)
+    assert all(r.status is RequestStatus.SUCCEEDED and r.num_attempts == 1 for r in rows.values())
+
+
+def sample_preemptions(served, cause: str) -> float:
+    from servelab.telemetry import REGISTRY
+
+    return REGISTRY.get_sample_value("servelab:num_preemptions_total",
+                                     {"model_name": served.streams.config_name, "cause": cause}) or 0.0
 
 
 def test_entries_with_the_same_id_in_both_streams_are_both_served(make_served) -> None:
@@ -346,7 +397,7 @@ def test_a_cpu_worker_loads_and_measures_only_while_no_other_worker_of_its_cache
     entered = threading.Event()
 
     def start() -> None:
-        with serving.measured_alone(config, settings):
+        with measured_alone(config, settings):
             entered.set()
 
     with file_lock(tmp_path / "kernels" / "load.lock"):  # another worker loading

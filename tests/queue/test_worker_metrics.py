@@ -54,7 +54,11 @@ def test_the_workers_counts_agree_with_the_rows_it_stored(make_served) -> None:
     assert sample(served, "request_generation_tokens_sum") == 30
     # each decode step of r rows makes r tokens: the rows observed per step add up to the stored decode tokens
     assert sample(served, "num_rows_per_step_sum") == sum(b.num_decode_tokens for b in batches)
-    assert sample(served, "iteration_tokens_total_sum") == prompt_tokens + generated
+    # each step's tokens: the prompt tokens it computed (those found in the prefix cache were not) and those it made
+    cached = sample(served, "prefix_cache_hits_total")
+    assert sample(served, "iteration_tokens_total_sum") == prompt_tokens - cached + generated
+    assert sample(served, "prompt_tokens_by_source_total", source="cached") == cached
+    assert sample(served, "prompt_tokens_by_source_total", source="computed") == prompt_tokens - cached
     # the prefix cache's look-ups and hits: each stretch's figures, counted once and stored once
     assert sample(served, "prefix_cache_queries_total") == sum(b.num_prefix_query_tokens for b in batches)
     assert sample(served, "prefix_cache_hits_total") == sum(b.num_prefix_hit_tokens for b in batches)
@@ -62,7 +66,7 @@ def test_the_workers_counts_agree_with_the_rows_it_stored(make_served) -> None:
         assert sample(served, idle) == 0, idle
 
 
-def test_a_preemption_and_the_prompt_it_prefills_again_are_counted(make_served) -> None:
+def test_a_preemption_is_counted_by_cause_and_the_tokens_it_computes_again_apart(make_served) -> None:
     served = make_served(BatchPolicy(max_batch_size=2, max_wait_ms=0, max_batch_tokens=100_000, policy="continuous"))
     served.streams.ensure_groups()
     bulk = submit(served, 2, kind=StreamKind.BULK, sampling=LONG)
@@ -73,7 +77,10 @@ def test_a_preemption_and_the_prompt_it_prefills_again_are_counted(make_served) 
     interactive = submit(served, 1, sampling=SamplingParams(max_new_tokens=3))
     step_until(served, interactive + bulk)
     (prompt_tokens, _), _, _, preemptions = stored(served, bulk + interactive)
-    assert sample(served, "num_preemptions_total") == preemptions == 1
+    assert sample(served, "num_preemptions_total", cause="priority") == preemptions == 1
+    assert sample(served, "num_preemptions_total", cause="pool") == 0
     with session_scope(served.sessions) as session:
-        again = session.scalar(select(ResultRow.num_prompt_tokens).where(ResultRow.request_id == uuid.UUID(bulk[1])))
-    assert sample(served, "prompt_tokens_total") == prompt_tokens + again  # the preempted row started over
+        prompt = session.scalar(select(ResultRow.num_prompt_tokens).where(ResultRow.request_id == uuid.UUID(bulk[1])))
+    assert sample(served, "prompt_tokens_total") == prompt_tokens  # each request's prompt once
+    # what the preempted row had computed (its prompt and the tokens it had made) is computed again, counted apart
+    assert sample(served, "prompt_tokens_recomputed_total") > prompt

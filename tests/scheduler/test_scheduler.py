@@ -11,6 +11,16 @@ from servelab.scheduler.scheduler import IDLE_READ_S, NextRead, Scheduler
 from servelab.scheduler.state import ScheduledStatus
 from tests.scheduler.test_policy import cand
 
+
+def run_plan(s: Scheduler, plan) -> None:
+    """What a runner does with a plan, as far as the scheduler sees: a token for every row whose step samples."""
+    for r in plan.decode:
+        r.token_ids.append(7)
+    for r, n in plan.chunks:
+        if n == r.num_pending_tokens:
+            r.token_ids.append(7)
+    s.update(plan)
+
 WINDOW = BatchPolicy(max_batch_size=3, max_wait_ms=50, max_batch_tokens=10_000)
 CONTINUOUS = replace(WINDOW, policy="continuous")
 
@@ -28,7 +38,7 @@ def test_an_idle_scheduler_blocks_for_a_whole_batch_then_waits_out_the_window() 
     read = s.next_read(10.03)
     assert read.count == 2 and abs(read.block_s - 0.02) < 1e-9  # two more rows, 20 ms left
     plan = s.schedule(10.05)
-    assert ids(plan.prefill) == ["r0"] and ids(plan.decode) == ["r0"] and plan.preempted == ()
+    assert ids(plan.admitted) == ["r0"] and ids(plan.rows) == ["r0"] and plan.preempted == ()
     assert s.waiting == [] and s.running[0].status is ScheduledStatus.RUNNING
 
 
@@ -37,41 +47,42 @@ def test_a_full_window_batch_starts_at_once_and_runs_closed() -> None:
     s.add([cand(i) for i in range(5)])
     assert s.next_read(0.0) is None  # nothing to wait for: the batch is full
     plan = s.schedule(0.0)
-    assert ids(plan.prefill) == ["r0", "r1", "r2"]
+    assert ids(plan.admitted) == ["r0", "r1", "r2"]
     assert s.next_read(0.0) is None  # closed: nothing is read while it runs
     s.finish(["r1"])
     plan = s.schedule(1.0)
-    assert plan.prefill == () and ids(plan.decode) == ["r0", "r2"]  # r3 waits for the batch to end
+    assert plan.admitted == () and ids(plan.rows) == ["r0", "r2"]  # r3 waits for the batch to end
     s.finish(["r0", "r2"])
     assert s.schedule(1.0).is_empty  # two rows of three: the window opens now
-    assert ids(s.schedule(1.05).prefill) == ["r3", "r4"]
+    assert ids(s.schedule(1.05).admitted) == ["r3", "r4"]
 
 
 def test_continuous_reads_for_its_free_rows_and_newcomers_join_at_the_next_step() -> None:
     s = Scheduler(CONTINUOUS)
     s.add([cand(0, interactive=False)])
-    assert ids(s.schedule(0.0).prefill) == ["r0"]  # no window under continuous
+    assert ids(s.schedule(0.0).admitted) == ["r0"]  # no window under continuous
     assert s.next_read(0.0) == NextRead(2, None)  # running: never block
     s.add([cand(1, interactive=False), cand(2, interactive=False)])
     plan = s.schedule(0.01)
-    assert ids(plan.prefill) == ["r1", "r2"] and ids(plan.decode) == ["r0", "r1", "r2"]
+    assert ids(plan.admitted) == ["r1", "r2"] and ids(plan.rows) == ["r0", "r1", "r2"]
     assert s.next_read(0.02) == NextRead(1, None, is_interactive_only=True)  # full: only interactive may come in
 
 
 def test_an_interactive_request_preempts_the_newest_bulk_row_which_waits_again_claimed() -> None:
     s = Scheduler(replace(CONTINUOUS, min_bulk_rows=0))
     s.add([cand(i, interactive=False) for i in range(3)])
-    for r in s.schedule(0.0).prefill:
+    for r in s.schedule(0.0).admitted:
         r.is_claimed = True  # what the worker's claim does
     s.add([cand(9)])
     plan = s.schedule(1.0)
-    assert ids(plan.preempted) == ["r2"] and ids(plan.prefill) == ["r9"]
-    victim = plan.preempted[0]
-    assert victim.status is ScheduledStatus.WAITING and victim.num_preemptions == 1 and victim.is_claimed
+    assert [p.request.request_id for p in plan.preempted] == ["r2"] and ids(plan.admitted) == ["r9"]
+    victim = plan.preempted[0].request
+    assert plan.preempted[0].cause == "priority"
+    assert victim.status is ScheduledStatus.PREEMPTED and victim.num_preemptions == 1 and victim.is_claimed
     assert ids(s.running) == ["r0", "r1", "r9"] and ids(s.waiting) == ["r2"]
     assert s.next_read(1.0) == NextRead(1, None, is_interactive_only=True)  # full again: only interactive gets in
     s.finish(["r9"])
-    assert ids(s.schedule(2.0).prefill) == ["r2"]  # the preempted row goes back in
+    assert ids(s.schedule(2.0).admitted) == ["r2"]  # the preempted row goes back in
 
 
 def test_finish_takes_requests_from_either_set_in_the_order_asked() -> None:
@@ -90,7 +101,7 @@ def test_a_stopping_scheduler_admits_nothing_and_decodes_what_runs() -> None:
     s.schedule(0.0)
     s.add([cand(1)])
     plan = s.schedule(1.0, admit=False)
-    assert plan.prefill == () and ids(plan.decode) == ["r0"] and ids(s.waiting) == ["r1"]
+    assert plan.admitted == () and ids(plan.rows) == ["r0"] and ids(s.waiting) == ["r1"]
 
 
 def test_kv_cache_usage_is_the_running_rows_room_over_the_budget() -> None:
@@ -112,14 +123,15 @@ def test_random_arrivals_and_endings_never_put_a_request_in_two_places() -> None
                 s.add([cand(i, prompt=rng.randint(1, 50), interactive=rng.random() < 0.3)])
                 i += 1
             plan = s.schedule(now)
-            for r in plan.prefill:
+            for r in plan.admitted:
                 prefilled[r.request_id] = prefilled.get(r.request_id, 0) + 1
                 r.is_claimed = True
-            for r in plan.preempted:
-                preempted[r.request_id] = preempted.get(r.request_id, 0) + 1
+            for p in plan.preempted:
+                preempted[p.request.request_id] = preempted.get(p.request.request_id, 0) + 1
             running, waiting = set(ids(s.running)), set(ids(s.waiting))
             assert not running & waiting
-            assert ids(plan.decode) == ids(s.running)
+            assert ids(plan.rows) == ids(s.running)
+            run_plan(s, plan)
             for rid, n in prefilled.items():
                 assert n == preempted.get(rid, 0) + (rid in running or rid not in waiting), rid
             s.finish([r for r in ids(s.running) if rng.random() < 0.2])
@@ -136,38 +148,3 @@ def test_it_holds_a_request_while_it_waits_or_runs_and_not_after_it_ends() -> No
     assert not s.holds("r0")
 
 
-class _Pool:
-    """A paged cache's room as the scheduler reads it: blocks of 4 tokens, nothing cached."""
-
-    def __init__(self, num_free_blocks: int) -> None:
-        self.num_free_blocks = num_free_blocks
-        self.usage = 0.0
-
-    def blocks_to_admit(self, token_ids) -> int:
-        return -(-(len(token_ids) + 1) // 4)
-
-
-def test_with_a_block_pool_newcomers_join_while_its_free_blocks_hold_them() -> None:
-    s = Scheduler(replace(CONTINUOUS, max_batch_size=8), _Pool(num_free_blocks=10))
-    s.add([cand(0, prompt=39, interactive=False)])  # 10 blocks: a newcomer into an empty batch always joins
-    assert ids(s.schedule(0.0).prefill) == ["r0"]
-    s.room.num_free_blocks = 6
-    # one block kept in reserve for r0's next token: 5 left; r1 takes 3 (+1 reserved), r2's 2 do not fit
-    s.add([cand(1, prompt=11, interactive=False), cand(2, prompt=7, interactive=False),
-           cand(3, prompt=1, interactive=False)])
-    plan = s.schedule(0.1)
-    assert ids(plan.prefill) == ["r1"] and ids(s.waiting) == ["r2", "r3"]  # r3 would fit, but does not overtake
-    s.room.num_free_blocks = 20
-    assert ids(s.schedule(0.2).prefill) == ["r2", "r3"]
-    s.room.usage = 0.25
-    assert s.kv_cache_usage == 0.25  # the pool's own figure, not the policy's worst-case token count
-
-
-def test_the_pool_takes_blocks_back_from_the_newest_bulk_row_first() -> None:
-    s = Scheduler(replace(CONTINUOUS, max_batch_size=8), _Pool(num_free_blocks=100))
-    s.add([cand(0, interactive=False), cand(1, interactive=False)])
-    s.schedule(0.0)
-    s.add([cand(2, interactive=True), cand(3, interactive=True)])
-    s.schedule(0.1)
-    assert ids(s.running) == ["r0", "r1", "r2", "r3"]
-    assert s.preemption_order() == ["r1", "r0", "r3", "r2"]

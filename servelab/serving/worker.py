@@ -1,27 +1,23 @@
 """The GPU worker's serving loop: the shell around the scheduler. Stream entries -> requests (tokenised once)
 -> the scheduler's plan -> the engine -> store -> notify -> ack.
 
-Each turn reads what the scheduler asks for, hands it the requests, and runs its plan: preempted rows leave the
-engine, newcomers are claimed and prefilled (their first tokens published at once), every running row takes a
-decode step (its text published, and the streamed rows' cancel flags read, one round trip each), and every row
-that ended in the turn is recorded at once. Knows the order that makes redelivery harmless (claim rows, serve,
+Each turn reads what the scheduler asks for, hands it the requests, and runs its plan: preemptions are counted,
+newcomers are claimed, the runner computes the step (decode tokens and prompt chunks in one forward), its text is
+published (and the streamed rows' cancel flags read, one round trip), and every row that ended in the turn is
+recorded at once. Knows the order that makes redelivery harmless (claim rows, serve,
 write a finished row's result and metrics in one transaction, notify, then acknowledge), takes back its own
 pending entries on start, takes over entries a dead worker left idle, renews the claim on everything it holds,
 fails a request that has crashed its worker `max_attempts` times, and re-adds ids whose stream entry was lost.
-Does not know HTTP or Celery, nor which rows run when (the scheduler decides); the engine is handed in.
-Past 400 lines as one piece: the claim keeper and the loop share what the worker holds and its fault order.
+Does not know HTTP or Celery, nor which rows run when (the scheduler decides); the engine's runner executes the
+scheduler's plans and is handed in. Starting a worker process (load, register, signals) is process.py's.
 """
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
@@ -30,24 +26,19 @@ import redis
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
-from servelab.engine.loaded_model import resolve_device
-from servelab.engine.model_files import file_lock
 from servelab.outputs import BatchResult, Completion, StepOutput
-from servelab.request import ChatMessage, FinishReason, GenerationRequest, RequestError, SamplingParams, StreamKind
+from servelab.request import FinishReason, RequestError, StreamKind
 from servelab.queue.reaper import reenqueue_lost
 from servelab.scheduler.policy import BatchPolicy
 from servelab.scheduler.scheduler import Scheduler, SchedulerOutput
 from servelab.scheduler.state import ScheduledRequest
-from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import Entry, RequestStreams, end_event, notify_done
 from servelab.queue.tokens import StepEvents, publish_step
-from servelab.runtime import Runtime
 from servelab.store import requests as store
 from servelab.store.db import session_scope
 from servelab.settings import Settings
-from servelab.telemetry import WorkerMeter, serve_worker_metrics
+from servelab.telemetry import WorkerMeter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,8 +76,11 @@ class ServingWorker:
                  name: str, policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(), clock=time.monotonic,
                  streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
-        self.policy, self.faults, self.clock = policy, faults, clock
-        self.scheduler = Scheduler(policy, getattr(engine, "blocks", None))  # NOTE: a wrapped engine may hold no pool
+        self.faults, self.clock = faults, clock
+        self.runner = engine.runner
+        pool = engine.new_kv_pool()  # NOTE: this worker's scheduler owns the pool its runner's blocks are read from
+        self.policy = policy = replace(policy, paged=pool is not None)
+        self.scheduler = Scheduler(policy, pool)
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)
@@ -113,7 +107,6 @@ class ServingWorker:
                 raise RuntimeError(f"worker {self.name}: the claim keeper stopped; stopping the worker")
             self.step()
         while self.running:  # NOTE: a clean stop admits nothing more and finishes the rows in hand
-            assert self.engine.num_live, "the scheduler runs rows the engine does not hold"
             with self.held.lock:
                 plan = self.scheduler.schedule(self.clock(), admit=False)
             self._run(plan)
@@ -134,46 +127,25 @@ class ServingWorker:
         return 0
 
     def _run(self, plan: SchedulerOutput) -> int:
-        """A plan on the engine: preempt, prefill (its first tokens published at once), one decode step
-        (published), then the rows that ended are recorded, notified and acknowledged together."""
+        """A plan on the runner: its preemptions counted, its newcomers claimed, one step run (its text published),
+        then the rows that ended are recorded, notified and acknowledged together."""
         if plan.preempted:
-            self._preempt(list(plan.preempted))
-        started = self._claim(list(plan.prefill))
-        for r in started:
-            r.num_generated_tokens = 0  # NOTE: a preempted row starts over from its prompt
-        finished: list[Completion] = []
-        outputs: list[StepOutput] = []
-        if started:
-            outputs.append(self.engine.add([r.request for r in started]))
-            # NOTE: published now only when a newcomer streams: otherwise the step's round trip carries it all
-            finished += self._after(outputs[-1], started=started, ended=finished,
-                                    publish=any(self._is_streamed(r) for r in started))
-        num_step_rows = self.engine.num_live
-        if num_step_rows and self.scheduler.room is not None:
-            # NOTE: when the pool runs out mid-decode, the engine takes blocks back as admission would preempt
-            self.engine.set_preemption_order(self.scheduler.preemption_order())
-        if num_step_rows:
-            outputs.append(self.engine.step())
-            finished += self._after(outputs[-1], started=[], ended=finished)
+            self._preempted(plan)
+        plan, started = self._claim(plan)
+        out = self.runner.execute(plan)
+        with self.held.lock:
+            self.scheduler.update(plan)
+        finished = [*out.finished, *self._publish(started, out, ended={c.request_id for c in out.finished})]
         self._finish(finished)
-        self._observe_turn(started, outputs, num_step_rows)
+        self._observe_turn(plan, started, out)
         return len(finished)
 
-    def _after(self, out: StepOutput, *, started: list[ScheduledRequest], ended: list[Completion],
-               publish: bool = True) -> list[Completion]:
-        """A prefill's or a step's rows that ended, and the rows cancelled when its text was published."""
-        running = {r.request_id: r for r in self.running}
-        for request_id, _token_id in out.new_tokens:
-            running[request_id].num_generated_tokens += 1
-        done = [*out.finished]
-        if publish:
-            done += self._publish(started, out, ended={c.request_id for c in [*ended, *done]})
-        return done
-
-    def _observe_turn(self, started: list[ScheduledRequest], outputs: list[StepOutput], num_step_rows: int) -> None:
+    def _observe_turn(self, plan: SchedulerOutput, started: list[ScheduledRequest], out: StepOutput) -> None:
+        num_prompt = sum(n for _, n in plan.chunks)
         self.meter.turn(num_prompt_tokens=sum(r.num_prompt_tokens for r in started),
-                        num_generated_tokens=sum(len(out.new_tokens) for out in outputs),
-                        num_step_rows=num_step_rows, num_running=len(self.running),
+                        num_cached_tokens=sum(r.num_cached_tokens for r in started),
+                        num_step_tokens=num_prompt + len(out.new_tokens), num_generated_tokens=len(out.new_tokens),
+                        num_step_rows=len(plan.decode), num_running=len(self.running),
                         num_waiting=len(self.scheduler.waiting), kv_cache_usage=self.scheduler.kv_cache_usage)
 
     def _publish(self, started: list[ScheduledRequest], out: StepOutput, *, ended: set[str]) -> list[Completion]:
@@ -204,20 +176,22 @@ class ServingWorker:
         if not cancelled:
             return []
         log.info("dropped %d row(s) whose client left", len(cancelled))
-        return self.engine.cancel(cancelled)
+        gone = set(cancelled)
+        return self.runner.cancel([r for r in self.running if r.request_id in gone])
 
     def _is_streamed(self, r: ScheduledRequest) -> bool:
         return (StreamKind.INTERACTIVE if r.is_interactive else StreamKind.BULK) in self.streamed
 
     # --- requests in, claims, preemptions ---
 
-    def _preempt(self, victims: list[ScheduledRequest]) -> None:
-        """Bulk rows left the batch unfinished and wait again, still claimed: they start over later (their
-        request keeps its token ids and seed: the same answer again)."""
-        self.engine.preempt([r.request_id for r in victims])
-        self._store(lambda session: store.count_preemptions(session, ids=[r.request_id for r in victims]))
-        self.meter.preempted(len(victims))
-        log.info("preempted %d bulk row(s) for an interactive request", len(victims))
+    def _preempted(self, plan: SchedulerOutput) -> None:
+        """Rows the plan took out of the batch unfinished wait again, still claimed, keeping their tokens: counted in
+        the store and by cause (they compute their tokens again when they return)."""
+        self._store(lambda session: store.count_preemptions(session, ids=[p.request.request_id for p in plan.preempted]))
+        for cause in ("priority", "pool"):
+            if gone := plan.preempted_by(cause):
+                self.meter.preempted(cause=cause, num_rows=len(gone), num_lost_tokens=sum(p.num_lost_tokens for p in gone))
+                log.info("preempted %d row(s) (%s)", len(gone), cause)
 
     def _admit(self, entries: list[Entry], *, wait_out: bool = True) -> None:
         """Turn entries into scheduled requests; entries of finished, missing or poison requests end here.
@@ -254,7 +228,8 @@ class ServingWorker:
                 except RequestError as exc:  # NOTE: fails alone, before it can take a batch slot
                     rejected.setdefault(str(exc), []).append(e)
         self.streams.ack(done)
-        self._dead_letter(poison, f"crashed its worker {self.faults.max_attempts} times; not retried", wait_out=wait_out)
+        self._fail(poison, f"crashed its worker {self.faults.max_attempts} times; not retried", wait_out=wait_out,
+                   poison=True)
         for reason, bad in rejected.items():
             self._fail(bad, reason, wait_out=wait_out)
 
@@ -264,19 +239,20 @@ class ServingWorker:
 
     def _hold(self, entry: Entry, row: store.StoredRequest) -> None:
         """The stored request, tokenised once here (its limits checked), waits in the scheduler."""
-        request = self.engine.tokenize(to_generation_request(row))
+        request = self.engine.tokenize(row.generation_request())
         scheduled = ScheduledRequest(request, entry.key, entry.is_interactive, row.enqueued_at, priority=row.priority,
                                      is_retry=row.num_attempts > 0)
         with self.held.lock:
             self.held.entries[entry.key] = entry
             self.scheduler.add([scheduled])
 
-    def _claim(self, batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """Claim the plan's newcomers in the store; -> those this worker runs (a request finished meanwhile,
-        cancelled or served by another worker, leaves the scheduler and its entry is acknowledged)."""
-        fresh = [r for r in batch if not r.is_claimed]  # NOTE: a preempted row is still claimed by this worker
+    def _claim(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, list[ScheduledRequest]]:
+        """Claim the plan's newcomers in the store; -> the plan less those this worker does not run (a request
+        finished meanwhile, cancelled or served by another worker, leaves the scheduler and its entry is
+        acknowledged), and the rows that started now (a preempted row returning is still claimed)."""
+        fresh = [r for r in plan.admitted if not r.is_claimed]
         if not fresh:
-            return batch
+            return plan, []
         claimed = self._store(lambda session: store.claim_requests(session, ids=[r.request_id for r in fresh],
                                                                    now=datetime.now(UTC)))
         for r in fresh:
@@ -287,7 +263,8 @@ class ServingWorker:
             with self.held.lock:
                 self.scheduler.finish([r.request_id for r in skipped])
             self._release(skipped)
-        return [r for r in batch if r.is_claimed]
+            plan = plan.without({r.request_id for r in skipped})
+        return plan, [r for r in fresh if r.is_claimed]
 
     # --- after the engine ---
 
@@ -315,15 +292,9 @@ class ServingWorker:
         notify_done(self.streams.client, prefix=self.streams.prefix, ends={c.request_id: _end_of(c) for c in completions})
         self._release(ended)
 
-    def _fail(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
-        failed = self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries],
-                                                                 reason=reason, now=datetime.now(UTC)), wait_out=wait_out)
-        self.meter.failed(len(failed))
-        notify_done(self.streams.client, prefix=self.streams.prefix,
-                    ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
-        self.streams.ack(entries)
-
-    def _dead_letter(self, entries: list[Entry], reason: str, *, wait_out: bool = True) -> None:
+    def _fail(self, entries: list[Entry], reason: str, *, wait_out: bool = True, poison: bool = False) -> None:
+        """These requests end failed, their callers told why; poison ones (they crashed their worker) are moved to
+        the dead-letter stream, the others acknowledged."""
         if not entries:
             return
         failed = self._store(lambda session: store.fail_requests(session, ids=[e.request_id for e in entries],
@@ -331,6 +302,9 @@ class ServingWorker:
         self.meter.failed(len(failed))
         notify_done(self.streams.client, prefix=self.streams.prefix,
                     ends={e.request_id: end_event("failed", finish_reason="error", error=reason) for e in entries})
+        if not poison:
+            self.streams.ack(entries)
+            return
         for e in entries:
             self.streams.dead_letter(e, reason)
         log.warning("dead-lettered %d request(s): %s", len(entries), reason)
@@ -408,83 +382,9 @@ def _end_of(c: Completion) -> dict:
                      completion_tokens=c.num_generated_tokens, cached_tokens=c.num_cached_tokens, error=c.error)
 
 
-def to_generation_request(row: store.StoredRequest) -> GenerationRequest:
-    """The engine's view of a stored request; stored fields it cannot read are a RequestError."""
-    try:
-        params = SamplingParams.from_stored(row.sampling)
-        messages = tuple(ChatMessage(m["role"], m["content"]) for m in row.messages) if row.messages else None
-        return GenerationRequest(row.id, prompt=row.prompt, messages=messages, params=params)
-    except (TypeError, KeyError, AssertionError) as exc:
-        raise RequestError(f"stored request cannot be read: {exc}") from None
-
-
 def _is_uuid(value: str) -> bool:
     try:
         uuid.UUID(value)
     except ValueError:
         return False
     return True
-
-
-def batch_policy(engine: Engine) -> BatchPolicy:
-    """The config's batching limits, its KV memory budget counted for this model's shape and cache dtype. With the
-    paged cache the pool's blocks are the budget (the scheduler counts them), not rows x worst-case tokens."""
-    policy = BatchPolicy.from_config(engine.config.batching, engine.loaded.shape,
-                                     bytes_per_element=engine.kv_bytes_per_element)
-    if engine.blocks is not None:
-        policy = replace(policy, max_batch_tokens=engine.blocks.num_blocks * engine.blocks.block_size, paged=True)
-    return policy
-
-
-def kv_pool(engine: Engine) -> dict[str, int]:
-    """The paged cache's pool as this worker sized it (from max_kv_cache_mib or max_batch_tokens), registered with
-    its hardware so a run records the capacity it was served with; nothing where the cache is not paged."""
-    if engine.blocks is None:
-        return {}
-    return {"kv_pool_blocks": engine.blocks.num_blocks, "kv_block_size": engine.blocks.block_size,
-            "kv_pool_bytes": engine.blocks.num_blocks * engine.decoder.kv_bytes_per_block(engine.blocks.block_size)}
-
-
-def default_worker_name() -> str:
-    """Unique per process and host, so scaled-out workers never share a consumer name."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def measured_alone(config: ServingConfig, settings: Settings) -> AbstractContextManager:
-    """On a CPU, what a starting worker measures (auto's kernel choice, int4's crossover, the memory bandwidth
-    its runs' rooflines use) is measured with no other worker of this cache loading or measuring beside it:
-    workers started together (a lab round, a scale-out) overlap their imports only, then load one at a time.
-    NOTE: not on a GPU, where nothing is measured at load and many workers of a host load at once."""
-    if resolve_device(config.device).type != "cpu":
-        return nullcontext()
-    return file_lock(settings.cache_dir / "kernels" / "load.lock")
-
-
-def run_worker(config: ServingConfig, runtime: Runtime) -> None:
-    """Load the model once, register, serve until SIGTERM / SIGINT (the step in hand is finished first; rows
-    still running are redelivered, to this worker's next start or to another worker)."""
-    name = runtime.settings.worker_name or default_worker_name()
-    faults = FaultPolicy.from_settings(runtime.settings)
-    with measured_alone(config, runtime.settings):
-        engine = Engine.from_config(config, runtime.settings)
-        bandwidth_gbs = round(measure_bandwidth_gbs(engine.device), 1)
-    streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
-    with session_scope(runtime.sessions) as session:
-        store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
-                              hardware={**describe_hardware().as_dict(), "device": str(engine.device),
-                                        "kernel": engine.kernel, "bandwidth_gbs": bandwidth_gbs,
-                                        **kv_pool(engine)},
-                              software=software_versions())
-        store.save_serving_config(session, config=config)
-    worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),
-                           faults=faults)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: worker.stop.set())
-    metrics_port = serve_worker_metrics(runtime.settings.worker_metrics_port)
-    log.warning("worker %s serving %s (%s) on %s; /metrics on port %s", name, config.name, config.weights,
-                engine.device, metrics_port or "(none)")
-    try:
-        worker.run()
-    finally:
-        with session_scope(runtime.sessions) as session:
-            store.unregister_worker(session, name=name)  # NOTE: only a clean stop; a crash leaves a stale heartbeat

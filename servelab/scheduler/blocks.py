@@ -12,11 +12,12 @@ is needed and none is free: then the least recently used such block is evicted (
 With a window (`window=(sink_blocks, window_blocks)`), a row keeps its first sink blocks and, behind the block its
 next token goes to, window blocks; the blocks between are dropped as it grows (`evict`), so a row holds at most
 sink + window + 1 blocks when it decodes (and a prefill chunk's blocks more while it prefills). A row's table then
-lists the blocks it keeps, in token order; `evicted(row)` says how many were dropped after the sinks, so logical
-block i sits at table index i below the sinks and i - evicted above them.
+lists the blocks it keeps, in token order; its num_evicted_blocks says how many were dropped after the sinks, so
+logical block i sits at table index i below the sinks and i - evicted above them.
 
-Pure: no torch. The tensors are kvcache.py's `PagedKVCache`; the scheduler reads the room left through the
-`KVRoom` view it is handed (servelab.scheduler). Does not know requests beyond their ids and token ids.
+Pure: no torch. The tensors are kvcache.py's `PagedKVCache`, which a runner reads and writes where a plan says.
+The scheduler owns this pool and is the only caller that takes or frees blocks. The tables live on the requests
+(`HoldsBlocks`); this class knows requests by nothing but their ids, tables and token ids.
 """
 
 from __future__ import annotations
@@ -25,23 +26,22 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 
 class OutOfBlocks(RuntimeError):
     """The pool has no block to give (every block is held by a row)."""
 
 
-@dataclass
-class _RowBlocks:
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)  # the chain hash of each full block registered so far
-    evicted: int = 0  # window: logical blocks dropped right after the sink blocks (blocks[:sink] are logical 0..sink-1)
+class HoldsBlocks(Protocol):
+    """What the pool keeps on a request (the scheduler's ScheduledRequest): its blocks in token order, the chain
+    hash of each full block keyed so far, and (window) the logical blocks dropped right after its sinks (table[:sink]
+    are logical 0..sink-1)."""
 
-    @property
-    def num_logical(self) -> int:
-        return len(self.blocks) + self.evicted
+    request_id: str
+    block_table: list[int]
+    block_hashes: list[bytes]
+    num_evicted_blocks: int
 
 
 class BlockManager:
@@ -63,7 +63,7 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-        self._rows: dict[str, _RowBlocks] = {}
+        self._holders: set[str] = set()  # the request ids holding blocks
         self.num_evicted = 0
 
     # --- what the scheduler and the figures read ---
@@ -83,31 +83,18 @@ class BlockManager:
         return sum(1 for n in self._refs if n > 1)
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Blocks whose hash is known (held or evictable): what a newcomer may find."""
-        return len(self._hash_of)
-
-    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def table(self, row: str) -> list[int]:
-        """The blocks the row keeps, in token order (with a window: the sinks, then the window's)."""
-        return self._rows[row].blocks
-
-    def evicted(self, row: str) -> int:
-        """Logical blocks the row dropped after its sink blocks (0 without a window)."""
-        return self._rows[row].evicted
-
     def first_kept(self, position: int) -> int:
         """With a window: the first block after the sinks a token at this position attends to."""
         assert self.window is not None
         return max(self.window[0], position // self.block_size - self.window[1])
 
-    def evict(self, row: str, position: int, *, cached_tokens: int = 0) -> int:
+    def evict(self, seq: HoldsBlocks, position: int, *, cached_tokens: int = 0) -> int:
         """With a window, before the row computes a token at `position` (or a chunk starting there): the blocks
         between its sinks and the first block that token attends to go back to the pool -> how many. A block within
         the first cached_tokens (its prompt) stays cached, findable by a later prompt, until the pool needs it;
@@ -115,14 +102,14 @@ class BlockManager:
         blocks would push the pool's tensors on as far as the pool reaches while the row's own blocks stay flat)."""
         if self.window is None:
             return 0
-        state, sink = self._rows[row], self.window[0]
-        drop = min(self.first_kept(position) - sink - state.evicted, len(state.blocks) - sink)
+        sink = self.window[0]
+        drop = min(self.first_kept(position) - sink - seq.num_evicted_blocks, len(seq.block_table) - sink)
         if drop <= 0:
             return 0
-        dropped = state.blocks[sink:sink + drop]
-        del state.blocks[sink:sink + drop]
-        state.evicted += drop
-        first = sink + state.evicted - drop  # the logical index of the first dropped block
+        dropped = seq.block_table[sink:sink + drop]
+        del seq.block_table[sink:sink + drop]
+        seq.num_evicted_blocks += drop
+        first = sink + seq.num_evicted_blocks - drop  # the logical index of the first dropped block
         for i, block in enumerate(dropped):
             self._drop_ref(block, keep_cached=(first + i + 1) * self.block_size <= cached_tokens)
         return drop
@@ -139,12 +126,9 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - hits
         return need if self.row_cap is None else max(0, min(need, self.row_cap - kept))
 
-    def holds(self, row: str) -> bool:
-        return row in self._rows
-
-    def private_blocks(self, row: str) -> int:
+    def private_blocks(self, seq: HoldsBlocks) -> int:
         """Blocks only this row holds: what its leaving frees."""
-        return sum(1 for b in self._rows[row].blocks if self._refs[b] == 1) if row in self._rows else 0
+        return sum(1 for b in seq.block_table if self._refs[b] == 1)
 
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """The cached blocks a prompt starts with (no side effect). At least the prompt's last token is left to
@@ -169,77 +153,67 @@ class BlockManager:
 
     # --- rows ---
 
-    def allocate(self, row: str, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq: HoldsBlocks, token_ids: Sequence[int]) -> int:
         """A newcomer's blocks for its prompt: its cached prefix shared, the rest taken; -> tokens cached (the
         prefill starts there). OutOfBlocks when the pool cannot hold it (nothing is taken then)."""
-        assert row not in self._rows, f"row {row} already holds blocks"
+        assert seq.request_id not in self._holders, f"row {seq.request_id} already holds blocks"
         hits = self.cached_prefix(token_ids)
         retained = self._retained_hits(hits, len(hits) * self.block_size)
         need = self._fresh(len(token_ids), len(hits), sum(retained))
         if need + sum(1 for b, k in zip(hits, retained) if k and self._refs[b] == 0) > self.num_free_blocks:
             raise OutOfBlocks(f"{need} blocks needed, {self.num_free_blocks} free")
-        state = _RowBlocks()
+        seq.block_table, seq.block_hashes, seq.num_evicted_blocks = [], [], 0
         parent = self._root
         for i, (block, kept) in enumerate(zip(hits, retained)):
             parent = self._chain(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            state.hashes.append(parent)
+            seq.block_hashes.append(parent)
             if kept:
                 self._take(block)
-                state.blocks.append(block)
+                seq.block_table.append(block)
             else:  # NOTE: a window's middle block: its hash carries the chain on, the block is not taken
-                state.evicted += 1
-        state.blocks += [self._take_free() for _ in range(need)]
-        self._rows[row] = state
+                seq.num_evicted_blocks += 1
+        seq.block_table += [self._take_free() for _ in range(need)]
+        self._holders.add(seq.request_id)
         return len(hits) * self.block_size
 
-    def grow(self, row: str, num_tokens: int) -> None:
+    def grow(self, seq: HoldsBlocks, num_tokens: int) -> None:
         """Room for num_tokens columns in the row's blocks (OutOfBlocks when none is left: the row keeps what
         it had)."""
-        state = self._rows[row]
-        need = self.blocks_for(num_tokens) - state.num_logical
+        need = self.blocks_for(num_tokens) - len(seq.block_table) - seq.num_evicted_blocks
         if need > self.num_free_blocks:
-            raise OutOfBlocks(f"row {row} needs {need} more blocks, {self.num_free_blocks} free")
-        state.blocks += [self._take_free() for _ in range(need)]
+            raise OutOfBlocks(f"row {seq.request_id} needs {need} more blocks, {self.num_free_blocks} free")
+        seq.block_table += [self._take_free() for _ in range(need)]
 
-    def step_blocks(self, rows: Sequence[tuple[str, int]]) -> int:
-        """New blocks these (row, columns it will hold) need: the next step's demand."""
-        return sum(max(0, self.blocks_for(n) - self._rows[r].num_logical) for r, n in rows if r in self._rows)
-
-    def commit(self, row: str, token_ids: Sequence[int]) -> None:
+    def commit(self, seq: HoldsBlocks, token_ids: Sequence[int]) -> None:
         """The row's cache now holds these tokens' keys and values (its prompt and generated tokens so far): its
         full blocks not yet registered are keyed, so later prompts may share them. A block whose hash another
         block already holds stays private (the first stays the one found)."""
         if not self.prefix_caching:
             return
-        state = self._rows[row]
-        parent = state.hashes[-1] if state.hashes else self._root
+        hashes, evicted = seq.block_hashes, seq.num_evicted_blocks
+        parent = hashes[-1] if hashes else self._root
         sink = self.window[0] if self.window is not None else 0
-        for i in range(len(state.hashes), min(len(token_ids) // self.block_size, state.num_logical)):
+        for i in range(len(hashes), min(len(token_ids) // self.block_size, len(seq.block_table) + evicted)):
             parent = self._chain(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            state.hashes.append(parent)
-            if sink <= i < sink + state.evicted:
+            hashes.append(parent)
+            if sink <= i < sink + evicted:
                 continue  # NOTE: dropped before it was keyed (a window's middle block): nothing to share
-            block = state.blocks[i if i < sink else i - state.evicted]
+            block = seq.block_table[i if i < sink else i - evicted]
             if parent not in self._block_of and block not in self._hash_of:
                 self._block_of[parent], self._hash_of[block] = block, parent
 
-    def free(self, row: str) -> None:
+    def free(self, seq: HoldsBlocks) -> int:
         """The row leaves: its blocks' references drop; a cached block no row holds becomes the most recently
-        used evictable one (a row's blocks are released last first, so a prompt's head outlives its tail)."""
-        state = self._rows.pop(row, None)
-        if state is None:
-            return
-        for block in reversed(state.blocks):  # NOTE: last to first, so of this row's blocks its tail is evicted first
+        used evictable one (a row's blocks are released last first, so a prompt's head outlives its tail) -> the
+        blocks it held."""
+        if seq.request_id not in self._holders:
+            return 0
+        self._holders.discard(seq.request_id)
+        held = len(seq.block_table)
+        for block in reversed(seq.block_table):  # NOTE: last to first, so of this row's blocks its tail is evicted first
             self._drop_ref(block)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block no row holds; -> how many were dropped."""
-        dropped = list(self._evictable)
-        for block in dropped:
-            self._forget(block)
-            heapq.heappush(self._free, block)
-        self._evictable.clear()
-        return len(dropped)
+        seq.block_table, seq.block_hashes, seq.num_evicted_blocks = [], [], 0
+        return held
 
     # --- inside ---
 

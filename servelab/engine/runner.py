@@ -1,0 +1,181 @@
+"""Runners: each executes a scheduler's plan on one model, one forward per step, and samples. `PagedRunner` serves
+servelab's decoder from a paged pool (the plan's block tables, chunked prefill, window eviction); the transformers
+forward is the second runner (dense_runner.py), behind the same call; a CUDA runner slots in the same way.
+
+A runner keeps per-request decoding state by id (decoding.py) and the figures of a stretch of steps (`take_stats`);
+it holds no waiting or running sets and decides nothing: which rows run, how many tokens each computes, which
+blocks they use and who leaves are the plan's (servelab.scheduler). Does not know queues or databases.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from servelab.engine import measure
+from servelab.engine.decoder import PagedBatch
+from servelab.engine.decoding import Decodings
+from servelab.engine.kvcache import PagedKVCache
+from servelab.memory import MemoryBreakdown, ModelShape
+from servelab.outputs import BatchTimings, Completion, StepOutput
+from servelab.scheduler.blocks import BlockManager
+from servelab.scheduler.scheduler import SchedulerOutput
+from servelab.scheduler.state import ScheduledRequest
+
+
+@dataclass
+class StepMeter:
+    """What a stretch of steps did, from the first step after `take_stats` to the next call."""
+
+    peak: measure.PeakMemory
+    started_at_s: float = field(default_factory=time.time)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    num_rows_per_step: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    peak_cache_tokens: int = 0
+    peak_cache_allocated_bytes: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    kv_blocks_shared: int = 0
+    kv_blocks_private: int = 0
+
+    def plan(self, plan: SchedulerOutput) -> None:
+        """A plan's own figures: its preemptions and its first admissions' prefix-cache look-ups."""
+        self.num_preempted += len(plan.preempted)
+        self.num_prefix_query_tokens += plan.num_prefix_query_tokens
+        self.num_prefix_hit_tokens += plan.num_prefix_hit_tokens
+
+    def step(self, elapsed_ms: float, *, num_sampled: int, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        # NOTE: a mixed step's time is shared by its tokens: the prompt tokens' part is prefill, the decode rows' decode
+        prefill_share = num_prefill_tokens / max(num_prefill_tokens + num_decode_tokens, 1)
+        self.prefill_ms += elapsed_ms * prefill_share
+        self.decode_ms += elapsed_ms * (1 - prefill_share)
+        self.num_rows_per_step.append(num_sampled)
+        self.num_prefill_tokens += num_prefill_tokens
+        self.num_decode_tokens += num_decode_tokens
+
+    def cache(self, num_tokens: int, allocated_bytes: int, *, num_shared_blocks: int = 0, block_size: int = 0) -> None:
+        """After a forward, before rows leave: the cache at its fullest so far (a shared block counted once)."""
+        if num_tokens > self.peak_cache_tokens:
+            self.peak_cache_tokens = num_tokens
+            if block_size:
+                self.kv_blocks_shared = num_shared_blocks
+                self.kv_blocks_private = num_tokens // block_size - num_shared_blocks
+        self.peak_cache_allocated_bytes = max(self.peak_cache_allocated_bytes, allocated_bytes)
+
+
+class Runner:
+    """What every runner shares: the decoding state by id, the meter, cancelling and the figures."""
+
+    block_size = 0  # tokens per block of a paged cache; 0: not paged
+
+    def __init__(self, decoder, decodings: Decodings, *, shape: ModelShape, kv_bytes_per_element: float,
+                 weight_bytes: int, device: torch.device) -> None:
+        self.decoder, self.decodings, self.shape, self.device = decoder, decodings, shape, device
+        self.kv_bytes_per_element, self.weight_bytes = kv_bytes_per_element, weight_bytes
+        self._meter: StepMeter | None = None
+
+    def execute(self, plan: SchedulerOutput) -> StepOutput:
+        raise NotImplementedError
+
+    def cancel(self, rows: list[ScheduledRequest]) -> list[Completion]:
+        """Rows that leave for good before they finish (their client left): their completions, `cancelled`."""
+        return self.decodings.cancel(rows)
+
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget rows that left without a completion from this runner (a claim lost, a stopping worker's)."""
+        self.decodings.close(request_ids)
+
+    def meter(self) -> StepMeter:
+        if self._meter is None:
+            self._meter = StepMeter(peak=measure.PeakMemory(self.device).__enter__())
+        return self._meter
+
+    def take_stats(self) -> tuple[BatchTimings, MemoryBreakdown]:
+        """The timings and memory of the steps since the last call; the next step starts a new stretch."""
+        meter, self._meter = self.meter(), None
+        meter.peak.__exit__(None, None, None)
+        timings = BatchTimings(
+            prefill_ms=meter.prefill_ms, decode_ms=meter.decode_ms, num_rows_per_step=tuple(meter.num_rows_per_step),
+            num_prefill_tokens=meter.num_prefill_tokens, num_decode_tokens=meter.num_decode_tokens,
+            num_preempted=meter.num_preempted, started_at_s=meter.started_at_s, finished_at_s=time.time(),
+            num_prefix_query_tokens=meter.num_prefix_query_tokens, num_prefix_hit_tokens=meter.num_prefix_hit_tokens)
+        memory = MemoryBreakdown(
+            weight_bytes=self.weight_bytes,
+            kv_cache_bytes=self.shape.kv_cache_bytes(meter.peak_cache_tokens, self.kv_bytes_per_element),
+            kv_cache_allocated_bytes=meter.peak_cache_allocated_bytes, peak_working_bytes=meter.peak.working_bytes,
+            peak_process_bytes=meter.peak.peak_bytes, device=str(self.device), kv_cache_tokens=meter.peak_cache_tokens,
+            kv_block_size=self.block_size, kv_blocks_shared=meter.kv_blocks_shared,
+            kv_blocks_private=meter.kv_blocks_private)
+        return timings, memory
+
+
+class PagedRunner(Runner):
+    """servelab's decoder over a paged pool: one forward per step holds the decode rows (one token each) and the
+    prompt chunks, reading and writing the blocks the plan's tables name."""
+
+    def __init__(self, decoder, decodings: Decodings, *, block_size: int, num_blocks: int, **figures) -> None:
+        super().__init__(decoder, decodings, **figures)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # NOTE: one set of pool tensors per scheduler's pool (a worker's, or the engine's own for add / step), so two
+        # schedulers driving this runner in turn never read each other's blocks as their cached prefixes
+        self._caches: weakref.WeakKeyDictionary[BlockManager, PagedKVCache] = weakref.WeakKeyDictionary()
+
+    def cache(self, pool: BlockManager) -> PagedKVCache:
+        """The KV tensors of this pool's blocks."""
+        assert pool.block_size == self.block_size, f"a pool of {pool.block_size}-token blocks on a runner of {self.block_size}"
+        if pool not in self._caches:
+            self._caches[pool] = self.decoder.new_paged_cache(num_blocks=pool.num_blocks, block_size=pool.block_size)
+        return self._caches[pool]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepOutput:
+        meter = self.meter()
+        meter.plan(plan)
+        if not plan.rows:
+            return StepOutput((), ())
+        started, started_at_s = time.perf_counter(), time.time()
+        self.decodings.open(plan.rows, started=started, started_at_s=started_at_s)
+        cache = self.cache(plan.pool)
+        cache.reach([r.block_table for r in plan.rows], expected=plan.num_expected_blocks)
+        batch, sampled = self._batch(plan, cache)
+        logits = self.decoder.forward_paged(batch, cache)
+        meter.cache(plan.num_used_blocks * self.block_size, cache.allocated_bytes,
+                    num_shared_blocks=plan.num_shared_blocks, block_size=self.block_size)
+        out = self.decodings.sample(logits, sampled) if sampled else StepOutput((), ())
+        meter.step((time.perf_counter() - started) * 1e3, num_sampled=len(sampled),
+                   num_prefill_tokens=sum(n for _, n in plan.chunks), num_decode_tokens=len(plan.decode))
+        return out
+
+    def _batch(self, plan: SchedulerOutput, cache: PagedKVCache) -> tuple[PagedBatch, list[ScheduledRequest]]:
+        """The plan as one forward's inputs: the decode rows' last tokens, then each chunk's tokens -> the batch and
+        the rows whose next token its logits give (in logit order)."""
+        ids, positions, chunk_spans, logit_rows, sampled = [], [], [], [], []
+        for i, r in enumerate(plan.decode):
+            ids.append(r.token_ids[r.num_computed_tokens])
+            positions.append(r.num_computed_tokens)
+            logit_rows.append(i)
+            sampled.append(r)
+        for r, n in plan.chunks:
+            first, start = len(ids), r.num_computed_tokens
+            ids += r.token_ids[start:start + n]
+            positions += range(start, start + n)
+            chunk_spans.append((first, start, n))
+            if n == r.num_pending_tokens:  # its prompt completes: its last token's logits give its next token
+                logit_rows.append(len(ids) - 1)
+                sampled.append(r)
+        window = plan.pool.window
+        # NOTE: a decode row's new key goes to the column after those it keeps (its evicted blocks' columns left out)
+        lengths = [r.num_computed_tokens - r.num_evicted_blocks * self.block_size for r in plan.decode]
+        tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        batch = PagedBatch(tensor(ids), tensor(positions), cache.table_tensor([r.block_table for r in plan.rows]),
+                           len(plan.decode), tuple(chunk_spans), tensor(logit_rows),
+                           lengths=tensor(lengths) if window else None, window=window,
+                           chunk_evicted=tuple(r.num_evicted_blocks for r, _ in plan.chunks))
+        return batch, sampled
