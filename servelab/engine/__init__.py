@@ -1,4 +1,5 @@
-"""The engine: the model, its kernels, KV cache, sampling and decoding (see engine.py).
+"""The engine: the model, its kernels, the KV cache tensors, sampling and decoding, and the runners that execute a
+scheduler's plans (see engine.py and runner.py).
 
 NOTE: importing this package quiets two libraries' import-time warnings a user cannot act on, before any engine
 module imports torch or transformers: torchao's `Failed to load ... _C_mxfp8 ...` (kernels for other GPUs) and

@@ -303,6 +303,31 @@ class PagedBatch:
         """(num_decode,) the column each decode row's new key goes to (the columns it keeps before it)."""
         return self.lengths if self.lengths is not None else self.positions[:self.num_decode]
 
+    def chunk_places(self, j: int, bs: int) -> tuple[torch.Tensor, ...]:
+        """A chunk's (blocks, offsets) of its new columns and of every column its row keeps up to its last, and those
+        columns' positions (with a window the evicted blocks' columns are left out)."""
+        offset, start, num_tokens = self.chunks[j]
+        table = self.block_table[self.num_decode + j].long()
+        columns = torch.arange(start + num_tokens, device=table.device)
+        index = columns // bs
+        if self.window is not None and (evicted := self.chunk_evicted[j]):
+            sink = self.window[0]
+            columns = columns[(index < sink) | (index >= sink + evicted)]
+            index = columns // bs
+            index = torch.where(index < sink, index, index - evicted)
+        blocks, offsets = table[index], columns % bs
+        return blocks[-num_tokens:], offsets[-num_tokens:], blocks, offsets, columns
+
+    def decode_places(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The decode rows' new column (block, offset) (B,) each, their block tables cut to the longest row's blocks
+        (B, nb), and the mask of their columns (B, nb x block_size)."""
+        lengths = self.decode_lengths
+        num_blocks = int(lengths.max()) // bs + 1
+        table = self.block_table[:self.num_decode, :num_blocks].long()
+        new_blocks = table.gather(1, (lengths // bs).view(-1, 1)).view(-1)
+        mask = torch.arange(num_blocks * bs, device=table.device)[None, :] <= lengths[:, None]
+        return new_blocks, lengths % bs, table, mask
+
 
 def _dense_stack_part(p, dtype: torch.dtype) -> tuple[BlockedLinear, int] | None:
     """A dense projection's servelab layout in the model's dtype, taking the residual, and the most rows servelab's
@@ -476,7 +501,7 @@ class LlamaDecoder:
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         Bd = batch.num_decode
         bs = cache.block_size
-        places = [self._chunk_places(batch, j, bs) for j in range(len(batch.chunks))]
+        places = [batch.chunk_places(j, bs) for j in range(len(batch.chunks))]
         if ((stack := self._decode_stack()) is not None and N <= self._stack_rows
                 and all(self._fuses(place, start, num_tokens, batch.window, bs)
                         for (_, start, num_tokens), place in zip(batch.chunks, places))):
@@ -487,7 +512,7 @@ class LlamaDecoder:
                               cache.value_scales)
             return out.view(N, 1, -1)
         cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
-        decode_places = self._decode_places(batch, bs) if Bd and self.decode_step_attention is None else None
+        decode_places = batch.decode_places(bs) if Bd and self.decode_step_attention is None else None
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D)
             parts = []
@@ -505,33 +530,6 @@ class LlamaDecoder:
             h = add_projection(layer.o, attended.view(N, 1, H * D), h)
             h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
         return h
-
-    @staticmethod
-    def _chunk_places(batch: PagedBatch, j: int, bs: int) -> tuple[torch.Tensor, ...]:
-        """A chunk's (blocks, offsets) of its new columns and of every column its row keeps up to its last, and those
-        columns' positions (with a window the evicted blocks' columns are left out)."""
-        offset, start, num_tokens = batch.chunks[j]
-        table = batch.block_table[batch.num_decode + j].long()
-        columns = torch.arange(start + num_tokens, device=table.device)
-        index = columns // bs
-        if batch.window is not None and (evicted := batch.chunk_evicted[j]):
-            sink = batch.window[0]
-            columns = columns[(index < sink) | (index >= sink + evicted)]
-            index = columns // bs
-            index = torch.where(index < sink, index, index - evicted)
-        blocks, offsets = table[index], columns % bs
-        return blocks[-num_tokens:], offsets[-num_tokens:], blocks, offsets, columns
-
-    @staticmethod
-    def _decode_places(batch: PagedBatch, bs: int) -> tuple[torch.Tensor, ...]:
-        """The decode rows' new column (block, offset) (B,) each, their block tables cut to the longest row's blocks
-        (B, nb), and the mask of their columns (B, nb x block_size)."""
-        lengths = batch.decode_lengths
-        num_blocks = int(lengths.max()) // bs + 1
-        table = batch.block_table[:batch.num_decode, :num_blocks].long()
-        new_blocks = table.gather(1, (lengths // bs).view(-1, 1)).view(-1)
-        mask = torch.arange(num_blocks * bs, device=table.device)[None, :] <= lengths[:, None]
-        return new_blocks, lengths % bs, table, mask
 
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
                          window: tuple[int, int] | None, bs: int, positions: torch.Tensor,

@@ -88,10 +88,15 @@ class Decodings:
                                [r.generated_token_ids for r in rows], [r.request.prompt_token_ids for r in rows],
                                [self._suppressed(r) for r in rows], _allowed(states, logits.shape[-1]),
                                argmax=self.argmax)
-        read = self._read_logprobs(logits, next_ids, rows)
+        return self.postprocess(rows, states, next_ids.tolist(), self._read_logprobs(logits, next_ids, rows))
+
+    def postprocess(self, rows: list[ScheduledRequest], states: list[Decoding], next_ids: list[int],
+                    read: dict[int, tuple[float, list[tuple[int, float]]]]) -> StepOutput:
+        """Each row's sampled token taken (its log-probabilities recorded where `read` has them, its stop conditions
+        checked, its text released) -> the step's output; finished rows' state is closed."""
         now = time.perf_counter()
         tokens, texts, finished = [], [], []
-        for j, (row, state, token_id) in enumerate(zip(rows, states, next_ids.tolist())):
+        for j, (row, state, token_id) in enumerate(zip(rows, states, next_ids)):
             tokens.append((row.request_id, token_id))
             if j in read:  # NOTE: before the token's text joins the row's: its offset is the text so far
                 state.logprobs.append(self._token_logprobs(token_id, len(state.detok.text), *read[j]))

@@ -191,9 +191,9 @@ class BatchKVCache(Protocol):
 
 class PagedKVCache:
     """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D), in the
-    cache precision; which block holds which row's columns is the scheduler's pool's (servelab/scheduler/blocks.py). An int8 pool also
-    holds key_scales and value_scales per layer (blocks, H_kv, block_size) fp32 (`quantize_heads`); a float pool's
-    are empty lists.
+    cache precision; which block holds which row's columns is the scheduler's pool's books (scheduler/blocks.py),
+    handed in as each plan's block tables. An int8 pool also holds key_scales and value_scales per layer (blocks,
+    H_kv, block_size) fp32 (`quantize_heads`); a float pool's are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
     a block past them is taken: memory follows what the rows hold, up to the pool's size. A block is written

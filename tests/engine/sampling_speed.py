@@ -21,7 +21,6 @@ import torch
 from servelab.config import ServingConfig
 from servelab.engine import sampling
 from servelab.engine.engine import Engine
-from servelab.outputs import StepOutput
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
@@ -36,21 +35,10 @@ def _sample_next_before(logits, params, generators):
 
 
 def _sample_before(self, logits, rows):
-    """Decodings.sample as it was before penalties and log-probabilities."""
+    """Decodings.sample as it was before penalties and log-probabilities: the old sampling, the same postprocessing."""
     states = [self._by_id[r.request_id] for r in rows]
     next_ids = _sample_next_before(logits.float(), [r.request.params for r in rows], [s.generator for s in states])
-    now = time.perf_counter()
-    tokens, texts, finished = [], [], []
-    for row, state, token_id in zip(rows, states, next_ids.tolist()):
-        tokens.append((row.request_id, token_id))
-        going_on = self._append_token(row, state, token_id, (now - state.started) * 1e3)
-        at = state.detok.released
-        piece = state.detok.release() if going_on else state.detok.finish()
-        if piece:
-            texts.append((row.request_id, at, piece))
-        if not going_on:
-            finished.append(self.complete(row))
-    return StepOutput(tuple(tokens), tuple(finished), tuple(texts))
+    return self.postprocess(rows, states, next_ids.tolist(), {})
 
 
 @contextmanager
