@@ -77,7 +77,6 @@ class ServingWorker:
                  streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
         self.faults, self.clock = faults, clock
-        self.runner = engine.runner
         pool = engine.new_kv_pool()  # NOTE: this worker's scheduler owns the pool its runner's blocks are read from
         self.policy = policy = replace(policy, paged=pool is not None)
         self.scheduler = Scheduler(policy, pool)
@@ -92,6 +91,11 @@ class ServingWorker:
     @property
     def running(self) -> list[ScheduledRequest]:
         return self.scheduler.running
+
+    @property
+    def runner(self):
+        """The engine's runner: it executes this worker's plans (read through the engine, which a test may wrap)."""
+        return self.engine.runner
 
     # --- the loop: the scheduler decides, the engine computes, the worker carries ---
 

@@ -214,13 +214,13 @@ def test_chat_logprobs_come_back_in_openais_shape_with_the_reference_models_valu
     reference = _reference(tiny_engine, request)
     assert len(content) == answer.usage.completion_tokens == len(reference)
     for entry, (token_id, log_softmax) in zip(content, reference):
-        assert bytes(entry.bytes) == tiny_engine.token_bytes(token_id)
+        assert bytes(entry.bytes) == tiny_engine.decodings.token_bytes(token_id)
         assert math.isclose(entry.logprob, float(log_softmax[token_id]), abs_tol=2e-4)
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy: the likeliest
         assert entry.top_logprobs[0].logprob == entry.logprob
         top = torch.topk(log_softmax, 3)
-        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tiny_engine.token_bytes(i) for i in top.indices.tolist()]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [tiny_engine.decodings.token_bytes(i) for i in top.indices.tolist()]
     [row] = rows(stack)
     shown = httpx.get(f"{url}/requests/{row.id}", headers={"Authorization": f"Bearer {stack.key('acme')}"}).json()
     assert shown["result"]["logprobs"] == answer.model_dump()["choices"][0]["logprobs"]["content"]
@@ -237,7 +237,7 @@ def test_completion_logprobs_come_back_in_the_legacy_shape(idle, tiny_engine) ->
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == len(reference)
     for token, logprob, top, (token_id, log_softmax) in zip(logprobs.tokens, logprobs.token_logprobs,
                                                             logprobs.top_logprobs, reference):
-        assert token == tiny_engine.token_bytes(token_id).decode()
+        assert token == tiny_engine.decodings.token_bytes(token_id).decode()
         assert math.isclose(logprob, float(log_softmax[token_id]), abs_tol=2e-4)
         assert top[token] == logprob and 2 <= len(top) <= 3, "the two likeliest and the chosen token"
         assert max(top.values()) == pytest.approx(float(log_softmax.max()), abs=2e-4)

@@ -31,19 +31,14 @@ PROMPT = "once upon a time"
 
 
 class CachingEngine:
-    """The tiny engine, reporting each finished row's prompt as looked up in a prefix cache and all of it but
-    its last token as found there (what the worker stores, counts and sends on); `reported` sums what it said."""
+    """The tiny engine, its runner reporting each finished row's prompt as looked up in a prefix cache and all of it
+    but its last token as found there (what the worker stores, counts and sends on); `reported` sums what it said."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
         self._looked_up = self._found = 0
         self.reported = {"queries": 0, "hits": 0}
-
-    def add(self, requests) -> StepOutput:
-        return self._cached(self._engine.add(requests))
-
-    def step(self) -> StepOutput:
-        return self._cached(self._engine.step())
+        self.runner = _CachingRunner(self)
 
     def take_stats(self):
         timings, memory = self._engine.take_stats()
@@ -53,7 +48,7 @@ class CachingEngine:
         self._looked_up = self._found = 0
         return timings, memory
 
-    def _cached(self, out: StepOutput) -> StepOutput:
+    def cached(self, out: StepOutput) -> StepOutput:
         finished = tuple(replace(c, num_cached_tokens=c.num_prompt_tokens - 1) for c in out.finished)
         self._looked_up += sum(c.num_prompt_tokens for c in finished)
         self._found += sum(c.num_cached_tokens for c in finished)
@@ -61,6 +56,19 @@ class CachingEngine:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+class _CachingRunner:
+    """The tiny engine's runner, each step's finished rows reported as CachingEngine says."""
+
+    def __init__(self, wrapper: CachingEngine) -> None:
+        self._wrapper = wrapper
+
+    def execute(self, plan) -> StepOutput:
+        return self._wrapper.cached(self._wrapper._engine.runner.execute(plan))
+
+    def __getattr__(self, name):
+        return getattr(self._wrapper._engine.runner, name)
 
 
 @pytest.fixture

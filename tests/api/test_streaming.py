@@ -322,7 +322,7 @@ def test_a_worker_dying_mid_stream_restarts_the_generation_and_the_client_reads_
 def test_a_request_whose_end_event_never_came_is_ended_from_the_store(stepped, monkeypatch) -> None:
     """Its worker died between the commit and the notification: the stream still ends, with the rest of the
     text and the usage read from the store (within the relay's store check, 5 s of silence)."""
-    from servelab import serving
+    from servelab.serving import worker as serving
 
     stack, served, url = stepped
     client = client_of(stack, url)

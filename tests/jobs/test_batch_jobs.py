@@ -157,8 +157,16 @@ class CrashingEngine:
     """The tiny engine, except that its runner's n-th step kills the serving thread mid-step, as a kill -9 would."""
 
     def __init__(self, engine, *, crash_on: int) -> None:
+        self._engine = engine
+        self.runner = _CrashingRunner(engine, crash_on)  # NOTE: the worker runs its plans here
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class _CrashingRunner:
+    def __init__(self, engine, crash_on: int) -> None:
         self._engine, self._left = engine, crash_on
-        self.runner = self  # NOTE: the worker runs its plans here
 
     def execute(self, plan):
         self._left -= 1
@@ -169,7 +177,7 @@ class CrashingEngine:
         return self._engine.runner.execute(plan)
 
     def __getattr__(self, name):
-        return getattr(self._engine, name)
+        return getattr(self._engine.runner, name)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kill is on purpose
