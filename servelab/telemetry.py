@@ -184,9 +184,9 @@ class WorkerMeter:
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_cache_usage)
 
-    def preempted(self, *, cause: str, num_rows: int, num_lost_tokens: int) -> None:
-        """Rows preempted, and the computed tokens they lost (computed again when they return)."""
-        PREEMPTIONS.labels(self.model_name, cause).inc(num_rows)
+    def preempted(self, *, cause: str, num_lost_tokens: int) -> None:
+        """A row preempted, and the computed tokens it lost (computed again when it returns)."""
+        PREEMPTIONS.labels(self.model_name, cause).inc()
         self.prompt_recomputed.inc(num_lost_tokens)
 
     def stretch(self, timings: BatchTimings) -> None:

@@ -92,11 +92,6 @@ class ServingWorker:
     def running(self) -> list[ScheduledRequest]:
         return self.scheduler.running
 
-    @property
-    def runner(self):
-        """The engine's runner: it executes this worker's plans (read through the engine, which a test may wrap)."""
-        return self.engine.runner
-
     # --- the loop: the scheduler decides, the engine computes, the worker carries ---
 
     def run(self) -> None:
@@ -136,7 +131,7 @@ class ServingWorker:
         if plan.preempted:
             self._preempted(plan)
         plan, started = self._claim(plan)
-        out = self.runner.execute(plan)
+        out = self.engine.runner.execute(plan)  # NOTE: read through the engine, which a test may wrap
         with self.held.lock:
             self.scheduler.update(plan)
         finished = [*out.finished, *self._publish(started, out, ended={c.request_id for c in out.finished})]
@@ -145,10 +140,10 @@ class ServingWorker:
         return len(finished)
 
     def _observe_turn(self, plan: SchedulerOutput, started: list[ScheduledRequest], out: StepOutput) -> None:
-        num_prompt = sum(n for _, n in plan.chunks)
         self.meter.turn(num_prompt_tokens=sum(r.num_prompt_tokens for r in started),
                         num_cached_tokens=sum(r.num_cached_tokens for r in started),
-                        num_step_tokens=num_prompt + len(out.new_tokens), num_generated_tokens=len(out.new_tokens),
+                        num_step_tokens=sum(n for _, n in plan.chunks) + len(out.new_tokens),
+                        num_generated_tokens=len(out.new_tokens),
                         num_step_rows=len(plan.decode), num_running=len(self.running),
                         num_waiting=len(self.scheduler.waiting), kv_cache_usage=self.scheduler.kv_cache_usage)
 
@@ -181,7 +176,7 @@ class ServingWorker:
             return []
         log.info("dropped %d row(s) whose client left", len(cancelled))
         gone = set(cancelled)
-        return self.runner.cancel([r for r in self.running if r.request_id in gone])
+        return self.engine.runner.cancel([r for r in self.running if r.request_id in gone])
 
     def _is_streamed(self, r: ScheduledRequest) -> bool:
         return (StreamKind.INTERACTIVE if r.is_interactive else StreamKind.BULK) in self.streamed
@@ -192,10 +187,9 @@ class ServingWorker:
         """Rows the plan took out of the batch unfinished wait again, still claimed, keeping their tokens: counted in
         the store and by cause (they compute their tokens again when they return)."""
         self._store(lambda session: store.count_preemptions(session, ids=[p.request.request_id for p in plan.preempted]))
-        for cause in ("priority", "pool"):
-            if gone := plan.preempted_by(cause):
-                self.meter.preempted(cause=cause, num_rows=len(gone), num_lost_tokens=sum(p.num_lost_tokens for p in gone))
-                log.info("preempted %d row(s) (%s)", len(gone), cause)
+        for p in plan.preempted:
+            self.meter.preempted(cause=p.cause, num_lost_tokens=p.num_lost_tokens)
+        log.info("preempted %s", ", ".join(f"{p.request.request_id} ({p.cause})" for p in plan.preempted))
 
     def _admit(self, entries: list[Entry], *, wait_out: bool = True) -> None:
         """Turn entries into scheduled requests; entries of finished, missing or poison requests end here.

@@ -85,8 +85,8 @@ def fill_counts() -> None:
                            token_times_ms=tuple(40.0 + i % 50 + 20 * k for k in range(8)), e2e_ms=200.0 + i,
                            started_at_s=time.time()) for i in range(300)]
         meter.finished(rows, enqueued_at={c.request_id: datetime.now(UTC) for c in rows})
-        meter.turn(num_prompt_tokens=40, num_generated_tokens=8, num_step_rows=8, num_running=8, num_waiting=2,
-                   kv_cache_usage=0.5)
+        meter.turn(num_prompt_tokens=40, num_cached_tokens=16, num_step_tokens=32, num_generated_tokens=8,
+                   num_step_rows=8, num_running=8, num_waiting=2, kv_cache_usage=0.5)
         for outcome in ("accepted", "too_many_queued_requests"):
             count_submission(endpoint="/v1/completions", model_name=name, outcome=outcome)
 

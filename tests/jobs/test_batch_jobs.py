@@ -77,21 +77,31 @@ def test_thousand_line_file_with_bad_lines_completes_with_every_line_answered_on
 
 
 class HeldEngine:
-    """The tiny engine, except that once `hold` is set its next step waits (signalling `held`) until `release` is
-    set: a test can land a cancel while the worker is mid-job, however fast the machine serves."""
+    """The tiny engine, except that once `hold` is set its runner's next step waits (signalling `held`) until
+    `release` is set: a test can land a cancel while the worker is mid-job, however fast the machine serves."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
         self.hold, self.held, self.release = threading.Event(), threading.Event(), threading.Event()
-
-    def step(self):
-        if self.hold.is_set() and not self.release.is_set():
-            self.held.set()
-            self.release.wait(timeout=120)
-        return self._engine.step()
+        self.runner = _HeldRunner(self)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+class _HeldRunner:
+    def __init__(self, held: HeldEngine) -> None:
+        self._held = held
+
+    def execute(self, plan):
+        held = self._held
+        if held.hold.is_set() and not held.release.is_set():
+            held.held.set()
+            held.release.wait(timeout=120)
+        return held._engine.runner.execute(plan)
+
+    def __getattr__(self, name):
+        return getattr(self._held._engine.runner, name)
 
 
 def test_cancel_mid_job_keeps_finished_results_and_ends_cancelled(make_stack, tiny_engine) -> None:

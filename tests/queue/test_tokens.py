@@ -99,7 +99,7 @@ def test_a_newcomers_first_token_is_published_before_the_decode_step_that_makes_
     served.streams.ensure_groups()
     request_id = submit_request(sessions=served.sessions, streams=served.streams, prompt="once upon a time",
                                 sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
-    engine, runner, key = served.worker.engine, served.worker.runner, tokens_key(served.streams.prefix, request_id)
+    engine, runner, key = served.worker.engine, served.worker.engine.runner, tokens_key(served.streams.prefix, request_id)
     released, seen_before = [], []  # per step: the text it released, and what its stream held before it ran
     real_execute = runner.execute
 
