@@ -17,7 +17,9 @@ import streamlit as st
 from dashboard import charts, hints, reads
 from servelab.analysis.metrics import latency_values
 from servelab.analysis.stats import Estimate, mean_interval
-from servelab.analysis.verdict import THROUGHPUT_METRICS, GainGoal, GAIN_METRICS, LatencyLimit, Limits, RunSet, Verdict
+from servelab.analysis.report import NO_PRICE, is_priced, limit_rows
+from servelab.analysis.verdict import (COST_METRICS, GAIN_METRICS, THROUGHPUT_METRICS, GainGoal, LatencyLimit, Limits,
+                                      RunSet, Verdict)
 from servelab.store.queries import RunListing
 
 GroupKey = tuple[str, str, str]  # (workload fingerprint, config name, config hash): the repeats of one config
@@ -87,7 +89,7 @@ def sidebar_limits(baseline_ids: list[str], candidate_ids: list[str]) -> Limits:
         st.subheader("Limits")
         if stored.source != "defaults":
             st.caption(f"From {stored.source}.")
-            st.json(stored.limits.model_dump(mode="json"), expanded=False)
+            st.table(pd.DataFrame(limit_rows(stored.limits)).set_index("criterion"))
             return stored.limits
         st.caption("These runs belong to no stored comparison: judged by these defaults, editable here, "
                    "saved nowhere.")
@@ -124,10 +126,9 @@ def show_verdict(v: Verdict) -> None:
                "paired by round, with a t interval over the runs.")
     st.caption(" · ".join(f"runs of {check}" for check in v.repeat_checks))
     with st.expander("every figure: baseline, candidate, ratio and its 95 % interval"):
-        st.dataframe(pd.DataFrame([{
-            "figure": f.name, "baseline": f.baseline, "candidate": f.candidate,
-            "ratio": None if f.ratio is None else f.ratio.value, "95 % interval": _interval(f.ratio)}
-            for f in v.figures]), hide_index=True, width="stretch")
+        st.dataframe(pd.DataFrame([_figure_row(f) for f in v.figures]), hide_index=True, width="stretch")
+        if any(f.name in COST_METRICS and not (f.baseline or f.candidate) for f in v.figures):
+            st.caption(f"Cost: {NO_PRICE}.")
 
 
 def _fmt_measured(name: str, kind: str, value: float) -> str:
@@ -171,12 +172,12 @@ def show_throughput_and_cost(sets: list[RunSet]) -> None:
                                              title="requests/s"), width="stretch",
                    height=charts.band_height(len(sets)))
     cost = summary_frame(sets, "cost_per_request")
+    if not any(is_priced(v) for v in cost["cost_per_request"].fillna(0)):
+        c.info(f"Cost per request: {NO_PRICE}.", icon=":material/sell:")
+        return
     c.altair_chart(charts.bars_with_interval(cost, value="cost_per_request", title="cost per request ($)",
                                              fmt=",.3g"), width="stretch",
                    height=charts.band_height(len(sets)))
-    if not (cost["cost_per_request"].fillna(0) > 0).any():
-        c.caption("Cost is 0: these runs were made without a price. Set SERVELAB_PRICE_PER_HOUR (the machine's "
-                  "price per hour) when running.")
 
 
 def show_latency(sets: list[RunSet]) -> None:
@@ -233,6 +234,16 @@ def show_quality(sets: list[RunSet], verdicts: list[Verdict]) -> None:
     agreement = {v.candidate: f for v in verdicts for f in v.figures if f.name.startswith("greedy outputs")}
     right.dataframe(pd.DataFrame([{**r, "greedy outputs = baseline's": _share(agreement.get(r["config"]))}
                                   for r in rows]), hide_index=True, width="stretch")
+
+
+def _figure_row(f) -> dict[str, str]:
+    """A figure as text: a cost measured without a price says so instead of 0."""
+    if f.name in COST_METRICS and not (f.baseline or f.candidate):
+        return {"figure": f.name, "baseline": "no price set", "candidate": "no price set", "ratio": "-",
+                "95 % interval": "-"}
+    number = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+    return {"figure": f.name, "baseline": number(f.baseline), "candidate": number(f.candidate),
+            "ratio": number(None if f.ratio is None else f.ratio.value), "95 % interval": _interval(f.ratio)}
 
 
 def _share(figure) -> str:

@@ -20,9 +20,11 @@ from servelab.store.queries import BatchPoint, RunListing, kv_bytes_per_token
 
 EXPLANATION = (
     "**How this is drawn.** Each dot is one engine batch: its stored peak KV-cache bytes (computed by the "
-    "engine from the model shape and the cache precision) against the tokens retained at that peak. Retained "
-    "tokens are not stored, so they are rebuilt from the batch's shape: after step *s* (0 = the prefill) the "
-    "cache holds rows × (padded prompt length + *s*) tokens, and the peak over the steps is taken. The line is "
+    "engine from the model shape and the cache precision) against the tokens retained at that peak, as the "
+    "engine stored them: with the paged cache, the columns of every block the rows held (whole blocks, a block "
+    "shared by a prefix counted once); with transformers' cache, rows × its left-padded width. (Batches stored "
+    "before retained tokens were kept are rebuilt from their shape: rows × (padded prompt length + steps).) The "
+    "line is "
     "the least-squares fit through the origin; its slope is the bytes one retained token costs. The diamonds "
     "are the chosen run's requests, each at the tokens it kept when it finished (prompt + generated − 1: the "
     "last token is never fed back), placed on its config's line."

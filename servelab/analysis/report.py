@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from servelab.analysis.verdict import Verdict
+from servelab.analysis.verdict import COST_METRICS, Limits, Verdict
+
+NO_PRICE = "no price set: set SERVELAB_PRICE_PER_HOUR (the machine's price per hour) when running"
 
 
 def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
@@ -29,6 +31,9 @@ def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
                          f"{OUTCOME_LABELS[c.outcome]:<6} {c.note}")
         lines.append(f"   {'figure':<40} {'baseline':>12} {'candidate':>12} {'ratio':>8} {'95% interval':>20}")
         for f in v.figures:
+            if f.name in COST_METRICS and not (f.baseline or f.candidate):
+                lines.append(f"   {f.name:<40} {NO_PRICE}")
+                continue
             ratio, interval = _ratio(f), "-"
             if ratio != "-" and f.ratio.has_interval:
                 interval = f"[{f.ratio.low:+.3f}, {f.ratio.high:+.3f}]" if _is_difference(f) else \
@@ -59,3 +64,30 @@ def _ratio(figure) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
+
+
+def limit_rows(limits: Limits) -> list[dict[str, str]]:
+    """A plan's limits as a reader's table: each criterion, its limit and which way it bounds."""
+    rows = []
+    if limits.max_accuracy_drop is not None:
+        rows.append(("quality: LAMBADA accuracy drop", f"{limits.max_accuracy_drop} points", "at most"))
+    if limits.max_perplexity_ratio is not None:
+        rows.append(("quality: LAMBADA perplexity", f"x{limits.max_perplexity_ratio} the baseline's", "at most"))
+    if limits.max_long_context_perplexity_ratio is not None:
+        rows.append(("quality: long-context perplexity", f"x{limits.max_long_context_perplexity_ratio} the "
+                     "baseline's", "at most"))
+    for lat in limits.latency:
+        bound = f"x{lat.max_ratio} the baseline's" if lat.max_ratio is not None else f"{lat.max_ms} ms"
+        rows.append((f"latency: p{lat.percentile} {lat.metric}", bound, "at most"))
+    for goal in limits.gains:
+        ratio = goal.min_ratio if goal.min_ratio is not None else goal.max_ratio
+        rows.append((f"gain: {goal.metric}", f"x{ratio} the baseline's",
+                     "at least" if goal.min_ratio is not None else "at most"))
+    if len(limits.gains) > 1:
+        rows.append(("gains that must hold", "every one" if limits.gain_rule == "all" else "any one", "-"))
+    return [{"criterion": c, "limit": limit, "direction": d} for c, limit, d in rows]
+
+
+def is_priced(cost_per_request: float | None) -> bool:
+    """Whether a run's cost figure was priced: a run made without SERVELAB_PRICE_PER_HOUR costs 0."""
+    return bool(cost_per_request)

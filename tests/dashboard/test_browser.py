@@ -85,6 +85,14 @@ def test_a_compare_link_shows_the_verdict_and_charts_in_chromium(dashboard_url, 
             assert "REJECT" not in body and "INCONCLUSIVE" not in body
             assert "Verdict" in body and "Side by side" in body and "Traceback" not in body
             assert page.locator(".vega-embed").count() >= 8
+            # the plan's limits, in the sidebar, as a table a reader can scan (never a JSON dump)
+            sidebar = page.locator('[data-testid="stSidebar"]')
+            limits = sidebar.locator("table")
+            assert limits.count() == 1, sidebar.inner_text()
+            table = limits.inner_text()
+            assert all(word in table for word in ("criterion", "limit", "direction", "LAMBADA accuracy drop",
+                                                  "at most", "gain: weight_bytes")), table
+            assert "{" not in sidebar.inner_text()
             shot = tmp_path / "dashboard-compare.png"
             page.screenshot(path=str(shot), full_page=True)
         finally:

@@ -81,10 +81,15 @@ def test_back_pressure_stops_ingest_at_the_jobs_in_flight_limit(make_stack) -> N
 def test_a_line_longer_than_the_limit_is_refused_and_the_next_line_still_read(make_stack) -> None:
     stack = make_stack(with_worker=False)
     huge = json.dumps({"custom_id": "big", "method": "POST", "url": "/v1/completions",
-                       "body": {"model": "fp32", "prompt": "y" * 2_000_000}})
-    job = make_job(stack, f"{line('a', 'fp32')}\n{huge}\n{line('b', 'fp32')}".encode())
+                       "body": {"model": "fp32", "prompt": "y" * 2_000_000}})  # NOTE: past a 1 MiB read, too
+    unnamed = json.dumps({"method": "POST", "url": "/v1/completions", "custom_id": "late",
+                          "body": {"model": "fp32", "prompt": "z" * 1_100_000}})
+    job = make_job(stack, f"{line('a', 'fp32')}\n{huge}\n{line('b', 'fp32')}\n{unnamed}".encode())
     ingest_all(stack, job)
-    assert {n: e.code for n, e in line_errors(stack, job).items()} == {2: "line_too_large"}
+    errors = line_errors(stack, job)
+    assert {n: e.code for n, e in errors.items()} == {2: "line_too_large", 4: "line_too_large"}
+    # the id the line opens with is read from its first bytes, so the user can match the error to the line
+    assert errors[2].custom_id == "big" and errors[4].custom_id is None
     with session_scope(stack.runtime.sessions) as session:
         assert {r.custom_id for r in jobs.iter_job_requests(session, job_id=job.id)} == {"a", "b"}
 

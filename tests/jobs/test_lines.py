@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from servelab.config import ServingConfig
 from servelab.catalog import Catalog
-from servelab.jobs.ingest import TOO_LONG, parse_line, parse_line_fast, parse_line_reference
+from servelab.jobs.ingest import TOO_LONG, opening_custom_id, parse_line, parse_line_fast, parse_line_reference
 from servelab.store.batch_jobs import LineError, NewRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,3 +241,17 @@ def test_random_lines_taken_by_the_fast_path_are_the_references_and_the_rest_it_
 def test_a_line_nested_deeper_than_the_stack_is_refused_not_raised() -> None:
     fast, _ = both(b'{"custom_id": "c-1", "body": ' + b"[" * 100_000)
     assert fast.code == "invalid_json" and "recursion" in fast.message
+
+
+@pytest.mark.parametrize(("head", "custom_id"), [
+    (b'{"custom_id": "req-1", "method": "POST", "body": {"prompt": "yyyy', "req-1"),
+    (b'  {  "custom_id":"a \\"quoted\\" id", "body": {', 'a "quoted" id'),
+    (b'{"custom_id": "\\u65e5\\u672c", "url"', "\u65e5\u672c"),
+    (b'{"method": "POST", "custom_id": "late", "body": {', None),  # not where a line's start can tell
+    (b'{"custom_id": "cut off in the mid', None),
+    (b'{"custom_id": 7, "body": {', None),
+    (b'{"custom_id": "", "body": {', None),
+    (b"not json at all", None),
+])
+def test_a_too_long_lines_custom_id_is_read_from_its_opening_bytes(head: bytes, custom_id: str | None) -> None:
+    assert opening_custom_id(head) == custom_id
