@@ -80,7 +80,7 @@ test: $(STAMP)
 	$(MAKE) -j2 clients
 	$(PY) -m pytest --durations=25
 
-# The engine's speed steps side by side (docs/performance.md, "Performance"); the peer engines: bench/peers/README.md.
+# The engine's speed steps side by side (docs/performance.md, "The engine's speed work, step by step"); the peer engines: bench/peers/README.md.
 bench: $(STAMP)
 	$(SL) bench steps --config configs/fp32.yaml --threads 1
 	$(SL) bench steps --config configs/bf16.yaml --threads 1
