@@ -59,11 +59,14 @@ class Decodings:
             self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self.grammars.matcher(constraint)
 
-    def open(self, rows: tuple[ScheduledRequest, ...], *, started: float, started_at_s: float) -> None:
-        """Rows this runner computes for the first time get their state (a preempted row keeps its own; a row with no
-        token yet starts afresh, so nothing left by an earlier request of its id is read)."""
+    def open(self, rows: tuple[ScheduledRequest, ...], *, admitted: tuple[ScheduledRequest, ...] = (),
+             started: float, started_at_s: float) -> None:
+        """Rows this runner computes for the first time get their state, their times counting from now. A row
+        admitted again keeps its own (a preempted row goes on), unless it has no token yet: then it starts afresh, so
+        nothing left by an earlier request of its id is read. A prompt's later chunks keep the state its first made."""
+        fresh = {id(r) for r in admitted if not r.num_generated_tokens}
         for r in rows:
-            if r.request_id not in self._by_id or not r.num_generated_tokens:
+            if r.request_id not in self._by_id or id(r) in fresh:
                 params = r.request.params
                 self._by_id[r.request_id] = Decoding(
                     make_generator(params, self.device),

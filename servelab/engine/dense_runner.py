@@ -36,7 +36,7 @@ class TransformersRunner(Runner):
         assert self._ids == [r.request_id for r in plan.decode], "decode rows come in the cache's order"
         if not plan.rows:
             return StepOutput((), ())
-        self.decodings.open(plan.rows, started=time.perf_counter(), started_at_s=time.time())
+        self.decodings.open(plan.rows, admitted=plan.admitted, started=time.perf_counter(), started_at_s=time.time())
         outs = []
         if plan.decode:
             outs.append(self._decode(list(plan.decode)))

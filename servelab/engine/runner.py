@@ -141,7 +141,7 @@ class PagedRunner(Runner):
         if not plan.rows:
             return StepOutput((), ())
         started, started_at_s = time.perf_counter(), time.time()
-        self.decodings.open(plan.rows, started=started, started_at_s=started_at_s)
+        self.decodings.open(plan.rows, admitted=plan.admitted, started=started, started_at_s=started_at_s)
         cache = self.cache(plan.pool)
         cache.reach([r.block_table for r in plan.rows], expected=plan.num_expected_blocks)
         batch, sampled = self._batch(plan, cache)

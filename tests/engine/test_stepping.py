@@ -152,6 +152,24 @@ def test_a_preempted_row_recomputes_its_tokens_and_ends_with_the_same_answer(eit
     assert timings.num_preempted == 1
 
 
+def test_a_prompt_computed_in_chunks_counts_its_times_from_its_first_chunk(tiny_folder, settings) -> None:
+    """Its TTFT spans its whole prefill: the state a row's first chunk opens is kept through its later chunks."""
+    import time
+
+    from tests.engine.conftest import make_config
+
+    engine = Engine.from_config(make_config(str(tiny_folder), batching={"max_prefill_tokens": 8}), settings)
+    request = GenerationRequest("long", prompt="the cat sat on the mat " * 6, params=SamplingParams(max_new_tokens=2))
+    assert len(engine.encode(request)) > 3 * 8
+    before = time.time()
+    assert engine.add([request]).new_tokens == ()  # its first chunk: no token yet
+    after_first_chunk = time.time()
+    done = {}
+    while engine.num_live:
+        done.update((c.request_id, c) for c in engine.step().finished)
+    assert before <= done["long"].started_at_s <= after_first_chunk
+
+
 def test_generate_refuses_to_run_beside_a_running_batch(tiny_engine: Engine) -> None:
     tiny_engine.add([GenerationRequest("x", prompt="cat", params=SamplingParams(max_new_tokens=3))])
     with pytest.raises(RuntimeError, match="closed batch"):
