@@ -227,8 +227,8 @@ def bench_head_of_line(
                f"prompt + {bulk_tokens} new tokens), {calls} interactive calls of {call_tokens} tokens, "
                f"every {interval:g} s during it; {rounds} round(s)")
     typer.echo(format_head_of_line(rounds_by_policy))
-    typer.echo(f"a newcomer's prefill ({join.num_prompt_tokens} tokens) between two steps of {join.num_rows} running "
-               f"rows: {join.prefill_ms:.1f} ms beside a {join.step_ms:.1f} ms step, so the running rows' token "
+    typer.echo(f"a newcomer's prefill ({join.num_prompt_tokens} tokens) adds {join.prefill_ms:.1f} ms to the step of "
+               f"{join.num_rows} running rows it joins (a plain step: {join.step_ms:.1f} ms), so the running rows' token "
                f"after a join takes x{join.tpot_factor:.2f} a plain one; a step of 1 row: {join.alone_step_ms:.1f} ms, "
                f"so sharing a full batch costs a call x{join.step_ms / join.alone_step_ms:.2f} per token at least "
                f"(medians of 7 rounds)")

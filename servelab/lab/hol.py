@@ -25,7 +25,7 @@ from servelab.engine.engine import Engine
 from servelab.lab.relays import read_all
 from servelab.lab.bench import bench_requests, nearest_rank as percentile
 from servelab.scheduler.policy import BatchPolicy
-from servelab.queue.streams import RequestStreams, wait_done
+from servelab.queue.streams import RequestStreams, enqueue_all, wait_done
 from servelab.queue.tokens import read_to_end
 from servelab.queue.submit import submit_request
 from servelab.request import GenerationRequest, SamplingParams
@@ -91,7 +91,7 @@ def _one_round(engine: Engine, runtime: Runtime, name: str, policy: BatchPolicy,
     try:
         alone = [_call(worker, interactive, StreamKind.INTERACTIVE) for _ in range(workload.num_interactive)]
         started = time.perf_counter()
-        bulk_ids = [_submit(worker, r, StreamKind.BULK) for r in bulk]
+        bulk_ids = _submit_job(worker, bulk)
         with ThreadPoolExecutor(max_workers=workload.num_interactive) as pool:
             calls = []
             for i in range(workload.num_interactive):
@@ -119,7 +119,7 @@ class JoinCost:
     num_rows: int
     num_prompt_tokens: int
     step_ms: float  # one decode step of the running rows
-    prefill_ms: float  # one newcomer's prefill, joined between two steps
+    prefill_ms: float  # what one newcomer's prompt adds to the step it joins (that step's time less a plain one's)
     alone_step_ms: float  # one decode step of one row: what a call pays per token alone
 
     @property
@@ -129,9 +129,10 @@ class JoinCost:
 
 
 def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num_rounds: int = 7) -> JoinCost:
-    """Medians over interleaved rounds of a plain decode step and of one newcomer's prefill, with num_rows
-    running (each round's newcomer leaves after its first token: max_new_tokens 1); and of a lone row's step."""
-    running = bench_requests(engine, num_rows, num_prompt_tokens, 4 * num_rounds + 8)
+    """Medians over interleaved rounds of a plain decode step and of what one newcomer's prompt adds to the step it
+    joins, with num_rows running (each round's newcomer leaves after its first token: max_new_tokens 1); and of a lone
+    row's step."""
+    running = bench_requests(engine, num_rows, num_prompt_tokens, 6 * num_rounds + 8)
     newcomer = bench_requests(engine, 1, num_prompt_tokens, 1)[0]
     engine.take_stats()
     engine.add(running[:1])
@@ -147,9 +148,12 @@ def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num
         started = time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - started) * 1e3)
-        started = time.perf_counter()
+        # NOTE: a newcomer's prompt is computed in the next step, beside the running rows' tokens: its cost is that
+        # step's time less a plain one's
         engine.add([GenerationRequest(f"join-{i}", prompt=newcomer.prompt, params=newcomer.params)])
-        prefills.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        engine.step()
+        prefills.append((time.perf_counter() - started) * 1e3 - steps[-1])
     while engine.num_live:
         engine.step()
     engine.take_stats()
@@ -160,6 +164,18 @@ def time_join_cost(engine: Engine, *, num_rows: int, num_prompt_tokens: int, num
 def _submit(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> str:
     return submit_request(sessions=worker.sessions, streams=worker.streams, kind=kind, prompt=request.prompt,
                           sampling=request.params)
+
+
+def _submit_job(worker: ServingWorker, requests: list[GenerationRequest]) -> list[str]:
+    """A bulk job as the jobs feed hands it to the queue: every row committed in one transaction, then every id onto
+    the bulk stream in one round trip. NOTE: submitted one by one, a 20 ms window would close while the job is still
+    arriving and split it into batches by chance, and the interactive calls' wait would measure that race."""
+    with session_scope(worker.sessions) as session:
+        ids = [store.create_request(session, serving_config_name=worker.streams.config_name, stream=StreamKind.BULK,
+                                    prompt=r.prompt, sampling=r.params) for r in requests]
+    enqueue_all(worker.streams.client, prefix=worker.streams.prefix,
+                entries=[(i, worker.streams.config_name, StreamKind.BULK) for i in ids])
+    return ids
 
 
 def _call(worker: ServingWorker, request: GenerationRequest, kind: StreamKind) -> tuple[float, float]:

@@ -91,6 +91,9 @@ class Scheduler:
         self.waiting: list[ScheduledRequest] = []  # in order of arrival; the policy orders them for service
         self.running: list[ScheduledRequest] = []  # in order of admission: the newest last (preempted first)
         self._first_seen_s: float | None = None  # when an idle scheduler first had a batch to form (the window)
+        # NOTE: a window batch's rows that formed it but wait (for a prefix another row computes, or for blocks): they
+        # belong to the closed batch and join it as soon as they can
+        self._formed: set[str] = set()
 
     # --- what comes in and goes out ---
 
@@ -107,6 +110,7 @@ class Scheduler:
         gone = {r.request_id: r for r in [*self.running, *self.waiting] if r.request_id in wanted}
         self.running = [r for r in self.running if r.request_id not in wanted]
         self.waiting = [r for r in self.waiting if r.request_id not in wanted]
+        self._formed -= wanted
         for r in gone.values():
             if self.pool is not None:
                 self.pool.free(r)
@@ -168,7 +172,8 @@ class Scheduler:
         step's token budget (max_prefill_tokens less the decode rows); newcomers take their blocks (their cached
         prefix shared; each running row keeps one block in reserve for its next token) and their first chunk while
         the budget lasts (a batch that forms admits all its rows, its prompts computed over the next steps). A
-        newcomer whose prompt starts with blocks another row is still prefilling waits for them to be cached.
+        newcomer whose prompt starts with blocks another row is still prefilling waits for them to be cached; under
+        `window`, a row of the batch that waits so (or for blocks) still belongs to it and joins it once it can.
         Without a pool, newcomers are prefilled whole and running rows decode one token.
         """
         plan = _Plan()
@@ -197,9 +202,13 @@ class Scheduler:
             if not batch or not self.policy.is_closed(batch, rest, first_seen_s=self._first_seen_s, now_s=now_s):
                 return returning or None
             self._first_seen_s = None
+            self._formed = {r.request_id for r in batch}
             return batch
-        if not admit or not self.policy.is_continuous:
-            return returning  # NOTE: rows the pool pushed out belong to this batch: they return as room does
+        if not admit:
+            return returning
+        if not self.policy.is_continuous:  # NOTE: rows the pool pushed out, and rows that formed it, belong to this batch
+            return [r for r in self.policy.order(self.waiting)
+                    if r.status is ScheduledStatus.PREEMPTED or r.request_id in self._formed]
         fits = self._fits_after if self.pool is not None else None
         for victim in self.policy.victims(self.waiting, self.running, fits):
             victim.num_preemptions += 1
@@ -326,6 +335,7 @@ class Scheduler:
     def _start(self, r: ScheduledRequest, *, cached: int, plan: _Plan) -> None:
         """A waiting request joins the running batch, `cached` of its tokens found in the prefix cache."""
         self.waiting.remove(r)
+        self._formed.discard(r.request_id)
         if r.status is ScheduledStatus.WAITING:  # its first admission: what its prompt found is its cached tokens
             r.num_cached_tokens = cached
             if self.pool is not None and self.pool.prefix_caching:

@@ -120,6 +120,23 @@ def test_with_a_window_a_decoding_row_holds_no_more_than_its_sinks_and_window() 
     assert s.pool.num_used_blocks == len(r0.block_table)  # the evicted blocks went back to the pool
 
 
+def test_a_window_batch_keeps_the_rows_that_wait_for_a_shared_prefix_and_runs_them_once_it_is_cached() -> None:
+    # NOTE: a bulk job's lines share their opening blocks: the first computes them, the others wait for them to be
+    # cached. Under `window` they still belong to the batch that formed: they join it as soon as the blocks are
+    # cached, never after the first row's last token (a closed batch of one)
+    s = scheduler(prefix_caching=True, policy="window", max_prefill_tokens=64, max_batch_size=4)
+    s.add([cand(i, prompt=9, new=6, interactive=False) for i in range(4)])
+    first = step(s)
+    assert ids(first.admitted) == ["r0"] and ids(s.waiting) == ["r1", "r2", "r3"]
+    second = step(s)  # r0's two full blocks are cached: the rest of the batch joins, computing only its last token
+    assert ids(second.admitted) == ["r1", "r2", "r3"] and chunks(second) == [("r1", 1), ("r2", 1), ("r3", 1)]
+    assert all(r.num_cached_tokens == 8 for r in second.admitted)
+    s.add([cand(9, prompt=9, new=6, interactive=False)])
+    while s.running:
+        assert "r9" not in ids(step(s).admitted)  # the batch stays closed to requests that came after it formed
+    assert ids(step(s).admitted) == ["r9"]
+
+
 def test_a_seeded_simulation_keeps_every_request_in_one_set_and_every_block_accounted_for() -> None:
     rng = random.Random(11)
     prompts = [[rng.randint(1, 9) for _ in range(rng.randint(1, 24))] for _ in range(5)]
