@@ -1,18 +1,19 @@
-"""The model's forward pass for the engine: servelab's own Llama decoder, or transformers' forward.
+"""The model's forward pass for the engine: servelab's own decoder (Llama's block and its families), or transformers'.
 
 Both map (token ids, padding mask, positions, KV cache) to the last position's logits; engine.py
 drives them the same way and never sees which one runs. Past 400 lines as one piece: the block's operations, its
 cache layouts and the kernel each operation dispatches to change together.
 
 `LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
-grouped-query attention, SwiGLU MLP) with fewer, larger operations: q/k/v and gate/up are one matmul
+grouped-query attention, SwiGLU MLP), and the families that differ from it by a bias, a q/k norm or a fused
+projection (Mistral, Qwen2, Qwen3, Phi-3: families.py says how each differs and what is refused), with fewer, larger operations: q/k/v and gate/up are one matmul
 each, dense weights are laid out once for the matmul kernel that serves them (linear.py), keys and values are written in place into caches allocated
 ahead (kvcache.py), and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
 slower for one query over a long cache; with the servelab kernels, one fused kernel). It keeps its own copy of the packed weights: transformers'
 model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
 
 `TransformersDecoder` runs transformers' forward with its dynamic cache: any architecture, and what
-`LlamaDecoder` does not cover (rope scaling, other activations; see `unsupported_reason`).
+`LlamaDecoder` does not cover (other architectures and activations, windows; see families.unsupported_reason).
 Does not know requests, sampling or stop conditions.
 """
 
@@ -25,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from servelab.engine.families import family_of, positions_reason, rope_positions, unsupported_reason
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
@@ -144,19 +146,6 @@ def lm_head_reason(model, choice: str, device: torch.device, cache_dir: Path) ->
         return blocked.reason
     if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None or model.lm_head.in_features % 4:
         return "the output layer is not a plain linear layer with a multiple of 4 inputs"
-    return None
-
-
-def unsupported_reason(model) -> str | None:
-    """Why LlamaDecoder cannot run this model exactly, or None when it can."""
-    config = model.config
-    if config.model_type != "llama":
-        return f"architecture {config.model_type!r} (servelab's decoder covers 'llama')"
-    if config.hidden_act != "silu":
-        return f"activation {config.hidden_act!r}"
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type != "default":
-        return f"rope type {rope_type!r}"
     return None
 
 
@@ -346,10 +335,13 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Projection
     down: Projection
+    q_norm: torch.Tensor | None = None  # (D,) Qwen3's per-head norms of queries and keys, before rotary
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaDecoder:
-    """servelab's Llama forward: fused projections, packed weights, a pre-allocated cache."""
+    """servelab's forward of Llama's block and its families: fused projections, packed weights, a pre-allocated
+    cache."""
 
     name = "servelab"
 
@@ -362,9 +354,11 @@ class LlamaDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.embed_dim = config.hidden_size
+        self.vocab_size = model.lm_head.out_features  # the logits' width
         self.dtype, self.device = dtype, device
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
+        family = family_of(config)
         self.final_norm = _own(body.norm.weight)
         tied = model.lm_head.weight is body.embed_tokens.weight
         head_kernel = kernel.for_tied_head() if tied else kernel
@@ -378,11 +372,13 @@ class LlamaDecoder:
         self.layers = [
             _Layer(
                 attn_norm=_own(layer.input_layernorm.weight),
-                qkv=projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kernel, int4),
+                qkv=projection(family.qkv_modules(layer), kernel, int4),
                 o=projection([layer.self_attn.o_proj], kernel, int4),
                 mlp_norm=_own(layer.post_attention_layernorm.weight),
-                gate_up=projection([layer.mlp.gate_proj, layer.mlp.up_proj], kernel, int4),
+                gate_up=projection(family.gate_up_modules(layer), kernel, int4),
                 down=projection([layer.mlp.down_proj], kernel, int4),
+                q_norm=_own(layer.self_attn.q_norm.weight) if family.has_qk_norm else None,
+                k_norm=_own(layer.self_attn.k_norm.weight) if family.has_qk_norm else None,
             )
             for layer in body.layers
         ]
@@ -408,7 +404,10 @@ class LlamaDecoder:
         self._stack = None  # DecodeStack, built on first use; False where it does not fit
         self._stack_rows = 0  # the most rows a step takes through it (a dense projection's servelab row range)
         rotary = body.rotary_emb
-        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        # NOTE: transformers' inv_freq and attention_scaling as its rope type computed them at init, over the positions
+        # where they stay so (families.rope_positions); a position past them is refused by name
+        self.positions_reason = positions_reason(model)
+        positions = torch.arange(rope_positions(model), device=device, dtype=torch.float32)
         freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
         angles = torch.cat([freqs, freqs], dim=-1)  # (P, D), as transformers' rotary embedding lays it out
         self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)
@@ -422,7 +421,7 @@ class LlamaDecoder:
         """The weights a decode step reads in full (the embedding and rotary tables only a row per token)."""
         out = [self.final_norm, *projection_tensors(self.lm_head)]
         for layer in self.layers:
-            out += [layer.attn_norm, layer.mlp_norm]
+            out += [layer.attn_norm, layer.mlp_norm, *(n for n in (layer.q_norm, layer.k_norm) if n is not None)]
             for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 out += projection_tensors(p)
         return out
@@ -445,6 +444,7 @@ class LlamaDecoder:
                 window: tuple[int, int, int] | None = None) -> torch.Tensor:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        self._check_positions(position_ids)
         h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(input_ids, self.embed))  # (B, T, C)
         cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
@@ -452,7 +452,7 @@ class LlamaDecoder:
         if window is not None and T > 1:
             mask = _window_mask(mask, attention_mask, position_ids, window)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D)
+            qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D))
             qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
             keys, values = cache.append(i, k, qkv[:, :, H + H_kv:].transpose(1, 2))  # (B, H_kv, S, D)
@@ -462,9 +462,25 @@ class LlamaDecoder:
         cache.advance(T)
         return h
 
+    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv (..., H + 2 H_kv, D) with each query and key head RMS-normed over D (Qwen3's q_norm / k_norm), before
+        any kernel rotates them; other families' as it is."""
+        if layer.q_norm is None:
+            return qkv
+        H, H_kv = self.num_heads, self.num_kv_heads
+        return torch.cat([_rms_norm(qkv[..., :H, :], layer.q_norm, self.eps),
+                          _rms_norm(qkv[..., H:H + H_kv, :], layer.k_norm, self.eps), qkv[..., H + H_kv:, :]], dim=-2)
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        if positions.numel() and (last := int(positions.max())) >= self.cos.shape[0]:
+            raise ValueError(f"position {last} is past the {self.cos.shape[0]} positions servelab's decoder serves for "
+                             f"this model ({self.positions_reason}): set decoding.max_context_tokens to at most "
+                             f"{self.cos.shape[0]}, or decoder: transformers")
+
     def forward_paged(self, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """One forward over the paged cache: the decode rows' tokens, then the prefill chunks', in one pass through
         the weights -> logits (len(batch.logit_rows), V) of the tokens named there."""
+        self._check_positions(batch.positions)
         h = (self.embed_from_head.rows(batch.input_ids).to(self.dtype) if self.embed_from_head is not None
              else F.embedding(batch.input_ids, self.embed)).view(-1, 1, self.embed_dim)  # (N, 1, C)
         if not batch.chunks and self.decode_step_attention is not None:
@@ -472,6 +488,8 @@ class LlamaDecoder:
         else:
             h = self._mixed_hidden(h, batch, cache)
         h = h.view(h.shape[0], -1)[batch.logit_rows].contiguous()
+        if not h.shape[0]:  # NOTE: only prompt chunks that do not complete their prompt: nothing samples
+            return h.new_empty((0, self.vocab_size))
         return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))  # (K, V)
 
     def _decode_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -486,7 +504,7 @@ class LlamaDecoder:
                              lengths, table, cache.key_scales, cache.value_scales)
             return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D)
+            qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D))
             attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, cache.keys[i], cache.values[i],
                                                   lengths, table, H, D ** -0.5, *cache.scales(i))  # (B, H x D)
             h = add_projection(layer.o, attended.view(B, 1, H * D), h)
@@ -514,7 +532,7 @@ class LlamaDecoder:
         cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
         decode_places = batch.decode_places(bs) if Bd and self.decode_step_attention is None else None
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D)
+            qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D))
             parts = []
             if Bd and self.decode_step_attention is not None:
                 parts.append(self.decode_step_attention(qkv[:Bd], self.cos, self.sin, batch.positions[:Bd],
@@ -578,13 +596,14 @@ class LlamaDecoder:
         """Every layer as one kernel call (a decode step's, or a step with prompt chunks where the fused attention
         takes each), where the norms and attention are servelab's and every projection is servelab's int4 kernel, or
         every one servelab's dense kernel on weights in the model's dtype (up to the rows `auto` measured it fastest
-        at: _stack_rows), without bias or padding: built on the first forward (after any change to a projection's
+        at: _stack_rows), without bias, padding or q/k norm: built on the first forward (after any change to a projection's
         int_rows), else None."""
         if self._stack is None:
             projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             blocked = self.kernel.blocked.module if self.kernel.blocked is not None else None
             self._stack = False
-            if blocked is None or self.decode_step_attention is None or self.rms_norm != blocked.rms_norm:
+            if (blocked is None or self.decode_step_attention is None or self.rms_norm != blocked.rms_norm
+                    or self.layers[0].q_norm is not None):  # NOTE: the stack knows no q/k norm (Qwen3)
                 return None
             if all(isinstance(p, ServelabInt4Linear) and p.takes_residual for p in projections):
                 parts = {id(p): (p.packed, p.scales, p.zeros, p.group_size, p.int_rows, p.float_activations)

@@ -606,7 +606,8 @@ class BlockedMatmulLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.matmul(rows, self.weight).transpose(0, 1).reshape(rows.shape[0], -1)  # (M, N padded)
+        blocks, _, width = self.weight.shape
+        y = torch.matmul(rows, self.weight).transpose(0, 1).reshape(rows.shape[0], blocks * width)  # (M, N padded)
         y = y[:, : self.blocked.out_features].reshape(*x.shape[:-1], self.blocked.out_features)
         return y + self.bias if self.bias is not None else y
 
