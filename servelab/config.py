@@ -105,6 +105,10 @@ class DecodingConfig(_Frozen):
 
 
 class AWQConfig(_Frozen):
+    """How `servelab quantize` makes int4 weights from a full-precision model, and the kernel that serves int4 weights.
+    For a published AWQ checkpoint (the model folder's config.json declares quantization_config) bits, group_size and
+    zero_point state the checkpoint's (checked when it loads), method stays awq and the calibration fields are unread."""
+
     method: Literal["awq", "rtn"] = Field(default="awq", description="rtn: round-to-nearest, the baseline AWQ must beat")
     bits: Literal[4] = 4
     group_size: Literal[32, 64, 128] = 64

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from servelab.config import ServingConfig
 from servelab.engine import measure
 from servelab.engine.arena import gather_on_huge_pages
-from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights
+from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights, unsupported_reason
 from servelab.engine.decoding import Decodings
 from servelab.engine.dense_runner import TransformersRunner
 from servelab.engine.kvcache import cache_bytes_per_element
@@ -42,6 +42,9 @@ from servelab.scheduler.state import ScheduledRequest
 from servelab.settings import Settings
 
 UNLIMITED = 1 << 62
+# What a model served by transformers' forward goes without: the features of servelab's decoder and its paged cache
+WITHOUT_SERVELAB_DECODER = ("paged KV cache", "prefix caching", "int8 KV cache", "window eviction", "chunked prefill",
+                            "int8 output layer")
 
 
 class Engine:
@@ -149,6 +152,17 @@ class Engine:
         head = ", int8 output layer" if self.config.lm_head_weights == "int8" else ""
         return f"{self.decoder.name} decoder, {linear}{head}"
 
+    @property
+    def decoder_reason(self) -> str | None:
+        """Why transformers' forward, not servelab's decoder, serves this model, and what that costs; None where
+        servelab's decoder serves it. A worker registers it beside its kernel label."""
+        if self.decoder.name == "servelab":
+            return None
+        reason = unsupported_reason(self.loaded.model)
+        why = (f"servelab's decoder does not cover this model: {reason}" if reason
+               else "the config sets decoder: transformers")
+        return f"{why}; so {', '.join('no ' + feature for feature in WITHOUT_SERVELAB_DECODER)}"
+
     @classmethod
     def from_config(cls, config: ServingConfig, settings: Settings) -> Engine:
         apply_threads(config, settings)
@@ -178,6 +192,9 @@ class Engine:
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("messages is empty: give at least one message")
+            if not self.tokenizer.chat_template:  # NOTE: the model's own template only; servelab has none
+                raise RequestError(f"this model's tokenizer has no chat template ({self.loaded.folder}): send a "
+                                   "prompt instead of messages")
             chat = [{"role": m.role, "content": m.content} for m in request.messages]
             ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,8 +1,9 @@
 """Loads a serving config's model and tokenizer onto its device: the one place the weights pick the loader.
 
 `weights: awq-int4` goes to the AWQ loader (servelab.engine.awq); fp32 / bf16 / fp16 load the dense
-transformers model here. Knows the weight precisions and the thread count. Does not know decoding; where
-model files come from is servelab.engine.model_files, what a loaded model is servelab.engine.loaded_model.
+transformers model here. Knows the weight precisions, the thread count, and that a context longer than the model's
+positions is refused. Does not know decoding; where model files come from is servelab.engine.model_files, what a
+loaded model is servelab.engine.loaded_model.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from transformers.utils import logging as transformers_logging
 
 from servelab.config import ServingConfig
 from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
-from servelab.engine.model_files import ModelLoadError, ensure_bundled_folder, file_lock, resolve_model_folder
+from servelab.engine.model_files import (
+    ModelLoadError,
+    declared_quantization,
+    ensure_bundled_folder,
+    file_lock,
+    resolve_model_folder,
+)
 from servelab.settings import Settings, available_cores
 
 # NOTE: re-exported: engine, cli, linear, kernels, lab, bench and tests import these from here.
 __all__ = [
-    "DTYPES", "LoadedModel", "ModelLoadError", "apply_threads", "ensure_bundled_folder", "file_lock",
-    "load_dense_model", "load_model", "model_shape", "resolve_device", "resolve_model_folder",
+    "DTYPES", "LoadedModel", "ModelLoadError", "apply_threads", "check_context_length", "ensure_bundled_folder",
+    "file_lock", "load_dense_model", "load_model", "model_shape", "resolve_device", "resolve_model_folder",
 ]
 
 log = logging.getLogger(__name__)
@@ -44,8 +51,23 @@ def load_model(config: ServingConfig, settings: Settings) -> LoadedModel:
     if config.weights == "awq-int4":
         from servelab.engine.awq import load_awq_model  # NOTE: gptqmodel is heavy; import only for AWQ
 
-        return load_awq_model(config, settings)
-    return load_dense_model(config, settings)
+        loaded = load_awq_model(config, settings)
+    else:
+        loaded = load_dense_model(config, settings)
+    check_context_length(config, loaded)
+    return loaded
+
+
+def check_context_length(config: ServingConfig, loaded: LoadedModel) -> None:
+    """A context longer than the model's positions is refused: positions past max_position_embeddings were never
+    trained, and servelab's decoder builds its rotary table up to it."""
+    max_positions = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(max_positions, int) and config.decoding.max_context_tokens > max_positions:
+        raise ModelLoadError(
+            f"config {config.name!r}: decoding.max_context_tokens is {config.decoding.max_context_tokens}, above the "
+            f"model's max_position_embeddings ({max_positions}, {loaded.folder}): set decoding.max_context_tokens to "
+            f"{max_positions} or less"
+        )
 
 
 def load_dense_model(config: ServingConfig, settings: Settings) -> LoadedModel:
@@ -54,6 +76,13 @@ def load_dense_model(config: ServingConfig, settings: Settings) -> LoadedModel:
     if settings.hf_hub_offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = resolve_model_folder(config.model, settings)
+    if (declared := declared_quantization(folder)) is not None:
+        # NOTE: transformers would load it in its own quantised form, not the precision the config names
+        raise ModelLoadError(
+            f"{folder} holds quantised weights (its config.json declares quantization_config, quant_method "
+            f"{declared.get('quant_method')!r}), not {config.weights}: an AWQ int4 checkpoint is served with "
+            "weights: awq-int4"
+        )
     device = resolve_device(config.device)
     dtype = DTYPES[config.weights]
     if dtype == torch.float16 and device.type == "cpu":

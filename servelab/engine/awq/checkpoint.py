@@ -1,22 +1,30 @@
-"""The int4 checkpoint cache: where a config's checkpoint lives, the record inside it, and checking it.
+"""A config's int4 checkpoint: the cache slot `servelab quantize` fills, the record inside it, and checking it; or
+the published AWQ checkpoint the config's model names, which its awq section must state.
 
-Knows the cache key (base model fingerprint, method, quant and calibration settings), the GEMM tensor
-layout a checkpoint must have, and that a bad checkpoint raises, never falls back to full precision.
-Does not know how a checkpoint is made (quantizing.py) or served (load.py).
+Knows the cache key (base model fingerprint, method, quant and calibration settings), that a cached checkpoint must
+match its base model, and that a bad checkpoint raises, never falls back to full precision. Does not know how a
+checkpoint is made (quantizing.py) or served (load.py); what a folder's files say is layout.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from safetensors import SafetensorError, safe_open
-
 from servelab.config import AWQConfig, ServingConfig
-from servelab.engine.model_files import ModelLoadError, resolve_model_folder
+from servelab.engine.awq.layout import (
+    AWQCheckpointError,
+    AWQLayout,
+    packed_tensors,
+    published_layout,
+    read_json,
+    safetensors_files,
+    tensor_shapes,
+)
+from servelab.engine.model_files import resolve_model_folder
 from servelab.settings import Settings
 
 QuantMethod = Literal["awq", "rtn"]
@@ -27,11 +35,6 @@ SHAPE_FIELDS = (
     "num_attention_heads", "num_key_value_heads", "vocab_size",
 )
 RECORD_FILE = "servelab_quantize.json"
-PACK_FACTOR = 32 // 4  # int4 values per packed int32 column
-
-
-class AWQCheckpointError(ModelLoadError):
-    """An AWQ checkpoint that is missing, corrupt or made for another model; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,34 @@ def checkpoint_slot(config: ServingConfig, settings: Settings, base_folder: Path
 
 
 def awq_checkpoint_dir(config: ServingConfig, settings: Settings, *, method: QuantMethod | None = None) -> Path:
-    """The cache folder of this config's quantised checkpoint (which may not exist yet)."""
+    """The folder of this config's int4 checkpoint: a published AWQ checkpoint's own folder, else the cache folder of
+    the checkpoint `servelab quantize` makes from the config's model (which may not exist yet)."""
     awq_section(config)  # NOTE: a config without an awq section is refused before its model is resolved
     base_folder = Path(resolve_model_folder(config.model, settings))
+    if published_layout(base_folder) is not None:
+        return base_folder
     return checkpoint_slot(config, settings, base_folder, method=method).folder
+
+
+def check_config_states(config: ServingConfig, folder: Path, layout: AWQLayout, *,
+                        method: QuantMethod | None = None) -> None:
+    """A published checkpoint is served as it is: the config's awq section must state its layout (bits, group size,
+    zero point), so that the config stored with every run says which weights served it; awq.method names how servelab
+    quantises, so rtn is refused. The calibration fields are not read."""
+    awq_cfg = awq_section(config)
+    if (method or awq_cfg.method) != "awq":
+        raise AWQCheckpointError(
+            f"config {config.name!r}: awq.method {method or awq_cfg.method!r} asks servelab to quantise, but {folder} is "
+            "a published AWQ checkpoint, served as it is: leave awq.method at 'awq', or name a full-precision model"
+        )
+    wrong = {field: value for field, value in asdict(layout).items() if getattr(awq_cfg, field) != value}
+    if wrong:
+        said = "; ".join(f"awq.{f} is {getattr(awq_cfg, f)!r}, the checkpoint's {v!r}" for f, v in wrong.items())
+        fix = ", ".join(f"{f}: {json.dumps(v)}" for f, v in wrong.items())
+        raise AWQCheckpointError(
+            f"config {config.name!r}: {said} ({folder / 'config.json'}): set awq {{{fix}}} so the config states the "
+            "weights it serves"
+        )
 
 
 def _base_fingerprint(base_folder: Path) -> dict:
@@ -106,28 +133,17 @@ def _base_fingerprint(base_folder: Path) -> dict:
     return {"name": base_folder.name, "config_sha": config_sha, "weight_bytes": weight_bytes}
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise AWQCheckpointError(
-            f"{path}: cannot read it as JSON ({exc}); delete the checkpoint and re-quantise"
-        ) from exc
-
-
 def validate_checkpoint(folder: Path, base_folder: Path, awq_cfg: AWQConfig) -> None:
     """Raise AWQCheckpointError naming the file unless `folder` is an int4 GEMM checkpoint of this base
     model with these quant settings, every base linear layer present as packed qweight/qzeros/scales."""
     _check_config(folder / "config.json", base_folder, awq_cfg)
-    shapes = _tensor_shapes(_safetensors_files(folder))
-    for key, (base_shape, _) in _tensor_shapes(_safetensors_files(base_folder)).items():
+    shapes = tensor_shapes(safetensors_files(folder))
+    for key, (base_shape, _) in tensor_shapes(safetensors_files(base_folder)).items():
         if ".layers." not in key or not key.endswith(".weight") or len(base_shape) != 2:
             continue  # norms, embeddings and the head stay in full precision
         prefix = key.removesuffix(".weight")
         out_features, in_features = base_shape
-        expected = {"qweight": ((in_features, out_features // PACK_FACTOR), "I32"),
-                    "scales": ((in_features // awq_cfg.group_size, out_features), None)}
-        for part, (shape, dtype) in expected.items():
+        for part, (shape, dtype) in packed_tensors(in_features, out_features, awq_cfg.group_size).items():
             found = shapes.get(f"{prefix}.{part}")
             if found is None or found[0] != shape or (dtype and found[1] != dtype):
                 raise AWQCheckpointError(
@@ -149,28 +165,3 @@ def _check_config(config_file: Path, base_folder: Path, awq_cfg: AWQConfig) -> N
             f"{config_file} does not match {base_folder.name} with this awq config ({'; '.join(wrong)}); "
             "delete the checkpoint folder and re-quantise"
         )
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(read_json(index)["weight_map"].values()))
-        return [folder / name for name in names]
-    return [folder / "model.safetensors"]
-
-
-def _tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
-    shapes = {}
-    for path in files:
-        if not path.is_file():
-            raise AWQCheckpointError(f"{path} is missing; delete the checkpoint folder and re-quantise")
-        try:
-            with safe_open(path, "pt") as handle:  # NOTE: reads the header; it covers the whole file
-                for key in handle.keys():
-                    tensor = handle.get_slice(key)
-                    shapes[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
-        except (SafetensorError, OSError) as exc:
-            raise AWQCheckpointError(
-                f"{path} is not a readable safetensors file ({exc}); delete the checkpoint folder and re-quantise"
-            ) from exc
-    return shapes

@@ -1,4 +1,5 @@
-"""Loading a cached int4 checkpoint into a LoadedModel: the serving dtype and the kernel backend.
+"""Loading an int4 checkpoint into a LoadedModel (a published AWQ checkpoint as it is, or the one cached for a
+full-precision model): the serving dtype and the kernel backend.
 
 Knows transformers' AWQ integration (gptqmodel's kernels behind it: ATen int4 on CPU, a CUDA kernel on
 GPU, or the one awq.kernel names) and checks the checkpoint before trusting it. Does not know how a
@@ -21,10 +22,12 @@ from servelab.engine.awq.checkpoint import (
     AWQCheckpointError,
     QuantMethod,
     awq_section,
+    check_config_states,
     checkpoint_slot,
     validate_checkpoint,
 )
 from servelab.engine.awq.gptq_cpu import import_gptqmodel
+from servelab.engine.awq.layout import check_published_tensors, published_layout
 from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
 from servelab.engine.model_files import resolve_model_folder
 from servelab.settings import Settings
@@ -61,32 +64,47 @@ def serving_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_awq_model(config: ServingConfig, settings: Settings, *, method: QuantMethod | None = None) -> LoadedModel:
-    """Load the config's cached int4 checkpoint (never quantises: run `servelab quantize` first)."""
+    """Load the config's int4 checkpoint: the model folder itself where it is a published AWQ checkpoint, else the one
+    `servelab quantize` made from the model (loading never quantises)."""
     started = time.perf_counter()
     if settings.hf_hub_offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     awq_cfg = awq_section(config)
-    base_folder = Path(resolve_model_folder(config.model, settings))  # NOTE: the only resolve of this load
-    slot = checkpoint_slot(config, settings, base_folder, method=method)
-    folder = slot.folder
-    if not (folder / "config.json").is_file():
-        raise AWQCheckpointError(
-            f"no {slot.method} int4 checkpoint for config {config.name!r} at {folder}; make it first with "
-            "`servelab quantize --config <this config's YAML file>`"
-        )
-    validate_checkpoint(folder, base_folder, awq_cfg)
+    model_folder = Path(resolve_model_folder(config.model, settings))  # NOTE: the only resolve of this load
+    folder, source = _checkpoint_to_serve(config, settings, model_folder, method)
     device = resolve_device(config.device)
     dtype = serving_dtype(device)
     model = _from_pretrained(folder, device, dtype, awq_cfg)
     dense = _count_dense_layer_linears(model)
     assert not dense, f"{folder}: layers left in full precision after loading: {dense[:4]}"
     model.eval()  # NOTE: gptqmodel's CPU layers repack for ATen on their first forward: build_decoder decides
-    log.info("loaded %s int4 checkpoint %s on %s in %s, kernel %s", slot.method, folder.name, device, dtype,
+    log.info("loaded %s int4 checkpoint %s on %s in %s, kernel %s", source, folder.name, device, dtype,
              kernel_name(model))
     return LoadedModel(
-        model=model, tokenizer=AutoTokenizer.from_pretrained(base_folder), device=device, dtype=dtype,
+        model=model, tokenizer=AutoTokenizer.from_pretrained(model_folder), device=device, dtype=dtype,
         folder=str(folder), shape=model_shape(model.config), load_s=time.perf_counter() - started,
     )
+
+
+def _checkpoint_to_serve(config: ServingConfig, settings: Settings, model_folder: Path,
+                         method: QuantMethod | None) -> tuple[Path, str]:
+    """(the checked checkpoint folder, where it came from: 'published', or the method that made the cached one)."""
+    # NOTE: the folder says which is meant: a config.json declaring AWQ is a published checkpoint, served as it is
+    # (its tokenizer, no base model, no cache slot); a full-precision model is served through its cached checkpoint.
+    layout = published_layout(model_folder)
+    if layout is not None:
+        check_config_states(config, model_folder, layout, method=method)
+        check_published_tensors(model_folder, layout)
+        return model_folder, "published"
+    slot = checkpoint_slot(config, settings, model_folder, method=method)
+    if not (slot.folder / "config.json").is_file():
+        raise AWQCheckpointError(
+            f"no {slot.method} int4 checkpoint for config {config.name!r} at {slot.folder}; make it first with "
+            f"`servelab quantize --config <this config's YAML file>` ({model_folder} declares no quantization_config: "
+            "a full-precision model)"
+        )
+    validate_checkpoint(slot.folder, model_folder, slot.awq)
+    return slot.folder, slot.method
 
 
 def _count_dense_layer_linears(model: PreTrainedModel) -> list[str]:

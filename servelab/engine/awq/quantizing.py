@@ -27,10 +27,10 @@ from servelab.engine.awq.checkpoint import (
     QuantMethod,
     awq_section,
     checkpoint_slot,
-    read_json,
     validate_checkpoint,
 )
 from servelab.engine.awq.gptq_cpu import cpu_search, import_gptqmodel
+from servelab.engine.awq.layout import AWQCheckpointError, published_layout, read_json
 from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import file_lock, resolve_model_folder
 from servelab.settings import Settings
@@ -43,6 +43,12 @@ def quantize(
     """The config's int4 checkpoint, made once (AWQ, or the RTN baseline) and reused from the cache after."""
     awq_cfg = awq_section(config)
     base_folder = Path(resolve_model_folder(config.model, settings))
+    if published_layout(base_folder) is not None:  # NOTE: other quantised folders raise inside, naming their layout
+        raise AWQCheckpointError(
+            f"{base_folder} is already an AWQ int4 checkpoint (its config.json declares quantization_config): a config "
+            "naming it with weights: awq-int4 serves it as it is; `servelab quantize` makes int4 weights from a "
+            "full-precision model"
+        )
     _check_group_size(base_folder, awq_cfg.group_size)
     slot = checkpoint_slot(config, settings, base_folder, method=method)
     out = slot.folder
