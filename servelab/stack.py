@@ -257,6 +257,8 @@ class WorkerStatus:
     seconds_since_heartbeat: float
     is_live: bool
     service: str | None  # the local stack's process it is, if any
+    kernel: str | None = None  # the decoder and kernels serving its weights
+    decoder_reason: str | None = None  # why transformers' forward serves its model, and the cost; None: servelab's
 
 
 @dataclass(frozen=True)
@@ -370,7 +372,8 @@ def _workers(sessions: sessionmaker, processes: tuple[ProcessStatus, ...], *, no
     except SQLAlchemyError:
         return ()  # NOTE: a database without the schema yet: no worker has registered
     return tuple(WorkerStatus(w.name, w.serving_config_name, w.config_hash, w.device, w.heartbeat_at,
-                              w.seconds_since_heartbeat, w.seconds_since_heartbeat <= live_s, by_name.get(w.name))
+                              w.seconds_since_heartbeat, w.seconds_since_heartbeat <= live_s, by_name.get(w.name),
+                              w.kernel, w.decoder_reason)
                  for w in rows)
 
 

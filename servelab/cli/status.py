@@ -23,8 +23,9 @@ WORKER_CHECK_TIMEOUT_S = 5.0
 def status(as_json: Annotated[bool, typer.Option("--json", help="print the status as JSON")] = False) -> None:
     """Show what runs; exit 1 when something is down.
 
-    The local stack's processes (alive or not), Redis and PostgreSQL, the workers with their configs and last
-    heartbeat, the queues' depth per stream. Starts nothing. Exit status 0 when all is up, 1 when not.
+    The local stack's processes (alive or not), Redis and PostgreSQL, the workers with their configs, last
+    heartbeat and kernels (and why, where transformers' forward serves a model), the queues' depth per stream.
+    Starts nothing. Exit status 0 when all is up, 1 when not.
     """
     from servelab.stack import stack_status
 
@@ -61,6 +62,10 @@ def _print_status(report, state_dir) -> None:
         typer.echo(f"  {w.name:<28} {w.serving_config_name} ({w.config_hash[:12]}) on {w.device}, last heartbeat "
                    f"{w.seconds_since_heartbeat:.0f} s ago: {'live' if w.is_live else 'not live'}"
                    + (f"  [{w.service}]" if w.service else ""))
+        if w.kernel:
+            typer.echo(f"    {w.kernel}")
+        if w.decoder_reason:
+            typer.secho(f"    transformers' forward serves it: {w.decoder_reason}", fg=typer.colors.YELLOW)
     typer.secho("queues (entries not yet acknowledged)", bold=True)
     if not report.queue_depths:
         typer.echo("  no streams")

@@ -153,6 +153,8 @@ class LiveWorker:
     started_at: datetime
     heartbeat_at: datetime
     seconds_since_heartbeat: float
+    kernel: str | None = None  # the decoder and kernels serving its weights, as it registered them
+    decoder_reason: str | None = None  # why transformers' forward serves its model, and the cost; None: servelab's
 
 
 @dataclass(frozen=True)
@@ -336,7 +338,8 @@ def workers(session: Session, *, now: datetime, limit: int = 200) -> list[LiveWo
     rows = session.execute(select(WorkerRow).order_by(WorkerRow.heartbeat_at.desc()).limit(limit)).scalars().all()
     return [LiveWorker(w.name, w.serving_config_name, w.config_hash, str(w.hardware.get("device", "?")),
                        hardware_summary(w.hardware), w.started_at, w.heartbeat_at,
-                       (now - w.heartbeat_at).total_seconds()) for w in rows]
+                       (now - w.heartbeat_at).total_seconds(), w.hardware.get("kernel"),
+                       w.hardware.get("decoder_reason")) for w in rows]
 
 
 def recent_failures(session: Session, *, limit: int = 50) -> list[Failure]:

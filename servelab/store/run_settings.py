@@ -1,8 +1,9 @@
 """A stored run's settings as the dashboard's tables show them: one line of text per setting a review compares.
 
-Reads the config a run stored (`ServingConfig.model_dump`) and the hardware its worker registered (the paged
-pool it built); the cache's settings (precision, eviction, prefix caching, block size, capacity) are described
-from the whole kv_cache section, so a field added there shows without a change here. Pure: dicts in, text out.
+Reads the config a run stored (`ServingConfig.model_dump`) and the hardware its worker registered (the decoder
+that served it, with why where it was transformers' forward, and the paged pool it built); the cache's settings
+(precision, eviction, prefix caching, block size, capacity) are described from the whole kv_cache section, so a
+field added there shows without a change here. Pure: dicts in, text out.
 """
 
 from __future__ import annotations
@@ -28,22 +29,35 @@ _DEFAULTS = ServingConfig(name="defaults").model_dump(mode="json")
 
 def describe_settings(config: dict[str, Any], hardware: dict[str, Any] | None = None) -> dict[str, str]:
     """Every setting a review compares, as text: the cache's precision, eviction (named even when there is none),
-    prefix caching, block size and capacity (with the pool the worker built, from its registered hardware)."""
+    prefix caching, block size and capacity (with the pool the worker built, from its registered hardware), and the
+    decoder that served the run (transformers' forward named with its reason and cost, where the worker said so)."""
+    hardware = hardware or {}
     batching = {**_DEFAULTS["batching"], **(config.get("batching") or {})}
     kv = {**_DEFAULTS["kv_cache"], **(config.get("kv_cache") or {})}
-    transformers = config.get("decoder") == "transformers"
+    transformers = config.get("decoder") == "transformers" or hardware.get("decoder") == "transformers"
     shown = {name: _setting_text(_get(config, path)) for name, path in SETTING_PATHS.items()}
+    shown["decoder"] = _decoder(shown["decoder"], hardware)
     cache = {
         "cache precision": _cache_precision(config.get("kv_cache_dtype")),
         "cache eviction": _eviction(kv),
         "prefix caching": _prefix_caching(kv.get("prefix_caching"), transformers=transformers),
         "cache block size": "not paged (transformers' decoder)" if transformers else f"{kv['block_size']} tokens",
-        "cache capacity": _capacity(batching, hardware or {}),
+        "cache capacity": _capacity(batching, hardware),
         "batch policy": _setting_text({k: v for k, v in batching.items() if k not in CAPACITY_FIELDS}),
     }
     # NOTE: the cache's settings right after the weights', before the rest
     shown = {**dict(list(shown.items())[:4]), **cache, **dict(list(shown.items())[4:])}
     return shown
+
+
+def _decoder(chosen: str, hardware: dict[str, Any]) -> str:
+    """The config's choice and, where the worker registered it, the decoder that served (a run stored before workers
+    registered it shows the choice alone)."""
+    served = hardware.get("decoder")
+    if served == "transformers":
+        reason = hardware.get("decoder_reason") or "the reason was not recorded"
+        return f"{chosen}: transformers' forward served it ({reason})"
+    return f"{chosen}: servelab's decoder served it" if served == "servelab" else chosen
 
 
 def _cache_precision(dtype: str | None) -> str:

@@ -44,3 +44,13 @@ def test_a_run_stored_before_the_cache_section_still_shows_every_setting() -> No
     old = {"model": "bundled:smollm2-135m-instruct", "weights": "fp32", "batching": {"max_batch_size": 4}}
     shown = describe_settings(old)
     assert all(shown[name] for name in CACHE_SETTINGS) and shown["cache eviction"] == NO_EVICTION
+
+
+def test_the_decoder_that_served_a_run_shows_beside_the_configs_choice() -> None:
+    config = stored("configs/fp32.yaml")
+    assert describe_settings(config, {"decoder": "servelab"})["decoder"] == "auto: servelab's decoder served it"
+    assert describe_settings(config)["decoder"] == "auto", "a run stored before workers registered their decoder"
+    served = describe_settings(config, {"decoder": "transformers", "decoder_reason": "architecture 'gpt2'; so no "
+                                        "paged KV cache"})
+    assert served["decoder"] == "auto: transformers' forward served it (architecture 'gpt2'; so no paged KV cache)"
+    assert served["cache block size"].startswith("not paged") and served["prefix caching"].startswith("off")
