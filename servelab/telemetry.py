@@ -91,6 +91,8 @@ KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "KV room the running rows hold (1
 PREEMPTIONS = _counter("num_preemptions", "Rows taken out of the batch unfinished, by cause: priority (an interactive "
                        "request took the room) or pool (the KV pool ran out mid-decode); each recomputes its tokens "
                        "when it returns.", ("model_name", "cause"))
+THREADS = _gauge("num_threads", "Threads in the worker's compute team after the last step: every core of its share, "
+                 "fewer while other processes on the host take some (the worker shrinks its team then, threads.py).")
 PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens of the requests admitted, once each (computed + cached).")
 PROMPT_TOKENS_BY_SOURCE = _counter("prompt_tokens_by_source", "Prompt tokens of the requests admitted, by source: "
                                    "computed (prefilled) or cached (found in the prefix cache).",
@@ -183,6 +185,9 @@ class WorkerMeter:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_cache_usage)
+
+    def threads(self, num_threads: int) -> None:
+        THREADS.labels(self.model_name).set(num_threads)
 
     def preempted(self, *, cause: str, num_lost_tokens: int) -> None:
         """A row preempted, and the computed tokens it lost (computed again when it returns)."""

@@ -45,6 +45,7 @@ def test_the_spec_table_is_exactly_what_a_process_exports() -> None:
     meter.turn(num_prompt_tokens=4, num_cached_tokens=1, num_step_tokens=5, num_generated_tokens=2, num_step_rows=2,
                num_running=2, num_waiting=1, kv_cache_usage=0.25)
     meter.preempted(cause="pool", num_lost_tokens=3)
+    meter.threads(2)
     done = row(started_at_s=ENQUEUED_S + 1, token_times_ms=(5.0, 9.0))
     meter.finished([done], enqueued_at={done.request_id: datetime.fromtimestamp(ENQUEUED_S, UTC)})
     count_submission(endpoint="/v1/completions", model_name=model, outcome="accepted")

@@ -60,8 +60,7 @@ def up(
     from servelab.stack import StackError, format_cores, start_stack
 
     paths = config_paths(configs)
-    for path in paths:
-        load_config(path)
+    pinned = {f"gpu-worker-{path.stem}": load_config(path).num_threads for path in paths}
     with connected() as runtime:
         urls, where = runtime.urls, runtime.settings
     env = {"SERVELAB_REDIS_URL": urls.redis_url, "SERVELAB_DATABASE_URL": urls.database_url,
@@ -76,10 +75,20 @@ def up(
         p = change.process
         was = f" (pid {change.was.pid} had died)" if change.action == "restarted" else ""
         cores = f" cores {format_cores(p.cpus)}" if p.cpus else ""
-        typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}{cores}")
+        typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}{cores}"
+                   f"{_threads(pinned[p.name], p.cpus) if p.name in pinned else ''}")
     api = next((c.process for c in changes if c.process.name == "api"), None)
     if api is not None and api.health_url:
         typer.echo(f"API: {api.health_url.removesuffix('/healthz')}/v1 (OpenAI-compatible; model = a config name)")
+
+
+def _threads(pinned: int | None, cpus: tuple[int, ...] | None) -> str:
+    """How a gpu-worker's compute team uses its cores, as its start line says it (servelab/serving/process.py)."""
+    if pinned:
+        return f", {pinned} thread(s) (its config's num_threads)"
+    # NOTE: SERVELAB_NUM_THREADS, where set, pins it instead; a CPU quota (cgroup) can lower it further
+    return (f", {len(cpus) if cpus else 'a thread per core'}{' thread(s)' if cpus else ''}: every core of its share, "
+            "fewer while other processes take them")
 
 
 def down() -> None:

@@ -1,6 +1,7 @@
 """Starting a GPU worker process: the engine loaded once (alone, where a CPU measures its kernels), the worker
-registered with its hardware and KV pool, the batching policy drawn from the config and the engine, and the loop
-served until SIGTERM / SIGINT. Does not know what a turn does (worker.py).
+registered with its hardware, decoder (why transformers' forward serves the model, where it does) and KV pool, the
+batching policy drawn from the config and the engine, and the loop served until SIGTERM / SIGINT. Does not know what
+a turn does (worker.py).
 """
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import signal
 import socket
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session
 
 from servelab.config import ServingConfig
 from servelab.engine.engine import Engine
+from servelab.engine.threads import ThreadGovernor
 from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import describe_weights, file_lock
 from servelab.hardware import describe_hardware, measure_bandwidth_gbs, software_versions
@@ -63,6 +69,34 @@ def measured_alone(config: ServingConfig, settings: Settings) -> AbstractContext
     return file_lock(settings.cache_dir / "kernels" / "load.lock")
 
 
+def worker_hardware(engine: Engine, *, bandwidth_gbs: float) -> dict[str, Any]:
+    """What a worker registers (and every run it serves stores): the host, the device, the decoder and kernels serving
+    the weights (with why transformers' forward serves them, where it does, and what that costs), the weights, the
+    memory bandwidth its rooflines use and the paged pool it built."""
+    reason = engine.decoder_reason
+    return {**describe_hardware().as_dict(), "device": str(engine.device), "kernel": engine.kernel,
+            "decoder": engine.decoder.name, **({"decoder_reason": reason} if reason else {}),
+            "model_weights": describe_weights(engine.config.model), "bandwidth_gbs": bandwidth_gbs, **kv_pool(engine)}
+
+
+def register(session: Session, *, name: str, engine: Engine, bandwidth_gbs: float) -> None:
+    """The worker's row (its hardware, software and config), and its config saved for the runs it serves."""
+    config = engine.config
+    store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
+                          hardware=worker_hardware(engine, bandwidth_gbs=bandwidth_gbs), software=software_versions())
+    store.save_serving_config(session, config=config)
+
+
+def thread_governor(engine: Engine, settings: Settings) -> ThreadGovernor | None:
+    """A team that shrinks while other processes take its cores (threads.py), where the count is the worker's own
+    choice: on a CPU, with more than one thread, and neither the config's num_threads nor SERVELAB_NUM_THREADS pinning
+    it (a pinned count is kept, as comparable lab runs need)."""
+    if engine.device.type != "cpu" or engine.config.num_threads or settings.num_threads:
+        return None
+    governor = ThreadGovernor(torch.get_num_threads())
+    return governor if governor.is_active else None
+
+
 def run_worker(config: ServingConfig, runtime: Runtime) -> None:
     """Load the model once, register, serve until SIGTERM / SIGINT (the step in hand is finished first; rows
     still running are redelivered, to this worker's next start or to another worker)."""
@@ -73,20 +107,19 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
         bandwidth_gbs = round(measure_bandwidth_gbs(engine.device), 1)
     streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
     with session_scope(runtime.sessions) as session:
-        store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
-                              hardware={**describe_hardware().as_dict(), "device": str(engine.device),
-                                        "kernel": engine.kernel, "model_weights": describe_weights(config.model),
-                                        "bandwidth_gbs": bandwidth_gbs,
-                                        **kv_pool(engine)},
-                              software=software_versions())
-        store.save_serving_config(session, config=config)
+        register(session, name=name, engine=engine, bandwidth_gbs=bandwidth_gbs)
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),
-                           faults=faults)
+                           faults=faults, threads=thread_governor(engine, runtime.settings))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
     metrics_port = serve_worker_metrics(runtime.settings.worker_metrics_port)
-    log.warning("worker %s serving %s (%s) on %s; /metrics on port %s", name, config.name, config.weights,
-                engine.device, metrics_port or "(none)")
+    team = ("" if engine.device.type != "cpu" else f", {torch.get_num_threads()} thread(s)"
+            + (" (fewer while other processes take its cores)" if worker.threads else " (pinned)"
+               if config.num_threads or runtime.settings.num_threads else ""))
+    log.warning("worker %s serving %s (%s) on %s%s, %s; /metrics on port %s", name, config.name, config.weights,
+                engine.device, team, engine.kernel, metrics_port or "(none)")
+    if engine.decoder_reason:
+        log.warning("worker %s: transformers' forward serves %s: %s", name, config.name, engine.decoder_reason)
     try:
         worker.run()
     finally:

@@ -27,6 +27,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.engine.engine import Engine
+from servelab.engine.threads import ThreadGovernor
 from servelab.outputs import BatchResult, Completion, StepOutput
 from servelab.request import FinishReason, RequestError, StreamKind
 from servelab.queue.reaper import reenqueue_lost
@@ -74,8 +75,9 @@ STREAMED_KINDS = frozenset({StreamKind.INTERACTIVE})  # NOTE: bulk rows publish 
 class ServingWorker:
     def __init__(self, *, engine: Engine, streams: RequestStreams, sessions: sessionmaker[Session],
                  name: str, policy: BatchPolicy, faults: FaultPolicy = FaultPolicy(), clock=time.monotonic,
-                 streamed: frozenset[StreamKind] = STREAMED_KINDS) -> None:
+                 streamed: frozenset[StreamKind] = STREAMED_KINDS, threads: ThreadGovernor | None = None) -> None:
         self.engine, self.streams, self.sessions, self.name = engine, streams, sessions, name
+        self.threads = threads  # resizes torch's team after each step while the host takes its cores (threads.py)
         self.faults, self.clock = faults, clock
         pool = engine.new_kv_pool()  # NOTE: this worker's scheduler owns the pool its runner's blocks are read from
         self.policy = policy = replace(policy, paged=pool is not None)
@@ -132,6 +134,8 @@ class ServingWorker:
             self._preempted(plan)
         plan, started = self._claim(plan)
         out = self.engine.runner.execute(plan)  # NOTE: read through the engine, which a test may wrap
+        if self.threads is not None:
+            self.meter.threads(self.threads.tick())
         with self.held.lock:
             self.scheduler.update(plan)
         finished = [*out.finished, *self._publish(started, out, ended={c.request_id for c in out.finished})]

@@ -406,3 +406,22 @@ def test_a_cpu_worker_loads_and_measures_only_while_no_other_worker_of_its_cache
         assert not entered.wait(0.5), "a second worker measured while the first was loading"
     assert entered.wait(5), "the second worker never went on once the first was done"
     thread.join()
+
+
+def test_a_worker_resizes_its_thread_team_after_each_step_and_says_its_size(make_served) -> None:
+    """The worker ticks its team (threads.py) after every step; a host whose run delay says a core is taken (here a
+    counter that grows half a second a second) shrinks it, `servelab:num_threads` shows the new size, and the answers
+    are the same."""
+    from servelab.engine.threads import ThreadGovernor
+    from servelab.telemetry import REGISTRY
+
+    sizes: list[int] = []
+    governor = ThreadGovernor(2, window_s=0.0, read_delay=lambda: 0.5 * time.monotonic(), set_threads=sizes.append)
+    served = make_served(BatchPolicy(max_batch_size=4, max_wait_ms=0, max_batch_tokens=100_000, policy="continuous"))
+    served.worker.threads = governor
+    served.streams.ensure_groups()
+    ids = submit(served, 2, sampling=SamplingParams(max_new_tokens=6, ignore_eos=True))
+    step_until(served, ids)
+    assert sizes == [1] and governor.threads == 1  # one shrink; no probe before probe_s
+    assert REGISTRY.get_sample_value("servelab:num_threads", {"model_name": served.streams.config_name}) == 1
+    assert all(r.status == RequestStatus.SUCCEEDED for r in wait_all(served, ids).values())

@@ -1,0 +1,115 @@
+"""A serving worker's thread team on a busy host: shrink it while other processes take its cores, grow it back when
+they leave.
+
+servelab's kernels split each operation evenly over torch's threads and wait for the last at every barrier (several a
+layer). When another process holds one of the team's cores, the thread on that core runs in the time slices the
+scheduler grants it, and every barrier waits for its next slice: a step that takes milliseconds on a quiet host takes
+seconds (at 2 threads with one busy process beside, x20 slower than 1 thread). Spinning shorter or sleeping sooner at
+the barrier does not help: the wait is for the descheduled thread's own work. A team without the taken core does not
+wait for it.
+
+The signal is the kernel's own: the time this process's threads spent runnable but not running (run delay, the second
+field of /proc/self/task/*/schedstat). On a quiet host it stays near zero; a thread that shares its core with a busy
+process waits about half of the time. When the run delay per second of wall time passes `max_wait_share`, the team
+drops a thread; after `probe_s` it tries one more again, and each probe that finds the host still busy doubles the
+wait before the next (up to `max_probe_s`), so a busy host costs a few slow windows a minute and a quiet one gets its
+cores back. The kernels give a row the same bits whatever the thread count, so only speed changes.
+Does not know models, requests or what a step does: the worker ticks it after each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def process_run_delay_s() -> float | None:
+    """Seconds this process's threads have spent waiting for a CPU (runnable, not running) since they started; None
+    where the kernel does not say (no schedstat)."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    found = False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+                found = True
+        except (OSError, ValueError, IndexError):
+            continue  # NOTE: a thread that ended between the listing and the read
+    return total / 1e9 if found else None
+
+
+@dataclass(frozen=True)
+class TeamChange:
+    at_s: float
+    threads: int
+    wait_share: float  # run delay per second of wall time over the window that decided it
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, *, min_threads: int = 1, window_s: float = 0.5, max_wait_share: float = 0.2,
+                 probe_s: float = 5.0, max_probe_s: float = 60.0,
+                 read_delay: Callable[[], float | None] = process_run_delay_s, clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.max_threads, self.min_threads = max_threads, max(1, min(min_threads, max_threads))
+        self.window_s, self.max_wait_share = window_s, max_wait_share
+        self.probe_s, self.max_probe_s = probe_s, max_probe_s
+        self._read_delay, self._clock, self._set_threads = read_delay, clock, set_threads
+        self.threads = max_threads
+        self.changes: list[TeamChange] = []  # every change, for the worker's figures and the tests
+        self._next_probe_s = probe_s
+        self._shrunk_at: float | None = None  # when the team last shrank (None: it is whole)
+        self._probing = False  # the team just grew back by one: the next window says whether the core is free
+        self._window_start: tuple[float, float] | None = None
+
+    @property
+    def is_active(self) -> bool:
+        return self.max_threads > self.min_threads and self._read_delay() is not None
+
+    def tick(self) -> int:
+        """After a step: close the window when it is long enough and resize the team if it says so; -> threads."""
+        now = self._clock()
+        if self._window_start is None:
+            self._begin(now)
+            return self.threads
+        started_s, delay_s = self._window_start
+        if now - started_s < self.window_s:
+            return self.threads
+        delay = self._read_delay()
+        if delay is None:
+            return self.threads
+        share = (delay - delay_s) / (now - started_s)
+        if share > self.max_wait_share and self.threads > self.min_threads:
+            if self._probing:  # NOTE: the probe found the host still busy: wait longer before the next
+                self._next_probe_s = min(2 * self._next_probe_s, self.max_probe_s)
+            self._resize(self.threads - 1, now, share)
+            self._probing, self._shrunk_at = False, now
+        elif self._probing:  # NOTE: the probe's window was quiet: the core is free again
+            self._probing = False
+            self._shrunk_at = None if self.threads == self.max_threads else now
+            self._next_probe_s = self.probe_s
+        elif self._shrunk_at is not None and now - self._shrunk_at >= self._next_probe_s:
+            self._resize(self.threads + 1, now, share)
+            self._probing = True
+        self._begin(now)
+        return self.threads
+
+    def _begin(self, now: float) -> None:
+        delay = self._read_delay()
+        self._window_start = None if delay is None else (now, delay)
+
+    def _resize(self, threads: int, now: float, share: float) -> None:
+        self._set_threads(threads)
+        self.threads = threads
+        self.changes.append(TeamChange(now, threads, share))
+        log.info("thread team: %d thread(s) (its threads waited %.0f%% of the time for a CPU)", threads, 100 * share)

@@ -1,0 +1,127 @@
+"""The thread team on a busy host (servelab/engine/threads.py): it drops a thread while its threads wait for a CPU,
+tries its cores again after a while (longer after each probe that finds the host still busy), and keeps them on a quiet
+host; and, with a real busy process on one of its two cores, a served model's team shrinks and its steps then stop
+waiting for a CPU (a ratio of the kernel's own run-delay figures, never a wall-clock bound)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from servelab.engine.threads import ThreadGovernor, process_run_delay_s
+from servelab.request import GenerationRequest, SamplingParams
+
+
+class Host:
+    """A fake clock and run-delay counter: each `run(s, wait_share)` advances both."""
+
+    def __init__(self) -> None:
+        self.now, self.delay, self.sizes = 0.0, 0.0, []
+
+    def run(self, seconds: float, wait_share: float, governor: ThreadGovernor, step_s: float = 0.05) -> None:
+        for _ in range(round(seconds / step_s)):
+            self.now += step_s
+            self.delay += step_s * wait_share
+            governor.tick()
+
+    def governor(self, threads: int = 2, **kwargs) -> ThreadGovernor:
+        return ThreadGovernor(threads, read_delay=lambda: self.delay, clock=lambda: self.now,
+                              set_threads=self.sizes.append, **kwargs)
+
+
+def test_a_quiet_host_keeps_every_thread() -> None:
+    host = Host()
+    governor = host.governor(4)
+    host.run(30, 0.02, governor)
+    assert governor.threads == 4 and host.sizes == []
+
+
+def test_a_busy_host_shrinks_the_team_then_probes_less_and_less_often() -> None:
+    host = Host()
+    governor = host.governor(2, window_s=0.5, probe_s=5.0, max_probe_s=20.0)
+    host.run(1.0, 0.5, governor)
+    assert governor.threads == 1 and host.sizes == [1]
+    host.run(3.0, 0.5, governor)  # NOTE: at 1 thread the busy core is left to the other process: still busy, no probe
+    assert host.sizes == [1]
+    host.run(40.0, 0.5, governor)  # each probe (back to 2) finds the host busy: shrunk again, next probe twice as late
+    probes = [c.at_s for c in governor.changes if c.threads == 2]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] <= 20.0 + 2.0  # the cap, plus the probe's window
+    assert [c.threads for c in governor.changes] == [1, 2] * (len(governor.changes) // 2) + [1] * (len(governor.changes) % 2)
+
+
+def test_the_team_grows_back_when_the_host_is_quiet_again() -> None:
+    host = Host()
+    governor = host.governor(3, probe_s=2.0)
+    host.run(2.0, 0.6, governor)
+    assert governor.threads == 1  # one thread a window while the host stays busy
+    host.run(10.0, 0.01, governor)
+    assert governor.threads == 3 and [c.threads for c in governor.changes] == [2, 1, 2, 3]
+
+
+def test_without_schedstat_the_team_is_left_alone() -> None:
+    sizes = []
+    governor = ThreadGovernor(2, read_delay=lambda: None, set_threads=sizes.append)
+    for _ in range(10):
+        governor.tick()
+    assert not governor.is_active and sizes == [] and governor.threads == 2
+
+
+def _keep_rows(engine, rows: int) -> None:
+    """Rows enough to keep a batch decoding (new ones join as others end)."""
+    missing = rows - engine.num_live
+    if missing > 0:
+        tag = time.monotonic_ns()
+        assert not engine.add([GenerationRequest(f"g{tag}-{i}", prompt="Tell me about the sea.",
+                                                 params=SamplingParams(max_new_tokens=48, ignore_eos=True))
+                               for i in range(missing)]).finished
+
+
+def _spin(core: int, stop) -> None:
+    os.sched_setaffinity(0, {core})
+    while not stop.is_set():
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to take one")
+@pytest.mark.skipif(process_run_delay_s() is None, reason="the kernel gives no schedstat here")
+def test_a_served_team_with_one_core_taken_shrinks_and_stops_waiting_for_it(bundled_engine) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    before_threads, before_affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    busy = context.Process(target=_spin, args=(cores[1], stop), daemon=True)
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(2)
+    governor = ThreadGovernor(2, window_s=0.2, probe_s=60.0)
+    engine = bundled_engine
+    engine.reset()
+    busy.start()
+    try:
+        time.sleep(0.2)
+        for _ in range(400):
+            _keep_rows(engine, 8)
+            engine.step()
+            governor.tick()
+            if governor.threads == 1:
+                break
+        assert governor.threads == 1, f"the team kept its taken core: {governor.changes}"
+        shrunk_share = governor.changes[0].wait_share
+        # the shrunk team's own steps: its threads no longer wait for the busy core
+        delay_s, started_s = process_run_delay_s(), time.monotonic()
+        for _ in range(20):
+            _keep_rows(engine, 8)
+            engine.step()
+        share = (process_run_delay_s() - delay_s) / (time.monotonic() - started_s)
+        assert share < shrunk_share / 2, (shrunk_share, share)
+    finally:
+        stop.set()
+        busy.join(timeout=10)
+        engine.cancel(engine.live_request_ids)
+        torch.set_num_threads(before_threads)
+        os.sched_setaffinity(0, before_affinity)
