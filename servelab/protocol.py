@@ -27,7 +27,7 @@ from servelab.outputs import Alternative, TokenLogprobs
 from servelab.request import (MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
                               FinishReason, bounded,
                               RequestError, SamplingParams, check_num_choices)
-from servelab.catalog import Catalog, UnknownModel
+from servelab.catalog import Catalog, UnknownModel, sampling_defaults
 from servelab.engine.grammar import check_constraint, constraint_json, is_tool_call
 
 COMPLETIONS = "/v1/completions"
@@ -195,14 +195,18 @@ class _Body(BaseModel):
         """Alternatives per token (0: the chosen token's log-probability alone); None: no log-probabilities."""
         return None
 
-    def sampling(self, max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
+    def sampling(self, max_new_tokens: int, model_defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """model_defaults: the model's own values (its generation_config.json) for the fields this body leaves out."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        given |= {name: value for name, value in (model_defaults or {}).items()
+                  if name in given and name not in self.model_fields_set}
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=given["temperature"], top_p=given["top_p"],
+                              top_k=given["top_k"], seed=self.seed, stop=tuple(self.stop or ()),
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.num_top_logprobs,
                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                               stop_token_ids=tuple(self.stop_token_ids or ()),
-                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              repetition_penalty=given["repetition_penalty"], min_p=given["min_p"],
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens, constraint=self.constraint())
 
@@ -459,7 +463,8 @@ def to_submission(body: CompletionBody | ChatCompletionBody, *, catalog: Catalog
         messages, prompt = None, body.prompt
         requested = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, config.decoding.max_new_tokens)
     return checked_submission(config, prompt=prompt, messages=messages, max_prompt_chars=max_prompt_chars,
-                              sampling=body.sampling(max_new_tokens(requested, config)), num_choices=body.num_choices)
+                              sampling=body.sampling(max_new_tokens(requested, config), sampling_defaults(config)),
+                              num_choices=body.num_choices)
 
 
 def refuse_unstreamable(body: CompletionBody | ChatCompletionBody) -> None:

@@ -194,3 +194,27 @@ def test_usage_says_the_cached_prompt_tokens_as_openai_does_and_a_running_usage_
     assert completion_object(replace(answer, num_cached_tokens=8))["usage"] == {
         "prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 8}}
     assert openai_usage(9, 1) == {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+
+
+# --- a model's own sampling defaults (its generation_config.json), as vLLM applies them ---
+
+
+def test_fields_a_request_leaves_out_take_the_models_generation_config_values(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05,
+         "eos_token_id": [1, 2]}))
+    config = ServingConfig.from_yaml(REPO / "configs" / "fp32.yaml").model_copy(update={"model": str(tmp_path)})
+    catalog = Catalog({"fp32": config}, frozenset())
+
+    def sampling(body: dict):
+        return to_submission(CompletionBody.model_validate(body), catalog=catalog, max_prompt_chars=1_000).sampling
+
+    left_out = sampling({"model": "fp32", "prompt": "hi", "max_tokens": 4})
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.repetition_penalty, left_out.min_p) == (
+        0.6, 0.9, 20, 1.05, 0.0)
+    given = sampling({"model": "fp32", "prompt": "hi", "max_tokens": 4, "temperature": 0, "top_k": 0})
+    assert (given.temperature, given.top_k, given.top_p) == (0.0, 0, 0.9)  # what a request sends wins, 0 included
+    bundled = _submission(CompletionBody.model_validate({"model": "fp32", "prompt": "hi", "max_tokens": 4})).sampling
+    assert (bundled.temperature, bundled.top_p) == (1.0, 1.0)  # the bundled model declares none: the API's defaults
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert sampling({"model": "fp32", "prompt": "hi", "max_tokens": 4}).temperature == 1.0  # unreadable: said, skipped
