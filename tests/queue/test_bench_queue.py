@@ -73,7 +73,7 @@ def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Pa
     assert all(float(row[-2]) > 0 for row in rows.values())  # the bulk job's tokens/s: all 4 x 16 tokens made
     assert all(0 < float(row[-4].removesuffix("ms")) <= float(row[-3].removesuffix("ms")) for row in rows.values())
     assert "continuous against window: interactive p95 during the bulk job x" in result.stdout
-    assert "a newcomer's prefill (8 tokens) between two steps of 2 running rows" in result.stdout
+    assert "a newcomer's prefill (8 tokens) adds " in result.stdout and "to the step of 2 running rows it joins" in result.stdout
     bad = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--policies", "fifo"], env=env)
     assert bad.exit_code != 0 and "fifo is not a policy" in bad.output
 
