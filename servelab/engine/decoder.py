@@ -5,15 +5,17 @@ drives them the same way and never sees which one runs. Past 400 lines as one pi
 cache layouts and the kernel each operation dispatches to change together.
 
 `LlamaDecoder` computes the Llama block exactly as transformers defines it (RMSNorm, rotary positions,
-grouped-query attention, SwiGLU MLP), and the families that differ from it by a bias, a q/k norm or a fused
-projection (Mistral, Qwen2, Qwen3, Phi-3: families.py says how each differs and what is refused), with fewer, larger operations: q/k/v and gate/up are one matmul
+grouped-query attention, SwiGLU MLP), and the families that differ from it by a bias, a q/k norm, a fused
+projection, a sliding window or Gemma's norms, soft caps and GeGLU (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3:
+families.py says how each differs and what is refused; layers with a window or a soft cap take torch's attention,
+the fused kernels knowing neither), with fewer, larger operations: q/k/v and gate/up are one matmul
 each, dense weights are laid out once for the matmul kernel that serves them (linear.py), keys and values are written in place into caches allocated
 ahead (kvcache.py), and a decode step's attention is one grouped matmul per layer (SDPA's CPU kernel is 3-4x
 slower for one query over a long cache; with the servelab kernels, one fused kernel). It keeps its own copy of the packed weights: transformers'
 model stays as loaded, for the naive reference, `generate` comparisons and the quality lab.
 
 `TransformersDecoder` runs transformers' forward with its dynamic cache: any architecture, and what
-`LlamaDecoder` does not cover (other architectures and activations, windows; see families.unsupported_reason).
+`LlamaDecoder` does not cover (other architectures and activations; see families.unsupported_reason).
 Does not know requests, sampling or stop conditions.
 """
 
@@ -26,7 +28,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from servelab.engine.families import family_of, positions_reason, rope_positions, unsupported_reason
+from servelab.engine.families import (attention_scale, attention_softcap, family_of, layer_windows, positions_reason,
+                                      rope_positions, rotary_tables, unsupported_reason)
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
@@ -317,6 +320,15 @@ class PagedBatch:
         mask = torch.arange(num_blocks * bs, device=table.device)[None, :] <= lengths[:, None]
         return new_blocks, lengths % bs, table, mask
 
+    def decode_key_positions(self, bs: int, num_columns: int) -> torch.Tensor:
+        """(num_decode, num_columns) the position each decode row's kept column was written at: its column, or past
+        the sink blocks its column plus the columns window eviction dropped."""
+        columns = torch.arange(num_columns, device=self.positions.device)[None, :]
+        if self.lengths is None or self.window is None:
+            return columns
+        dropped = (self.positions[:self.num_decode] - self.lengths)[:, None]
+        return torch.where(columns < self.window[0] * bs, columns, columns + dropped)
+
 
 def _dense_stack_part(p, dtype: torch.dtype) -> tuple[BlockedLinear, int] | None:
     """A dense projection's servelab layout in the model's dtype, taking the residual, and the most rows servelab's
@@ -335,8 +347,14 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Projection
     down: Projection
-    q_norm: torch.Tensor | None = None  # (D,) Qwen3's per-head norms of queries and keys, before rotary
+    q_norm: torch.Tensor | None = None  # (D,) Qwen3's / Gemma 3's per-head norms of queries and keys, before rotary
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # Gemma's norms on the attention and MLP outputs, before the residual
+    post_mlp_norm: torch.Tensor | None = None
+    rotary: str = ""  # the layer's rotary tables (families.rotary_tables: per layer type for Gemma 3)
+    window: int | None = None  # sliding window in tokens (a query sees keys at positions > its own - window)
+    softcap: float | None = None  # attention scores soft-capped: tanh(scores / cap) x cap (Gemma 2)
+    fused: bool = True  # the fused attention kernels compute it (they know no window and no soft cap)
 
 
 class LlamaDecoder:
@@ -353,13 +371,21 @@ class LlamaDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
+        self.scale = attention_scale(config)  # query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5
         self.embed_dim = config.hidden_size
         self.vocab_size = model.lm_head.out_features  # the logits' width
         self.dtype, self.device = dtype, device
         self.cache_dtype = CACHE_DTYPES.get(kv_cache_dtype, dtype)
         body = model.model
         family = family_of(config)
-        self.final_norm = _own(body.norm.weight)
+        # NOTE: Gemma's norms scale by 1 + weight in fp32 and cast after: the weights are held as fp32 1 + w, exactly
+        # what transformers multiplies by (in fp32 that is Llama's norm on the folded weight)
+        norm = (lambda module: module.weight.detach().float() + 1) if family.norm_adds_one else (
+            lambda module: _own(module.weight))
+        self.final_norm = norm(body.norm)
+        # NOTE: transformers multiplies the embedding by sqrt(hidden_size) cast to the weights' dtype (Gemma)
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(dtype) if family.scales_embeddings else None)
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         tied = model.lm_head.weight is body.embed_tokens.weight
         head_kernel = kernel.for_tied_head() if tied else kernel
         self.lm_head = (Int8Linear(int8_head, model.lm_head.weight) if int8_head is not None
@@ -369,18 +395,24 @@ class LlamaDecoder:
         # that layout (a strided gather of one row per token): the table is then held once, not twice
         self.embed_from_head = _blocked_layout(self.lm_head) if tied else None
         self.embed = None if self.embed_from_head else _own(body.embed_tokens.weight)  # (V, C)
+        layer_types = getattr(config, "layer_types", None) or [""] * len(body.layers)
+        softcap = attention_softcap(config)
         self.layers = [
             _Layer(
-                attn_norm=_own(layer.input_layernorm.weight),
+                attn_norm=norm(layer.input_layernorm),
                 qkv=projection(family.qkv_modules(layer), kernel, int4),
                 o=projection([layer.self_attn.o_proj], kernel, int4),
-                mlp_norm=_own(layer.post_attention_layernorm.weight),
+                mlp_norm=norm(getattr(layer, family.mlp_norm)),
                 gate_up=projection(family.gate_up_modules(layer), kernel, int4),
                 down=projection([layer.mlp.down_proj], kernel, int4),
-                q_norm=_own(layer.self_attn.q_norm.weight) if family.has_qk_norm else None,
-                k_norm=_own(layer.self_attn.k_norm.weight) if family.has_qk_norm else None,
+                q_norm=norm(layer.self_attn.q_norm) if family.has_qk_norm else None,
+                k_norm=norm(layer.self_attn.k_norm) if family.has_qk_norm else None,
+                post_attn_norm=norm(layer.post_attention_layernorm) if family.sandwich_norms else None,
+                post_mlp_norm=norm(layer.post_feedforward_layernorm) if family.sandwich_norms else None,
+                rotary=kind if family.rope_per_layer_type else "", window=window, softcap=softcap,
+                fused=window is None and softcap is None,
             )
-            for layer in body.layers
+            for layer, kind, window in zip(body.layers, layer_types, layer_windows(model))
         ]
         blocked = kernel.blocked.module if kernel.blocked is not None else None
         # NOTE: an int8 cache is read by the fused step as it is stored; decode_attention (unpaged) only ever meets
@@ -399,29 +431,37 @@ class LlamaDecoder:
         # that hides columns keeps torch's operations and SDPA with its mask
         self.prefill_step_attention = blocked.prefill_step_attention if self.decode_attention is not None else None
         norm_fits = blocked is not None and config.hidden_size % 16 == 0 and self.dtype in (torch.float32, torch.bfloat16)
-        self.rms_norm = blocked.rms_norm if norm_fits else _rms_norm
-        self.silu_mul = blocked.silu_mul if norm_fits else _silu_mul
+        # NOTE: Gemma's order in bf16 (normalise and scale in fp32, then cast) is not the kernel's (cast, then scale)
+        self.head_norm = _rms_norm_in_fp32 if family.norm_adds_one else _rms_norm  # q / k norms, over head_dim
+        gemma_bf16 = family.norm_adds_one and self.dtype != torch.float32
+        self.rms_norm = blocked.rms_norm if norm_fits and not gemma_bf16 else self.head_norm
+        self.gelu = getattr(config, family.activation_field) == "gelu_pytorch_tanh"
+        self.silu_mul = _gelu_tanh_mul if self.gelu else blocked.silu_mul if norm_fits else _silu_mul
         self._stack = None  # DecodeStack, built on first use; False where it does not fit
         self._stack_rows = 0  # the most rows a step takes through it (a dense projection's servelab row range)
-        rotary = body.rotary_emb
         # NOTE: transformers' inv_freq and attention_scaling as its rope type computed them at init, over the positions
         # where they stay so (families.rope_positions); a position past them is refused by name
         self.positions_reason = positions_reason(model)
         positions = torch.arange(rope_positions(model), device=device, dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
-        angles = torch.cat([freqs, freqs], dim=-1)  # (P, D), as transformers' rotary embedding lays it out
-        self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)
-        self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+        self.rotary = {}  # per families.rotary_tables key: (cos, sin) (P, D) each
+        for kind, (inv_freq, scaling) in rotary_tables(model).items():
+            freqs = positions[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]  # (P, D/2)
+            angles = torch.cat([freqs, freqs], dim=-1)  # (P, D), as transformers' rotary embedding lays it out
+            self.rotary[kind] = ((angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype))
+        self.cos, self.sin = self.rotary.get("full_attention", next(iter(self.rotary.values())))
+        self.fuses_every_layer = all(layer.fused for layer in self.layers)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights in their layouts, embeddings, norms, rotary tables."""
-        return [*([self.embed] if self.embed is not None else []), self.cos, self.sin, *self.step_tensors()]
+        tables = [t for pair in self.rotary.values() for t in pair]
+        return [*([self.embed] if self.embed is not None else []), *tables, *self.step_tensors()]
 
     def step_tensors(self) -> list[torch.Tensor]:
         """The weights a decode step reads in full (the embedding and rotary tables only a row per token)."""
         out = [self.final_norm, *projection_tensors(self.lm_head)]
         for layer in self.layers:
-            out += [layer.attn_norm, layer.mlp_norm, *(n for n in (layer.q_norm, layer.k_norm) if n is not None)]
+            out += [layer.attn_norm, layer.mlp_norm, *(n for n in (layer.q_norm, layer.k_norm, layer.post_attn_norm,
+                                                                    layer.post_mlp_norm) if n is not None)]
             for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 out += projection_tensors(p)
         return out
@@ -445,31 +485,58 @@ class LlamaDecoder:
         B, T = input_ids.shape
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         self._check_positions(position_ids)
-        h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
-             else F.embedding(input_ids, self.embed))  # (B, T, C)
-        cos, sin = self.cos[position_ids].unsqueeze(2), self.sin[position_ids].unsqueeze(2)  # (B, T, 1, D)
+        h = self._embed(input_ids)  # (B, T, C)
+        rotary = {kind: (cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2))  # (B, T, 1, D) each
+                  for kind, (cos, sin) in self.rotary.items()}
         mask = _attention_mask(attention_mask, T)
         if window is not None and T > 1:
             mask = _window_mask(mask, attention_mask, position_ids, window)
         for i, layer in enumerate(self.layers):
             qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, T, H + 2 * H_kv, D))
-            qk = _rotate(qkv[:, :, : H + H_kv], cos, sin)  # queries and keys rotated together
+            qk = _rotate(qkv[:, :, : H + H_kv], *rotary[layer.rotary])  # queries and keys rotated together
             q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
             keys, values = cache.append(i, k, qkv[:, :, H + H_kv:].transpose(1, 2))  # (B, H_kv, S, D)
-            h = add_projection(layer.o, self._attend(q, keys, values, mask), h)  # attention out: (B, T, H x D)
-            gate_up = layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))
-            h = add_projection(layer.down, self.silu_mul(gate_up), h)
+            seen = mask if layer.window is None else _sliding_mask(mask, attention_mask.shape[1], T, layer.window)
+            h = self._add_attention(layer, self._attend(q, keys, values, seen, layer), h)  # attended: (B, T, H x D)
+            h = self._add_mlp(layer, h)
         cache.advance(T)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = (self.embed_from_head.rows(input_ids).to(self.dtype) if self.embed_from_head is not None
+             else F.embedding(input_ids, self.embed))
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def _add_attention(self, layer: _Layer, attended: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + o(attended), the add fused into the matmul where the kernel takes it; Gemma's post-attention norm sits
+        between the projection and the add, so there the add is torch's."""
+        if layer.post_attn_norm is None:
+            return add_projection(layer.o, attended, h)
+        return h + self.rms_norm(layer.o(attended), layer.post_attn_norm, self.eps)
+
+    def _add_mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """h + the MLP of its norm (SwiGLU or GeGLU), Gemma's post-feedforward norm before the add."""
+        gated = self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps)))
+        if layer.post_mlp_norm is None:
+            return add_projection(layer.down, gated, h)
+        return h + self.rms_norm(layer.down(gated), layer.post_mlp_norm, self.eps)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, the output layer and Gemma's final soft cap: tanh(logits / cap) x cap."""
+        logits = self.lm_head(self.rms_norm(h, self.final_norm, self.eps))
+        if self.logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+
     def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv (..., H + 2 H_kv, D) with each query and key head RMS-normed over D (Qwen3's q_norm / k_norm), before
-        any kernel rotates them; other families' as it is."""
+        """qkv (..., H + 2 H_kv, D) with each query and key head RMS-normed over D (Qwen3's and Gemma 3's q_norm /
+        k_norm, each in its family's norm), before any kernel rotates them; other families' as it is."""
         if layer.q_norm is None:
             return qkv
         H, H_kv = self.num_heads, self.num_kv_heads
-        return torch.cat([_rms_norm(qkv[..., :H, :], layer.q_norm, self.eps),
-                          _rms_norm(qkv[..., H:H + H_kv, :], layer.k_norm, self.eps), qkv[..., H + H_kv:, :]], dim=-2)
+        norm = self.head_norm
+        return torch.cat([norm(qkv[..., :H, :], layer.q_norm, self.eps),
+                          norm(qkv[..., H:H + H_kv, :], layer.k_norm, self.eps), qkv[..., H + H_kv:, :]], dim=-2)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         if positions.numel() and (last := int(positions.max())) >= self.cos.shape[0]:
@@ -481,16 +548,15 @@ class LlamaDecoder:
         """One forward over the paged cache: the decode rows' tokens, then the prefill chunks', in one pass through
         the weights -> logits (len(batch.logit_rows), V) of the tokens named there."""
         self._check_positions(batch.positions)
-        h = (self.embed_from_head.rows(batch.input_ids).to(self.dtype) if self.embed_from_head is not None
-             else F.embedding(batch.input_ids, self.embed)).view(-1, 1, self.embed_dim)  # (N, 1, C)
-        if not batch.chunks and self.decode_step_attention is not None:
+        h = self._embed(batch.input_ids).view(-1, 1, self.embed_dim)  # (N, 1, C)
+        if not batch.chunks and self.decode_step_attention is not None and self.fuses_every_layer:
             h = self._decode_hidden(h, batch, cache)
         else:
             h = self._mixed_hidden(h, batch, cache)
         h = h.view(h.shape[0], -1)[batch.logit_rows].contiguous()
         if not h.shape[0]:  # NOTE: only prompt chunks that do not complete their prompt: nothing samples
             return h.new_empty((0, self.vocab_size))
-        return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))  # (K, V)
+        return self._head(h)  # (K, V)
 
     def _decode_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """A decode step, h (B, 1, C): per layer a norm, four matmuls (the residual adds fused into two), the fused
@@ -505,10 +571,10 @@ class LlamaDecoder:
             return out.view(B, 1, -1)
         for i, layer in enumerate(self.layers):
             qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(B, H + 2 * H_kv, D))
-            attended = self.decode_step_attention(qkv, self.cos, self.sin, positions, cache.keys[i], cache.values[i],
-                                                  lengths, table, H, D ** -0.5, *cache.scales(i))  # (B, H x D)
-            h = add_projection(layer.o, attended.view(B, 1, H * D), h)
-            h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
+            attended = self.decode_step_attention(qkv, *self.rotary[layer.rotary], positions, cache.keys[i],
+                                                  cache.values[i], lengths, table, H, self.scale,
+                                                  *cache.scales(i))  # (B, H x D)
+            h = self._add_mlp(layer, self._add_attention(layer, attended.view(B, 1, H * D), h))
         return h
 
     def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -529,36 +595,40 @@ class LlamaDecoder:
                               [batch.block_table[Bd + j] for j in range(len(batch.chunks))], cache.key_scales,
                               cache.value_scales)
             return out.view(N, 1, -1)
-        cos, sin = self.cos[batch.positions].view(N, 1, 1, D), self.sin[batch.positions].view(N, 1, 1, D)
-        decode_places = batch.decode_places(bs) if Bd and self.decode_step_attention is None else None
+        rotary = {kind: (cos[batch.positions].view(N, 1, 1, D), sin[batch.positions].view(N, 1, 1, D))
+                  for kind, (cos, sin) in self.rotary.items()}
+        decode_places = (batch.decode_places(bs) if Bd and (self.decode_step_attention is None
+                                                               or not self.fuses_every_layer) else None)
         for i, layer in enumerate(self.layers):
             qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D))
+            cos, sin = rotary[layer.rotary]
             parts = []
-            if Bd and self.decode_step_attention is not None:
-                parts.append(self.decode_step_attention(qkv[:Bd], self.cos, self.sin, batch.positions[:Bd],
+            if Bd and layer.fused and self.decode_step_attention is not None:
+                parts.append(self.decode_step_attention(qkv[:Bd], *self.rotary[layer.rotary], batch.positions[:Bd],
                                                         cache.keys[i], cache.values[i], batch.decode_lengths,
-                                                        batch.block_table[:Bd], H, D ** -0.5, *cache.scales(i)))
+                                                        batch.block_table[:Bd], H, self.scale, *cache.scales(i)))
             elif Bd:
-                parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places))
+                parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places, layer, batch))
             for j, ((offset, start, num_tokens), place) in enumerate(zip(batch.chunks, places)):
                 rows = slice(offset, offset + num_tokens)
                 parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start,
-                                                   batch.window, bs, batch.positions[rows], batch.block_table[Bd + j]))
+                                                   batch.window, bs, batch.positions[rows], batch.block_table[Bd + j],
+                                                   layer))
             attended = torch.cat(parts) if len(parts) > 1 else parts[0]
-            h = add_projection(layer.o, attended.view(N, 1, H * D), h)
-            h = add_projection(layer.down, self.silu_mul(layer.gate_up(self.rms_norm(h, layer.mlp_norm, self.eps))), h)
+            h = self._add_mlp(layer, self._add_attention(layer, attended.view(N, 1, H * D), h))
         return h
 
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
                          window: tuple[int, int] | None, bs: int, positions: torch.Tensor,
-                         table: torch.Tensor) -> torch.Tensor:
+                         table: torch.Tensor, spec: _Layer) -> torch.Tensor:
         """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. (positions (T,) int64, the row's block table
-        (blocks,) int32) -> attention out (T, H x D)."""
+        (blocks,) int32) -> attention out (T, H x D). A layer with a sliding window or a soft cap (spec) takes torch's
+        operations: its queries see keys at positions > their own - window."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, blocks, offsets, key_positions = place
-        if self.prefill_step_attention is not None and self._fuses(place, start, T, window, bs):
-            return self.prefill_step_attention(x, self.cos, self.sin, positions, cache.keys[layer], cache.values[layer],
-                                               table, start, H, D ** -0.5, *cache.scales(layer))
+        if spec.fused and self.prefill_step_attention is not None and self._fuses(place, start, T, window, bs):
+            return self.prefill_step_attention(x, *self.rotary[spec.rotary], positions, cache.keys[layer],
+                                               cache.values[layer], table, start, H, self.scale, *cache.scales(layer))
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
@@ -567,9 +637,10 @@ class LlamaDecoder:
         if window is not None:  # each token sees the sinks and the window behind its own block
             key_blocks = (key_positions // bs)[None, :]
             visible &= (key_blocks < window[0]) | (key_blocks >= (query_positions // bs - window[1])[:, None])
-        out = F.scaled_dot_product_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0).to(x.dtype),
-                                             values.unsqueeze(0).to(x.dtype), attn_mask=visible[None, None],
-                                             enable_gqa=True)  # (1, H, T, D)
+        if spec.window is not None:
+            visible &= key_positions[None, :] > query_positions[:, None] - spec.window
+        out = self._torch_attention(qk[:, :H].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                    visible[None, None], spec.softcap)  # (1, H, T, D)
         return out[0].transpose(0, 1).reshape(T, H * D)
 
     @staticmethod
@@ -579,18 +650,23 @@ class LlamaDecoder:
         the sink blocks."""
         return place[4].shape[0] == start + T and (window is None or (start + T - 1) // bs - window[1] <= window[0])
 
-    def _torch_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, place) -> torch.Tensor:
-        """Decode rows without the fused kernel (another device or dtype): plain torch gathers from the pool."""
+    def _torch_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, place, spec: _Layer,
+                      batch: PagedBatch) -> torch.Tensor:
+        """Decode rows without the fused kernel (another device or dtype, a sliding window, a soft cap): plain torch
+        gathers from the pool."""
         B, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, table, mask = place
         qk = _rotate(x[:, : H + H_kv].unsqueeze(1), cos.view(B, 1, 1, D), sin.view(B, 1, 1, D))[:, 0]  # (B, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
         keys, values = cache.read_blocks(layer, table)  # (B, H_kv, nb x block_size, D)
-        return self._attend(qk[:, :H].unsqueeze(2), keys, values, mask).view(B, H * D)
+        if spec.window is not None:  # keyed by position: a column's, less what window eviction dropped before it
+            key_positions = batch.decode_key_positions(cache.block_size, mask.shape[1])  # (B, S)
+            mask = mask & (key_positions > batch.positions[:B, None] - spec.window)
+        return self._attend(qk[:, :H].unsqueeze(2), keys, values, mask, spec).view(B, H * D)
 
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         h = self._hidden(input_ids, attention_mask, position_ids, cache)
-        return self.lm_head(self.rms_norm(h[:, -1, :].contiguous(), self.final_norm, self.eps))  # (B, V)
+        return self._head(h[:, -1, :].contiguous())  # (B, V)
 
     def _decode_stack(self):
         """Every layer as one kernel call (a decode step's, or a step with prompt chunks where the fused attention
@@ -602,8 +678,11 @@ class LlamaDecoder:
             projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             blocked = self.kernel.blocked.module if self.kernel.blocked is not None else None
             self._stack = False
+            # NOTE: the stack knows no q/k norm (Qwen3), no sliding window, soft cap or other attention scale, no norm
+            # between a projection and its residual add and no GeGLU (Gemma)
             if (blocked is None or self.decode_step_attention is None or self.rms_norm != blocked.rms_norm
-                    or self.layers[0].q_norm is not None):  # NOTE: the stack knows no q/k norm (Qwen3)
+                    or self.layers[0].q_norm is not None or not self.fuses_every_layer or self.gelu
+                    or self.layers[0].post_attn_norm is not None or self.scale != self.head_dim ** -0.5):
                 return None
             if all(isinstance(p, ServelabInt4Linear) and p.takes_residual for p in projections):
                 parts = {id(p): (p.packed, p.scales, p.zeros, p.group_size, p.int_rows, p.float_activations)
@@ -629,23 +708,34 @@ class LlamaDecoder:
         lab scores a windowed config so: the same mask the paged cache applies, in one forward)."""
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
         h = self._hidden(input_ids, attention_mask, position_ids, cache, window)[:, -keep:, :].contiguous()
-        return self.lm_head(self.rms_norm(h, self.final_norm, self.eps))
+        return self._head(h)
 
-    def _attend(self, q, keys, values, mask) -> torch.Tensor:
+    def _attend(self, q, keys, values, mask, layer: _Layer) -> torch.Tensor:
+        """q (B, H, T, D), keys / values (B, H_kv, S, D), mask as _attention_mask gives it -> (B, T, H x D)."""
         B, H, T, D = q.shape
-        if T > 1:  # prefill: SDPA, each kv head serving its group of query heads
-            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                                 enable_gqa=True)
-            return out.transpose(1, 2).reshape(B, T, H * D)
-        if self.decode_attention is not None:  # servelab's kernel: one pass over the cache per kv head
-            return self.decode_attention(q[:, :, 0], keys, values, mask, D ** -0.5).view(B, 1, H * D)
-        # NOTE: one query per row: the query heads of a group share one matmul against their kv head's keys.
-        group = q.view(B, self.num_kv_heads, H // self.num_kv_heads, D)  # (B, H_kv, G, D)
-        scores = torch.matmul(group, keys.transpose(-1, -2).to(q.dtype)) * D ** -0.5  # (B, H_kv, G, S)
+        if T == 1 and layer.fused and self.decode_attention is not None:  # servelab's kernel: one pass per kv head
+            return self.decode_attention(q[:, :, 0], keys, values, mask, self.scale).view(B, 1, H * D)
+        if T == 1 and mask is not None:
+            mask = mask[:, None, None, :]  # (B, 1, 1, S)
+        return self._torch_attention(q, keys, values, mask, layer.softcap).transpose(1, 2).reshape(B, T, H * D)
+
+    def _torch_attention(self, q, keys, values, mask, softcap: float | None) -> torch.Tensor:
+        """q (B, H, T, D), keys / values (B, H_kv, S, D), mask bool (B, 1, T, S) or None -> (B, H, T, D): SDPA for
+        several queries; else (one query, or soft-capped scores, which SDPA has no place for) transformers' eager
+        attention, the query heads of a group sharing one matmul against their kv head's keys."""
+        B, H, T, D = q.shape
+        H_kv, S = keys.shape[1], keys.shape[2]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if T > 1 and softcap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        scores = torch.matmul(q.reshape(B, H_kv, H // H_kv * T, D), keys.transpose(-1, -2)) * self.scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(B, H_kv, H // H_kv, T, S)
         if mask is not None:
-            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values.to(q.dtype)).reshape(B, 1, H * D)
+            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(B, H_kv, H // H_kv * T, S)
+        return torch.matmul(probs, values).view(B, H, T, D)
 
 
 def _attention_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
@@ -678,6 +768,28 @@ def _window_mask(mask: torch.Tensor | None, attention_mask: torch.Tensor, positi
         mask = (torch.arange(S, device=keys.device)[None, :] <= query)[None, None]
     # NOTE: a padding query keeps seeing itself (no all -inf row); its own column is always kept
     return mask & (kept | (torch.arange(S, device=keys.device)[None, :] == torch.arange(S - T, S, device=keys.device)[:, None]))
+
+
+def _sliding_mask(mask: torch.Tensor | None, S: int, T: int, window: int) -> torch.Tensor:
+    """_attention_mask's mask for T queries over S columns of a cache without eviction (a row's columns are its
+    positions, shifted by its padding) narrowed to the keys less than `window` positions behind each query."""
+    query = torch.arange(S - T, S, device=mask.device if mask is not None else None)[:, None]
+    near = torch.arange(S, device=query.device)[None, :] > query - window  # (T, S)
+    if T == 1:
+        return near if mask is None else mask & near  # (B or 1, S)
+    return mask & near[None, None]  # (B, 1, T, S)
+
+
+def _rms_norm_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma RMSNorm with its 1 + w folded into an fp32 weight: normalised and scaled in fp32, then
+    cast back."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+
+
+def _gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu (tanh approximation, transformers' gelu_pytorch_tanh) of the gate times up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

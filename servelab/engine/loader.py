@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from servelab.config import ServingConfig
-from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
+from servelab.engine.loaded_model import LoadedModel, attention_for, model_shape, resolve_device
 from servelab.engine.model_files import (
     ModelLoadError,
     declared_quantization,
@@ -29,7 +29,7 @@ from servelab.settings import Settings, available_cores
 
 # NOTE: re-exported: engine, cli, linear, kernels, lab, bench and tests import these from here.
 __all__ = [
-    "DTYPES", "LoadedModel", "ModelLoadError", "apply_threads", "check_context_length", "ensure_bundled_folder",
+    "DTYPES", "LoadedModel", "ModelLoadError", "apply_threads", "attention_for", "check_context_length", "ensure_bundled_folder",
     "file_lock", "load_dense_model", "load_model", "model_shape", "resolve_device", "resolve_model_folder",
 ]
 
@@ -88,7 +88,7 @@ def load_dense_model(config: ServingConfig, settings: Settings) -> LoadedModel:
     if dtype == torch.float16 and device.type == "cpu":
         log.warning("fp16 on CPU has no fast matmul path; use bf16 on CPU and fp16 on GPU")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention_for(folder))
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model from {folder}: {exc}") from exc

@@ -55,6 +55,18 @@ def window_mask(length: int, block_size: int, sink_blocks: int, window_blocks: i
     return (key <= query) & ((key // block_size < sink_blocks) | (key // block_size >= query // block_size - window_blocks))
 
 
+def layer_type_masks(model, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A (1, 1, L, L) bool mask as transformers takes masks ready made per layer type: on sliding-window layers also
+    the model's token window (a query sees keys at positions > its own - sliding_window); additive (0 or the dtype's
+    lowest), as its eager attention adds them to the scores."""
+    length = mask.shape[-1]
+    position = torch.arange(length, device=mask.device)
+    near = position[None, :] > position[:, None] - model.config.sliding_window
+    lowest = torch.finfo(model.dtype).min
+    return {kind: torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~seen, lowest)
+            for kind, seen in (("full_attention", mask), ("sliding_attention", mask & near))}
+
+
 @torch.inference_mode()
 def naive_window_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: set[int], *,
                         block_size: int, sink_blocks: int, window_blocks: int) -> list[int]:
@@ -64,6 +76,8 @@ def naive_window_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_t
     out: list[int] = []
     for _ in range(max_new_tokens):
         mask = window_mask(len(ids), block_size, sink_blocks, window_blocks)[None, None].to(model.device)
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+            mask = layer_type_masks(model, mask)
         logits = model(input_ids=torch.tensor([ids], device=model.device), attention_mask=mask,
                        position_ids=torch.arange(len(ids), device=model.device)[None], use_cache=False,
                        logits_to_keep=1).logits

@@ -1,5 +1,6 @@
-"""servelab's decoder on each model family it covers (families.py): Llama with every rope type Llama 2/3 use, Mistral,
-Qwen2, Qwen3 and Phi-3, each a tiny random model made from transformers' own config class, served through the paged
+"""servelab's decoder on each model family it covers (families.py): Llama with every rope type Llama 2/3 use, Mistral
+(a sliding window shorter than the prompts), Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3 (alternating sliding-window
+layers, soft caps), each a tiny random model made from transformers' own config class, served through the paged
 cache (rows joining and leaving, prompts in chunks, a prefix from cached blocks, int8 blocks, window eviction) and each
 kernel (fp32, bf16, AWQ int4, an int8 output layer) against naive greedy decoding with transformers' forward; and
 what is refused, by name.
@@ -13,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from servelab.config import ServingConfig
 from servelab.engine.decoder import LlamaDecoder, build_decoder
 from servelab.engine.engine import Engine
-from servelab.engine.families import rope_positions, unsupported_reason
+from servelab.engine.families import layer_windows, rope_positions, unsupported_reason
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
@@ -28,6 +30,7 @@ from tests.engine.naive import naive_decode, naive_greedy, naive_window_greedy
 from tests.engine.test_stepping import _run_schedule
 
 BS, SINK, WINDOW = 4, 1, 2  # blocks of 4 tokens; window eviction keeps 1 sink block and the 2 behind each token's
+SLIDING = 8  # the sliding-window layers' tokens: shorter than most prompts here
 TEXT = "the quick brown fox jumps over the lazy dog"
 ROPE_THETA = {"rope_theta": 10000.0}
 MODELS = {  # name: (config class, model class, what differs from the common tiny shape)
@@ -40,16 +43,27 @@ MODELS = {  # name: (config class, model class, what differs from the common tin
                                                                        "original_max_position_embeddings": 128}}),
     "llama-dynamic": (LlamaConfig, LlamaForCausalLM, {"rope_parameters": {**ROPE_THETA, "rope_type": "dynamic",
                                                                           "factor": 2.0}}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 512}),  # a window that reaches every position
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": SLIDING}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+    # NOTE: Gemma 2's layers alternate sliding, full; soft caps that bite (scores and logits reach past them), an
+    # attention scale other than head_dim's
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 16, "sliding_window": SLIDING, "query_pre_attn_scalar": 24,
+                                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 8.0}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "head_dim": 16, "sliding_window": SLIDING, "query_pre_attn_scalar": 24, "final_logit_softcapping": 8.0,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0}}}),
 }
 # NOTE: the rope types differ from Llama only in the rotary tables, and Mistral's block is Llama's (families.py): the
 # cache features and kernels run on one of them and on each block that differs
 BLOCKS = ["llama-llama3", "qwen2", "qwen3", "phi3"]
+GEMMAS = ["gemma2", "gemma3"]
 PROMPTS = ["The capital of France is", "A man is sitting on a roof. He", " ".join([TEXT] * 3)]
 LOGPROB_ATOL = 1e-4  # fp32: the same products in another order
+LOGIT_ATOL = 1e-4
 INT8_LOGPROB_ATOL = 0.2  # an int8 pool against its own fp32 run, first tokens
 INT4_LOGPROB_ATOL = 0.25  # the same int4 kernel on both sides, bf16 activations (2^-8 of logits near 20)
 
@@ -133,18 +147,22 @@ def test_each_family_decodes_like_naive_greedy_with_rows_joining_and_leaving(fam
 
 
 def test_the_fused_kernels_serve_where_they_compute_what_the_family_needs(family_folders, settings: Settings) -> None:
-    """The one-call decode step (DecodeStack) knows no bias and no q/k norm: off for Qwen2 and Qwen3, on for the
-    others; the per-layer fused attention steps take every family (Qwen3's q/k norm applied before them)."""
+    """The one-call decode step (DecodeStack) knows no bias, no q/k norm, no sliding window and none of Gemma's
+    differences: off for Mistral with its short window, Qwen2, Qwen3 and Gemma, on for the others; the per-layer fused
+    attention steps take every layer but the sliding-window and soft-capped ones (Qwen3's and Gemma 3's q/k norm
+    applied before them)."""
     if load_blocked_kernel(settings.cache_dir).module is None:
         pytest.skip("this CPU runs no servelab build")
-    for name in ("mistral", *BLOCKS):
+    torch_layers = {"mistral": [False, False], "gemma2": [False, False], "gemma3": [False, True]}  # fused or not
+    for name in ("mistral", *BLOCKS, *GEMMAS):
         decoder = _engine(family_folders, settings, name).decoder
         assert decoder.decode_step_attention is not None, name
-        assert (decoder._decode_stack() is None) == (name in ("qwen2", "qwen3")), name
-        assert (decoder.layers[0].q_norm is not None) == (name == "qwen3")
+        assert (decoder._decode_stack() is None) == (name in ("mistral", "qwen2", "qwen3", *GEMMAS)), name
+        assert (decoder.layers[0].q_norm is not None) == (name in ("qwen3", "gemma3"))
+        assert [layer.fused for layer in decoder.layers] == torch_layers.get(name, [True, True]), name
 
 
-@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("name", [*BLOCKS, "gemma3"])  # NOTE: Gemma 3 reads int8 blocks in torch's and the fused path
 def test_an_int8_pool_stays_near_its_own_fp32_run(family_folders, settings: Settings, name: str) -> None:
     fp32, int8 = (_engine(family_folders, settings, name, kv_cache_dtype=d) for d in ("fp32", "int8"))
     requests = [_greedy(f"q{i}", p, 4, logprobs=1) for i, p in enumerate(PROMPTS)]
@@ -159,7 +177,7 @@ def test_an_int8_pool_stays_near_its_own_fp32_run(family_folders, settings: Sett
     assert [a.token_ids[0] for a in want] == [b.token_ids[0] for b in got], name
 
 
-@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("name", [*BLOCKS, "gemma2"])  # NOTE: the eviction window and Gemma 2's token window together
 def test_window_eviction_decodes_like_a_naive_reference_with_the_same_mask(family_folders, settings: Settings,
                                                                           name: str) -> None:
     engine = _engine(family_folders, settings, name,
@@ -172,7 +190,7 @@ def test_window_eviction_decodes_like_a_naive_reference_with_the_same_mask(famil
                                                              window_blocks=WINDOW)
 
 
-@pytest.mark.parametrize("name", BLOCKS[1:])
+@pytest.mark.parametrize("name", BLOCKS[1:] + GEMMAS)  # NOTE: Gemma's norms scale in fp32 and cast after
 def test_bf16_weights_follow_transformers_in_bf16(family_folders, settings: Settings, name: str) -> None:
     engine = _engine(family_folders, settings, name, weights="bf16")
     assert isinstance(engine.decoder, LlamaDecoder) and engine.decoder.dtype == torch.bfloat16
@@ -183,6 +201,22 @@ def test_bf16_weights_follow_transformers_in_bf16(family_folders, settings: Sett
     # NOTE: bf16 rounds each operation's output to 8 bits: the two orders of operations part by about 2^-8 relative
     assert abs(completion.logprobs[0].chosen.logprob - float(logprobs[completion.token_ids[0]])) < 0.1
     assert completion.token_ids[0] == token_id or logprobs.topk(2).values.diff().abs() < 0.1
+
+
+@pytest.mark.parametrize("name", ["mistral", *GEMMAS])
+@torch.inference_mode()
+def test_a_left_padded_prefill_scores_like_transformers_forward(family_folders, settings: Settings, name: str) -> None:
+    """The unpaged forward the quality lab scores with (decoder.logits), its sliding windows keyed by position: each
+    row's logits at every position, the shorter row left-padded, equal transformers' forward over that row alone."""
+    engine = _engine(family_folders, settings, name)
+    rows = [engine.encode(_greedy("p", prompt, 1)) for prompt in (PROMPTS[2], PROMPTS[1])]
+    T = len(rows[0])
+    ids = torch.tensor([[engine.pad_token_id] * (T - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (T - len(row)) + [1] * len(row) for row in rows])
+    got = engine.decoder.logits(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), T)  # (2, T, V)
+    for b, row in enumerate(rows):
+        want = engine.model(input_ids=torch.tensor([row])).logits[0]
+        torch.testing.assert_close(got[b, T - len(row):], want, atol=LOGIT_ATOL, rtol=0)
 
 
 class _Head(torch.nn.Module):
@@ -292,9 +326,9 @@ def _tiny(config_class, model_class, **extra):
 
 
 @pytest.mark.parametrize(("model", "reason"), [
-    (lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=64), "sliding window of 64 tokens"),
-    (lambda: _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=32, max_window_layers=0),
-     "sliding window of 32 tokens"),
+    (lambda: _tiny(Gemma3TextConfig, Gemma3ForCausalLM, head_dim=16, use_bidirectional_attention=True),
+     "bidirectional attention"),
+    (lambda: _tiny(Gemma2Config, Gemma2ForCausalLM, head_dim=16, hidden_activation="gelu"), "activation 'gelu'"),
     (lambda: _tiny(Phi3Config, Phi3ForCausalLM, partial_rotary_factor=0.5), "partial rotary positions"),
     (lambda: _tiny(LlamaConfig, LlamaForCausalLM, hidden_act="gelu"), "activation 'gelu'"),
 ])
@@ -307,9 +341,20 @@ def test_what_the_decoder_cannot_match_is_refused_by_name_and_served_by_transfor
     assert decoder.name == "transformers"
 
 
-def test_a_window_that_reaches_every_position_is_served() -> None:
-    assert unsupported_reason(_tiny(MistralConfig, MistralForCausalLM, sliding_window=256)) is None
-    assert unsupported_reason(_tiny(MistralConfig, MistralForCausalLM, sliding_window=None)) is None
+def test_transformers_own_forward_runs_the_attention_each_model_class_takes(family_folders, settings: Settings) -> None:
+    """Gemma 2 has no SDPA (no soft cap in it), and transformers refuses it: the loader asks for its eager attention
+    (the reference and the transformers decoder run it); the others keep SDPA."""
+    for name in ("gemma2", "gemma3"):
+        model = _engine(family_folders, settings, name).model
+        assert model.config._attn_implementation == ("eager" if name == "gemma2" else "sdpa"), name
+
+
+def test_sliding_windows_are_served_and_applied_where_they_hide_keys() -> None:
+    for window, applied in ((64, [64]), (256, [None]), (None, [None])):  # 256: it reaches every position served
+        model = _tiny(MistralConfig, MistralForCausalLM, sliding_window=window)
+        assert unsupported_reason(model) is None and layer_windows(model) == applied, window
+    qwen2 = _tiny(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    assert unsupported_reason(qwen2) is None and layer_windows(qwen2) == [32]
 
 
 def test_dynamic_rope_is_served_within_its_original_length_and_refused_by_name_past_it(family_folders,

@@ -28,7 +28,7 @@ from servelab.engine.awq.checkpoint import (
 )
 from servelab.engine.awq.gptq_cpu import import_gptqmodel
 from servelab.engine.awq.layout import check_published_tensors, published_layout
-from servelab.engine.loaded_model import LoadedModel, model_shape, resolve_device
+from servelab.engine.loaded_model import LoadedModel, attention_for, model_shape, resolve_device
 from servelab.engine.model_files import resolve_model_folder
 from servelab.settings import Settings
 
@@ -123,7 +123,7 @@ def _from_pretrained(folder: Path, device: torch.device, dtype: torch.dtype, awq
         )
     try:
         return AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, device_map={"": str(device)}, attn_implementation="sdpa", **kwargs
+            folder, dtype=dtype, device_map={"": str(device)}, attn_implementation=attention_for(folder), **kwargs
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise AWQCheckpointError(
