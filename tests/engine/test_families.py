@@ -228,7 +228,7 @@ class _Head(torch.nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("name", ["qwen3"])  # NOTE: the output layer and embedding are the same in every family
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])  # NOTE: the same head in every family; Gemma 2 soft-caps after it
 @torch.inference_mode()
 def test_an_int8_output_layer_decodes_like_naive_greedy_with_that_head(family_folders, settings: Settings,
                                                                        name: str) -> None:
@@ -263,7 +263,7 @@ def _rtn_config(folder: Path) -> ServingConfig:
 
 
 @needs_gptqmodel
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 @torch.inference_mode()
 def test_an_rtn_int4_model_decodes_like_naive_greedy_with_the_same_kernel(family_folders, awq_settings: Settings,
                                                                           name: str) -> None:
@@ -281,7 +281,7 @@ def test_an_rtn_int4_model_decodes_like_naive_greedy_with_the_same_kernel(family
     reference = engine.model
     if blocked.module is not None:
         assert isinstance(engine.decoder.layers[0].qkv, ServelabInt4Linear)
-        assert (engine.decoder._decode_stack() is None) == (name in ("qwen2", "qwen3"))
+        assert (engine.decoder._decode_stack() is None) == (name in ("mistral", "qwen2", "qwen3", *GEMMAS))
         for layer in engine.decoder.layers:  # the integer path at every row count, in both
             for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 p.int_rows = 1 << 30
