@@ -24,6 +24,7 @@ from servelab.engine import measure
 from servelab.engine.arena import gather_on_huge_pages
 from servelab.engine.decoder import LlamaDecoder, build_decoder, release_copied_weights, unsupported_reason
 from servelab.engine.decoding import Decodings
+from servelab.engine.model_files import ModelLoadError
 from servelab.engine.dense_runner import TransformersRunner
 from servelab.engine.kvcache import cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
@@ -67,6 +68,13 @@ class Engine:
                                      cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto",
                                      int4_activations=config.awq.activations if config.awq else "int8",
                                      lm_head_weights=config.lm_head_weights)
+        if isinstance(self.decoder, LlamaDecoder) and config.decoding.max_context_tokens > self.decoder.cos.shape[0]:
+            # NOTE: refused here, not at the step a row reaches past the rotary tables (a batch's step would fail)
+            raise ModelLoadError(
+                f"config {config.name!r}: decoding.max_context_tokens is {config.decoding.max_context_tokens}, past the "
+                f"{self.decoder.cos.shape[0]} positions servelab's decoder serves for this model "
+                f"({self.decoder.positions_reason}): set it to at most {self.decoder.cos.shape[0]}, or decoder: "
+                "transformers")
         self._settings = settings
         self._reference: PreTrainedModel | None = None
         blocked = getattr(getattr(self.decoder, "kernel", None), "blocked", None)

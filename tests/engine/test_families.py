@@ -370,3 +370,25 @@ def test_longrope_is_served_within_its_original_length() -> None:
     model = _tiny(Phi3Config, Phi3ForCausalLM, original_max_position_embeddings=64,
                   rope_scaling={"rope_type": "longrope", **factors})
     assert unsupported_reason(model) is None and rope_positions(model) == 64
+
+
+def test_a_context_past_longropes_original_length_is_refused_when_the_engine_loads(tmp_path: Path, bundled_folder: str,
+                                                                                  settings: Settings) -> None:
+    """Not at the step a row reaches there (which would fail its whole batch): at load, naming the reason."""
+    from servelab.engine.model_files import ModelLoadError
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_folder)
+    factors = {"short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                       max_position_embeddings=256, original_max_position_embeddings=64,
+                                       pad_token_id=tokenizer.pad_token_id,
+                                       rope_scaling={"rope_type": "longrope", **factors}))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"max_context_tokens is 128, past the 64 positions .*'longrope'"):
+        Engine.from_config(make_config(str(tmp_path), decoding={"max_new_tokens": 16, "max_context_tokens": 128}),
+                           settings)
+    served = Engine.from_config(make_config(str(tmp_path), decoding={"max_new_tokens": 16, "max_context_tokens": 64}),
+                                settings)
+    assert served.decoder.name == "servelab"
