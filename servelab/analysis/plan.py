@@ -1,5 +1,5 @@
-"""Comparison plans: the plan file (workload, baseline, candidates, limits, repeats, quality sample size) and the
-order of its rounds.
+"""Comparison plans: the plan file (workload, baseline, candidates, limits, repeats, quality sample size, and a
+sequential budget when it runs until settled) and the order of its rounds.
 
 Reads YAML and the configs and workload a plan names; bad files get a PlanError naming the field and the fix.
 Does not run anything: servelab/lab/compare.py runs a plan's rounds on workers and stores the comparison.
@@ -8,11 +8,13 @@ Does not run anything: servelab/lab/compare.py runs a plan's rounds on workers a
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from servelab.analysis.sequential import SequentialSpec
 from servelab.analysis.verdict import Limits
 from servelab.analysis.workload import Workload, load_workload
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
@@ -60,6 +62,9 @@ class PlanSpec(BaseModel):
         "processes (memory placement, kernel set-up); false keeps one per config for the whole plan"))
     quality: QualitySpec = QualitySpec()
     limits: Limits
+    sequential: SequentialSpec | None = Field(default=None, description=(
+        "run until every candidate is settled or this budget is spent, instead of `repeats` rounds and "
+        "quality.lambada_samples passages (servelab/analysis/sequential.py)"))
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,17 @@ def load_plan(path: str | Path) -> Plan:
     if len(set(names)) != len(names):
         raise PlanError(f"{path}: the configs' names must differ (each serves its own stream), got {names}")
     return Plan(spec, workload, configs[0], tuple(configs[1:]))
+
+
+def until_settled(plan: Plan, **budget: Any) -> Plan:
+    """The plan run until settled: its `sequential:` section (or the defaults) with the budget given (None: kept)."""
+    given = (plan.spec.sequential or SequentialSpec()).model_dump()
+    try:
+        spec = SequentialSpec.model_validate({**given, **{k: v for k, v in budget.items() if v is not None}})
+    except ValidationError as exc:
+        raise PlanError(f"the sequential budget (the plan's sequential: section, then the options): "
+                        f"{describe_validation_error(exc).replace('(top level)', 'sequential')}") from None
+    return replace(plan, spec=plan.spec.model_copy(update={"sequential": spec}))
 
 
 def _resolve(plan_path: Path, ref: str) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from servelab.analysis.sequential import ALPHA, SequentialRecord
 from servelab.analysis.verdict import COST_METRICS, Limits, Verdict
 
 NO_PRICE = "no price set: set SERVELAB_PRICE_PER_HOUR (the machine's price per hour) when running"
@@ -43,6 +44,22 @@ def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
 
 
 OUTCOME_LABELS = {"pass": "pass", "fail": "FAIL", "unsure": "unsure"}
+
+
+def format_sequential(record: SequentialRecord) -> str:
+    """How a comparison run until settled went: why it stopped, the levels its looks read, what settled each
+    candidate and when."""
+    spec, levels = record.spec, record.levels
+    lines = [f"until settled: {record.stop}",
+             f"   intervals: {100 * ALPHA:g} % spent over each criterion's planned looks: serving criteria at "
+             f"{100 * levels.runs:.2f} % ({spec.num_round_looks} looks, rounds {spec.min_rounds}-{spec.max_rounds}), "
+             f"LAMBADA at {100 * levels.passages:.2f} % ({spec.num_passage_looks} looks, {spec.passage_step} passages "
+             f"a step up to {spec.max_passages}); a criterion is kept as the look that settled it read it"]
+    lines += [f"   {record.settled_by(name)}" for name in record.verdicts]
+    for look in record.looks:
+        lines.append(f"   look {look.index}: {look.num_rounds} rounds, {look.num_passages} passages, "
+                     f"{look.minutes:.1f} min")
+    return "\n".join(lines)
 
 
 def decision_of(verdicts) -> str:

@@ -2,6 +2,7 @@
 
 Pure arithmetic on plain numbers (numpy, and scipy for the t and binomial distributions): no torch, no I/O,
 seeded resampling so the same data always gives the same interval. Does not know what the numbers measure.
+Intervals are 95 % unless a `level` is given (a sequential comparison's looks ask for wider ones).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from scipy import stats as distributions
 K = TypeVar("K", bound=Hashable)
 
 Z95 = 1.959963984540054
+LEVEL = 0.95  # the confidence level of every interval unless one is asked for
 MAX_REPEATS_ESTIMATED = 1000  # beyond this, "how many repeats would settle it" answers "none practical"
 
 
@@ -58,13 +60,14 @@ def mean_interval(values: Sequence[float]) -> Estimate:
     return Estimate(mean, mean - half, mean + half)
 
 
-def wilson_interval(num_successes: int, num_trials: int) -> Estimate:
+def wilson_interval(num_successes: int, num_trials: int, *, level: float = LEVEL) -> Estimate:
     """A proportion with Wilson's score interval (sound at 0 % and 100 %, unlike the normal one)."""
     assert num_trials > 0, "no trials"
+    z = z_quantile(level)
     p = num_successes / num_trials
-    denom = 1 + Z95**2 / num_trials
-    centre = (p + Z95**2 / (2 * num_trials)) / denom
-    half = Z95 * math.sqrt(p * (1 - p) / num_trials + Z95**2 / (4 * num_trials**2)) / denom
+    denom = 1 + z**2 / num_trials
+    centre = (p + z**2 / (2 * num_trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / num_trials + z**2 / (4 * num_trials**2)) / denom
     return Estimate(p, max(0.0, centre - half), min(1.0, centre + half))
 
 
@@ -100,8 +103,8 @@ class RunRatio(Estimate):
     unit_sd: float | None = None
 
 
-def geometric_mean_interval(values: Sequence[float]) -> RunRatio:
-    """Geometric mean of per-run figures (> 0) with a Student-t 95 % interval on the log scale."""
+def geometric_mean_interval(values: Sequence[float], *, level: float = LEVEL) -> RunRatio:
+    """Geometric mean of per-run figures (> 0) with a Student-t interval (95 %: `level`) on the log scale."""
     arr = np.asarray(values, dtype=float)
     if not len(arr) or np.any(~np.isfinite(arr)) or np.any(arr <= 0):
         return RunRatio(float("nan"))
@@ -110,11 +113,12 @@ def geometric_mean_interval(values: Sequence[float]) -> RunRatio:
     if n < 2:
         return RunRatio(math.exp(centre), num_runs=1, paired=True)
     unit = float(logs.std(ddof=1))
-    half = t95(n - 1) * unit / math.sqrt(n)
+    half = t_quantile(n - 1, level) * unit / math.sqrt(n)
     return RunRatio(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n, True, unit)
 
 
-def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, paired: bool) -> RunRatio:
+def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, paired: bool,
+                  level: float = LEVEL) -> RunRatio:
     """Ratio of geometric means of per-run figures with a Student-t 95 % interval on the log scale.
 
     Paired (the i-th candidate run measured beside the i-th baseline run): a one-sample t interval on the
@@ -130,7 +134,7 @@ def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, pair
         return _ratio_with_zeros(cand, base)
     if paired:
         assert len(cand) == len(base), "paired runs come in pairs"
-        return geometric_mean_interval(cand / base)
+        return geometric_mean_interval(cand / base, level=level)
     log_c, log_b = np.log(cand), np.log(base)
     centre, n = float(log_c.mean() - log_b.mean()), min(len(cand), len(base))
     if len(cand) < 2 or len(base) < 2:
@@ -141,7 +145,7 @@ def ratio_of_runs(candidate: Sequence[float], baseline: Sequence[float], *, pair
     if se == 0:
         return RunRatio(math.exp(centre), math.exp(centre), math.exp(centre), n, False, 0.0)
     dof = (var_c + var_b) ** 2 / (var_c**2 / (len(cand) - 1) + var_b**2 / (len(base) - 1))
-    half = t95(dof) * se
+    half = t_quantile(dof, level) * se
     return RunRatio(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n, False, unit)
 
 
@@ -176,7 +180,8 @@ def repeats_to_settle(ratio: RunRatio, limit: float) -> int | None:
     return None
 
 
-def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[int]) -> Estimate:
+def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[int], *,
+                                 level: float = LEVEL) -> Estimate:
     """p(candidate) - p(baseline) of 0/1 outcomes on the same items, Newcombe's hybrid score interval.
 
     Newcombe (1998, method 10): the two marginal Wilson intervals combined with the correlation of the pairs.
@@ -193,10 +198,10 @@ def paired_proportion_difference(candidate: Sequence[int], baseline: Sequence[in
     if only_c + only_b == 0:
         # NOTE: no passage differs: the difference is bounded by the discordance rate, 0 of n (Wilson upper
         # bound); Newcombe's formula alone would give a zero width at 50 % accuracy (perfect correlation)
-        bound = wilson_interval(0, n).high
+        bound = wilson_interval(0, n, level=level).high
         return Estimate(0.0, -bound, bound)
     p1, p2 = (both + only_c) / n, (both + only_b) / n
-    w1, w2 = wilson_interval(both + only_c, n), wilson_interval(both + only_b, n)
+    w1, w2 = wilson_interval(both + only_c, n, level=level), wilson_interval(both + only_b, n, level=level)
     denom = (both + only_c) * (neither + only_b) * (both + only_b) * (neither + only_c)
     phi = (both * neither - only_c * only_b) / math.sqrt(denom) if denom else 0.0
     low_gap = math.sqrt(max(0.0, (p1 - w1.low) ** 2 - 2 * phi * (p1 - w1.low) * (w2.high - p2) + (w2.high - p2) ** 2))
@@ -216,9 +221,12 @@ def mcnemar_exact_p(candidate: Sequence[int], baseline: Sequence[int]) -> float:
 
 def paired_perplexity_ratio(candidate_nll: Sequence[float], baseline_nll: Sequence[float],
                             candidate_tokens: Sequence[int], baseline_tokens: Sequence[int], *,
-                            num_resamples: int = 1000, seed: int = 0) -> Estimate:
+                            num_resamples: int = 1000, seed: int = 0, level: float = LEVEL) -> Estimate:
     """Candidate perplexity over the baseline's on the same passages, each per its own tokens (a tokenizer may
-    differ); a bootstrap over passages, resampling both sides' passages together."""
+    differ); a bootstrap over passages, resampling both sides' passages together.
+
+    NOTE: a level beyond 95 % reads a thinner tail, so the resamples grow to keep about 25 in each tail.
+    """
     c, b, tc, tb = (np.asarray(x, dtype=float) for x in (candidate_nll, baseline_nll, candidate_tokens,
                                                           baseline_tokens))
     assert c.shape == b.shape == tc.shape == tb.shape and len(c) > 0, "paired passages must be the same length"
@@ -230,8 +238,11 @@ def paired_perplexity_ratio(candidate_nll: Sequence[float], baseline_nll: Sequen
     point = math.exp(float(log_ratio(np.arange(len(c)))))
     if len(c) < 2:
         return Estimate(point)
-    ratios = np.exp(log_ratio(np.random.default_rng(seed).integers(0, len(c), (num_resamples, len(c)))))
-    return Estimate(point, float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5)))
+    tail = 2.5 if level == LEVEL else 100 * (1 - level) / 2
+    num_resamples = max(num_resamples, math.ceil(2500 / tail))
+    ratios = np.exp(_resampled(np.arange(len(c)), log_ratio, num_resamples,
+                               np.random.default_rng(seed)))
+    return Estimate(point, float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail)))
 
 
 def _resampled(arr: np.ndarray, statistic, num_resamples: int, rng: np.random.Generator) -> np.ndarray:
@@ -244,6 +255,15 @@ def _resampled(arr: np.ndarray, statistic, num_resamples: int, rng: np.random.Ge
     stats = np.concatenate(out)
     assert len(stats) == num_resamples, "the statistic must reduce the last axis only (use percentile_of)"
     return stats
+
+
+def t_quantile(dof: float, level: float = LEVEL) -> float:
+    """The two-sided Student t quantile of a confidence level (t95's at 95 %)."""
+    return t95(dof) if level == LEVEL else float(distributions.t.ppf(1 - (1 - level) / 2, dof))
+
+
+def z_quantile(level: float = LEVEL) -> float:
+    return Z95 if level == LEVEL else float(distributions.norm.ppf(1 - (1 - level) / 2))
 
 
 def t95(dof: float) -> float:

@@ -10,7 +10,8 @@ NOTE: the unit of evidence for serving figures is the run. A figure is computed 
 TTFT over that run's requests), runs of the two sides measured in the same round are paired, and the
 interval is a Student-t one over the per-round log ratios: it carries the variation between runs, which on
 a shared machine is larger than the variation between the requests of one run. Past 400 lines as one piece:
-every criterion is judged by the same pairing, intervals and bounds.
+every criterion is judged by the same pairing, intervals and bounds. A sequential comparison asks for wider
+intervals (Levels, from servelab/analysis/sequential.py); without them every interval is 95 %.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from servelab.analysis.factors import changed_factors
 from servelab.analysis.metrics import LATENCY_METRICS, RequestSample, latency_values
 from servelab.analysis.stats import (
+    LEVEL,
     Estimate,
     RunRatio,
     geometric_mean_interval,
@@ -134,6 +136,24 @@ class RunSet:
 
 
 @dataclass(frozen=True)
+class Levels:
+    """The confidence levels a comparison's criteria are judged at: the serving criteria's (over rounds) and the
+    LAMBADA criteria's (over passages); the long-context ratio is measured once and stays at 95 %.
+
+    exact_passages: a zero accuracy-drop limit is an exact count, final only once this many passages are scored
+    (a sequential comparison scores them in steps; 0: whatever was scored).
+    """
+
+    runs: float = LEVEL
+    passages: float = LEVEL
+    exact_passages: int = 0
+
+    @property
+    def is_fixed(self) -> bool:
+        return self == Levels()
+
+
+@dataclass(frozen=True)
 class Figure:
     name: str
     baseline: float | None
@@ -168,8 +188,10 @@ class Verdict:
         return asdict(self)
 
 
-def compare(baseline: RunSet, candidate: RunSet, limits: Limits, *, paired_rounds: bool = True) -> Verdict:
-    """paired_rounds: the two sides were measured in the same rounds of one plan (False: never pair them)."""
+def compare(baseline: RunSet, candidate: RunSet, limits: Limits, *, paired_rounds: bool = True,
+            levels: Levels = Levels()) -> Verdict:
+    """paired_rounds: the two sides were measured in the same rounds of one plan (False: never pair them);
+    levels: the intervals' confidence levels (a sequential comparison's; default 95 %)."""
     if baseline.workload_fingerprint != candidate.workload_fingerprint:
         raise ComparisonRefused(
             f"{candidate.name} ran workload {candidate.workload_fingerprint}, the baseline {baseline.name} ran "
@@ -177,10 +199,11 @@ def compare(baseline: RunSet, candidate: RunSet, limits: Limits, *, paired_round
             "run both on the same workload file"
         )
     pairs = paired_runs(baseline, candidate) if paired_rounds else None
-    criteria = [*quality_criteria(baseline, candidate, limits), *long_context_criteria(baseline, candidate, limits),
-                *latency_criteria(baseline, candidate, limits, pairs),
-                *gain_criteria(baseline, candidate, limits, pairs)]
-    decision, reason = overall(criteria, limits)
+    criteria = [*quality_criteria(baseline, candidate, limits, levels),
+                *long_context_criteria(baseline, candidate, limits),
+                *latency_criteria(baseline, candidate, limits, pairs, levels.runs),
+                *gain_criteria(baseline, candidate, limits, pairs, levels.runs)]
+    decision, reason = overall(criteria, limits, interval="95 % interval" if levels.is_fixed else SEQUENTIAL_INTERVAL)
     checks = tuple(f"{s.name}: {run_spread(s)}" for s in (baseline, candidate))
     settle = tuple(f"{c.name}: {c.to_settle}" for c in criteria if c.outcome == "unsure" and c.to_settle) \
         if decision == "inconclusive" else ()
@@ -203,7 +226,10 @@ def judge(measured: Estimate, limit: float, *, upper_is_bad: bool) -> Outcome:
     return "unsure" if holds(best) else "fail"
 
 
-def overall(criteria: list[Criterion], limits: Limits) -> tuple[Decision, str]:
+SEQUENTIAL_INTERVAL = "sequential interval"
+
+
+def overall(criteria: list[Criterion], limits: Limits, *, interval: str = "95 % interval") -> tuple[Decision, str]:
     bounds = [c for c in criteria if c.kind in ("quality", "latency")]
     gains = [c for c in criteria if c.kind == "gain"]
     if limits.gain_rule == "any":
@@ -213,20 +239,20 @@ def overall(criteria: list[Criterion], limits: Limits) -> tuple[Decision, str]:
     failed = [c for c in bounds if c.outcome == "fail"]
     if failed:
         return "reject", "rejected: " + "; ".join(f"{c.name} is {_fmt_measured(c)} (limit {c.limit})"
-                                                  for c in failed) + ", beyond the limit across its 95 % interval"
+                                                  for c in failed) + f", beyond the limit across its {interval}"
     if gain_out:
-        return "reject", "rejected: the gain goal is out of reach across the 95 % intervals (" + \
+        return "reject", f"rejected: the gain goal is out of reach across the {interval}s (" + \
             "; ".join(f"{c.name} {_fmt_measured(c)} vs {c.limit}" for c in gains) + ")"
     unsure = [c for c in bounds if c.outcome == "unsure"]
     if gain_met and not unsure:
         return "accept", "accepted: every limit holds and the gain goal is met at the unfavourable end of " \
-                         "its 95 % interval"
+                         f"its {interval}"
     if not gain_met:
         unsure += [c for c in gains if c.outcome == "unsure"]
     return "inconclusive", "inconclusive: " + "; ".join(
         f"{c.name} {_fmt_measured(c)} straddles {c.limit}" if c.measured.has_interval
         else f"{c.name} {_fmt_measured(c)} has no interval" for c in unsure) + \
-        " (the 95 % interval holds both answers, or there is none; see what would settle it)"
+        f" (the {interval} holds both answers, or there is none; see what would settle it)"
 
 
 def paired_runs(baseline: RunSet, candidate: RunSet) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -248,13 +274,14 @@ def measured_values(run_set: RunSet, measure) -> list[float]:
     return [v for v in run_values(run_set, measure) if v is not None]
 
 
-def run_ratio(baseline: RunSet, candidate: RunSet, measure, pairs) -> RunRatio:
+def run_ratio(baseline: RunSet, candidate: RunSet, measure, pairs, level: float = LEVEL) -> RunRatio:
     """candidate / baseline of a per-run figure, paired by round where the runs pair (else Welch)."""
     base, cand = run_values(baseline, measure), run_values(candidate, measure)
     if pairs is not None:
         kept = [(base[i], cand[j]) for i, j in zip(*pairs) if base[i] is not None and cand[j] is not None]
-        return ratio_of_runs([c for _, c in kept], [b for b, _ in kept], paired=True)
-    return ratio_of_runs([c for c in cand if c is not None], [b for b in base if b is not None], paired=False)
+        return ratio_of_runs([c for _, c in kept], [b for b, _ in kept], paired=True, level=level)
+    return ratio_of_runs([c for c in cand if c is not None], [b for b in base if b is not None], paired=False,
+                         level=level)
 
 
 def summary_metric(metric: str):
@@ -294,7 +321,8 @@ def long_context_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -
                       if outcome == "unsure" else "")]
 
 
-def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> list[Criterion]:
+def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits,
+                     levels: Levels = Levels()) -> list[Criterion]:
     if limits.max_accuracy_drop is None:
         return []
     if baseline.quality is None or candidate.quality is None:
@@ -302,31 +330,34 @@ def quality_criteria(baseline: RunSet, candidate: RunSet, limits: Limits) -> lis
                           "unsure", "not measured", "measure it: set quality.lambada_samples above 0")]
     b, c = baseline.quality, candidate.quality
     assert b.passage_ids == c.passage_ids, "quality must be measured on the same passages"
-    diff = paired_proportion_difference(c.correct, b.correct)  # candidate - baseline
+    diff = paired_proportion_difference(c.correct, b.correct, level=levels.passages)  # candidate - baseline
     drop = Estimate(-diff.value, -diff.high, -diff.low)
     note = f"paired on {len(b.correct)} passages (Newcombe); exact McNemar p = {mcnemar_exact_p(c.correct, b.correct):.3g}"
+    note += _level_note(levels.passages)
     if limits.max_accuracy_drop == 0:
         # NOTE: no interval can show a drop of exactly 0; a zero limit (same weights, another batch policy or
         # decoder) is the exact check it means: not one passage the baseline gets right may be lost
         lost = sum(1 for x, y in zip(c.correct, b.correct) if y and not x)
-        outcome: Outcome = "fail" if lost else "pass"
+        outcome: Outcome = "fail" if lost else "pass" if len(b.correct) >= levels.exact_passages else "unsure"
         note = f"exact: {lost} of {len(b.correct)} passages lost (a zero limit allows none); " + note
     else:
         outcome = judge(drop, limits.max_accuracy_drop, upper_is_bad=True)
+    hint = f"score {levels.exact_passages} passages (now {len(b.correct)})" if limits.max_accuracy_drop == 0 else \
+        _passages_to_settle(drop, limits.max_accuracy_drop, len(b.correct), log=False)
     criteria = [Criterion("quality", "LAMBADA accuracy drop", drop, f"<= {limits.max_accuracy_drop}", outcome, note,
-                          _passages_to_settle(drop, limits.max_accuracy_drop, len(b.correct), log=False)
-                          if outcome == "unsure" else "")]
+                          hint if outcome == "unsure" else "")]
     if limits.max_perplexity_ratio is not None:
-        ratio = paired_perplexity_ratio(c.nll, b.nll, c.num_target_tokens, b.num_target_tokens)
+        ratio = paired_perplexity_ratio(c.nll, b.nll, c.num_target_tokens, b.num_target_tokens, level=levels.passages)
         outcome = judge(ratio, limits.max_perplexity_ratio, upper_is_bad=True)
         criteria.append(Criterion("quality", "LAMBADA perplexity ratio", ratio, f"<= {limits.max_perplexity_ratio}",
-                                  outcome, "paired bootstrap over passages",
+                                  outcome, "paired bootstrap over passages" + _level_note(levels.passages),
                                   _passages_to_settle(ratio, limits.max_perplexity_ratio, len(b.correct), log=True)
                                   if outcome == "unsure" else ""))
     return criteria
 
 
-def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs) -> list[Criterion]:
+def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs,
+                     level: float = LEVEL) -> list[Criterion]:
     criteria = []
     for limit in limits.latency:
         name = f"p{limit.percentile} {limit.metric}"
@@ -337,28 +368,30 @@ def latency_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs)
                                       "the candidate completed no request"))
             continue
         if limit.max_ratio is not None:
-            measured, bound, label = run_ratio(baseline, candidate, measure, pairs), limit.max_ratio, \
+            measured, bound, label = run_ratio(baseline, candidate, measure, pairs, level), limit.max_ratio, \
                 f"<= x{limit.max_ratio}"
             name += " ratio"
         else:
-            measured = geometric_mean_interval(candidate_values)
+            measured = geometric_mean_interval(candidate_values, level=level)
             bound, label = limit.max_ms, f"<= {limit.max_ms} ms"
         outcome = judge(measured, bound, upper_is_bad=True)
         note = _runs_note(measured) if limit.max_ratio is not None else \
             f"t interval over the candidate's {measured.num_runs} runs (geometric mean)"
+        note += _level_note(level)
         criteria.append(Criterion("latency", name, measured, label, outcome, note,
                                   _repeats_to_settle(measured, bound) if outcome == "unsure" else ""))
     return criteria
 
 
-def gain_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs) -> list[Criterion]:
+def gain_criteria(baseline: RunSet, candidate: RunSet, limits: Limits, pairs,
+                  level: float = LEVEL) -> list[Criterion]:
     criteria = []
     for goal in limits.gains:
-        ratio = run_ratio(baseline, candidate, summary_metric(goal.metric), pairs)
+        ratio = run_ratio(baseline, candidate, summary_metric(goal.metric), pairs, level)
         bound = goal.min_ratio if goal.min_ratio is not None else goal.max_ratio
         label = f">= x{goal.min_ratio}" if goal.min_ratio is not None else f"<= x{goal.max_ratio}"
         outcome = judge(ratio, bound, upper_is_bad=goal.min_ratio is None)
-        criteria.append(Criterion("gain", goal.metric, ratio, label, outcome, _runs_note(ratio),
+        criteria.append(Criterion("gain", goal.metric, ratio, label, outcome, _runs_note(ratio) + _level_note(level),
                                   _repeats_to_settle(ratio, bound) if outcome == "unsure" else ""))
     return criteria
 
@@ -439,6 +472,10 @@ def _runs_note(measured: Estimate) -> str:
         return ""
     how = "paired by round" if measured.paired else "unpaired (Welch)"
     return f"t interval over {measured.num_runs} runs, {how}"
+
+
+def _level_note(level: float) -> str:
+    return "" if level == LEVEL else f"; {100 * level:.2f} % sequential interval"
 
 
 def _repeats_to_settle(measured: Estimate, limit: float) -> str:

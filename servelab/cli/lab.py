@@ -109,18 +109,32 @@ EXIT_CODES = {"accept": 0, "reject": 1, "inconclusive": 3}
 def compare(
     plan: Annotated[Path, typer.Argument(help="comparison plan YAML, e.g. plans/precision.yaml")],
     as_json: Annotated[bool, typer.Option("--json", help="print the stored report as JSON instead of the table")] = False,
+    until_settled: Annotated[bool, typer.Option("--until-settled", help=(
+        "add rounds and LAMBADA passages in steps until every candidate is accepted or rejected or the budget is "
+        "spent (the plan's sequential: section, else its defaults), with intervals valid under the repeated looks"))]
+    = False,
+    max_rounds: Annotated[int | None, typer.Option(help="the round budget (with --until-settled)")] = None,
+    max_passages: Annotated[int | None, typer.Option(help="the LAMBADA passage budget (with --until-settled)")] = None,
+    max_minutes: Annotated[float | None, typer.Option(help="the time budget (with --until-settled)")] = None,
 ) -> None:
     """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts.
 
     Exit status: 0 every candidate accepted, 1 one rejected, 3 none rejected but one inconclusive, 2 an error.
     """
     from servelab.analysis.plan import PlanError, load_plan
-    from servelab.analysis.report import decision_of, format_verdicts
+    from servelab.analysis.plan import until_settled as run_until_settled
+    from servelab.analysis.report import decision_of, format_sequential, format_verdicts
     from servelab.lab.compare import run_plan
     from servelab.lab.runner import RunError
 
+    budget = {"max_rounds": max_rounds, "max_passages": max_passages, "max_minutes": max_minutes}
     try:
         loaded = load_plan(plan)
+        if until_settled or loaded.spec.sequential is not None:
+            loaded = run_until_settled(loaded, **budget)
+        elif any(v is not None for v in budget.values()):
+            fail("--max-rounds, --max-passages and --max-minutes are a budget for --until-settled: add it (or a "
+                 "sequential: section to the plan)")
     except PlanError as exc:
         fail(str(exc))
     # NOTE: what libraries print while loading models (gptqmodel's banner) goes to stderr: stdout is the verdict
@@ -136,11 +150,14 @@ def compare(
     if as_json:
         from servelab.store.runs import json_safe
 
+        sequential = {"sequential": result.sequential.as_dict()} if result.sequential else {}
         typer.echo(json.dumps(json_safe({"comparison_id": result.comparison_id, "plan": loaded.spec.name,
-                                         "decision": decision, "verdicts": [v.as_dict() for v in result.verdicts]}),
-                              indent=2, default=str))
+                                         "decision": decision, "verdicts": [v.as_dict() for v in result.verdicts],
+                                         **sequential}), indent=2, default=str))
     else:
         typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
+        if result.sequential:
+            typer.echo(format_sequential(result.sequential))
         typer.echo(format_verdicts(result.verdicts))
     raise typer.Exit(EXIT_CODES[decision])
 
@@ -155,17 +172,32 @@ def calibrate(
     known_repeats: Annotated[int | None, typer.Option(min=2, max=50, help="rounds per known-difference "
                                                                           "comparison (default: --repeats)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the counts as JSON")] = False,
+    until_settled: Annotated[bool, typer.Option("--until-settled", help=(
+        "run each comparison until settled (a look after every round, 5 % spent over the looks) instead of "
+        "--repeats rounds, and count the rounds used"))] = False,
+    max_rounds: Annotated[int | None, typer.Option(help="the round budget (with --until-settled; default 12)")] = None,
 ) -> None:
     """Measure the verdict's error rates: A/A and A/A' comparisons (nothing changed) and a known difference."""
+    from pydantic import ValidationError
+
+    from servelab.analysis.sequential import SequentialSpec
+    from servelab.config import describe_validation_error
     from servelab.lab.calibrate import calibrate as run_calibration
     from servelab.lab.calibrate import format_calibration
     from servelab.lab.runner import RunError
 
+    if max_rounds is not None and not until_settled:
+        fail("--max-rounds is the budget of --until-settled: add it")
+    try:
+        sequential = SequentialSpec(**({"max_rounds": max_rounds} if max_rounds else {})) if until_settled else None
+    except ValidationError as exc:
+        fail(f"--max-rounds: {describe_validation_error(exc)}")
     serving, loaded = _config_and_workload(config, workload)
     with connected() as runtime, contextlib.redirect_stdout(sys.stderr):
         try:
             result = run_calibration(serving, config, loaded, runtime, num_comparisons=comparisons, num_known=known,
-                                     repeats=repeats, known_repeats=known_repeats, progress=progress)
+                                     repeats=repeats, known_repeats=known_repeats, sequential=sequential,
+                                     progress=progress)
         except RunError as exc:
             fail(str(exc))
     typer.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_calibration(result))

@@ -1,18 +1,23 @@
-"""A comparison, run: a plan's rounds on real workers, then quality once per config, judged and stored.
+"""A comparison, run: a plan's rounds on real workers, then quality once per config, judged and stored; or, run until
+settled, rounds and steps of LAMBADA passages judged after each step until every candidate is settled or the budget
+is spent.
 
 Knows the order of work (rounds, each starting a fresh worker per config and running every config once in a
 counterbalanced order; then quality once per config with the workers stopped) and how stored runs become
-RunSets. The plan file and the rounds' order are servelab/analysis/plan.py's, the judging verdict.py's and
-the printed report report.py's.
+RunSets. The plan file and the rounds' order are servelab/analysis/plan.py's, the judging verdict.py's, when to
+stop sequential.py's and the printed report report.py's.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from servelab.analysis.plan import Plan, QualitySpec, round_order
+from servelab.analysis.sequential import Look, SequentialRecord, SequentialSpec
 from servelab.analysis.verdict import RunSet, Verdict, compare
 from servelab.analysis.workload import Workload
 from servelab.config import ServingConfig
@@ -22,12 +27,24 @@ from servelab.lab import runsets
 from servelab.store import runs as store
 from servelab.store.db import session_scope
 
+if TYPE_CHECKING:
+    from servelab.lab.quality import LambadaPassage, QualityResult
+
 
 @dataclass(frozen=True)
 class PlanResult:
     comparison_id: str
     baseline: RunSet
     verdicts: tuple[Verdict, ...]
+    sequential: SequentialRecord | None = None  # run until settled: its looks, what settled it and when
+
+
+@dataclass
+class Rounds:
+    """A plan's runs so far: each config's run ids, and every round's order."""
+
+    run_ids: dict[str, list[str]]
+    orders: list[list[str]] = field(default_factory=list)
 
 
 def start_workers(stack: ExitStack, configs, runtime: Runtime, workload: Workload, progress) -> dict[str, WorkerProcess]:
@@ -43,24 +60,18 @@ def start_workers(stack: ExitStack, configs, runtime: Runtime, workload: Workloa
     return workers
 
 
-def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> PlanResult:
+def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None, clock=time.monotonic) -> PlanResult:
+    """The plan's `repeats` rounds then its quality; with a `sequential:` section, run_until_settled."""
+    if plan.spec.sequential is not None:
+        return run_until_settled(plan, runtime, progress=progress, clock=clock)
     configs = [plan.baseline, *plan.candidates]
     names = [config.name for config, _ in configs]
-    run_ids: dict[str, list[str]] = {name: [] for name in names}
-    rounds: list[list[str]] = []
-    by_name = {config.name: config for config, _ in configs}
+    rounds = Rounds({name: [] for name in names})
     with ExitStack() as kept:
         workers = {} if plan.spec.fresh_workers else start_workers(kept, configs, runtime, plan.workload, progress)
         for repeat in range(plan.spec.repeats):
-            rounds.append(round_order(names, repeat, seed=plan.spec.seed))
-            with ExitStack() as fresh:
-                if plan.spec.fresh_workers:
-                    workers = start_workers(fresh, configs, runtime, plan.workload, progress)
-                for name in rounds[-1]:
-                    progress(f"round {repeat + 1}/{plan.spec.repeats}: [{name}]")
-                    outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
-                                           plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
-                    run_ids[name].append(outcome.run_id)
+            run_round(plan, runtime, rounds, workers, f"{repeat + 1}/{plan.spec.repeats}", progress)
+    run_ids = rounds.run_ids
     if plan.spec.quality.lambada_samples or plan.spec.quality.long_context_segments:
         for config, _ in configs:
             q = plan.spec.quality
@@ -74,35 +85,163 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None) -> 
     baseline = load_run_set(runtime, run_ids[names[0]])
     verdicts = tuple(compare(baseline, load_run_set(runtime, run_ids[c.name]), plan.spec.limits)
                      for c, _ in plan.candidates)
+    return PlanResult(save(plan, runtime, rounds, verdicts), baseline, verdicts)
+
+
+def run_round(plan: Plan, runtime: Runtime, rounds: Rounds, workers: dict[str, WorkerProcess], label: str,
+              progress) -> None:
+    """One more round: every config once, in the round's order, each on a fresh worker unless `workers` are kept."""
+    configs = [plan.baseline, *plan.candidates]
+    by_name = {config.name: config for config, _ in configs}
+    repeat = len(rounds.orders)
+    rounds.orders.append(round_order(list(by_name), repeat, seed=plan.spec.seed))
+    with ExitStack() as fresh:
+        if plan.spec.fresh_workers:
+            workers = start_workers(fresh, configs, runtime, plan.workload, progress)
+        for name in rounds.orders[-1]:
+            progress(f"round {label}: [{name}]")
+            outcome = run_workload(workload=plan.workload, config=by_name[name], worker=workers[name],
+                                   plan_name=plan.spec.name, repeat_index=repeat, progress=progress)
+            rounds.run_ids[name].append(outcome.run_id)
+
+
+def save(plan: Plan, runtime: Runtime, rounds: Rounds, verdicts: tuple[Verdict, ...], **report: Any) -> str:
+    names = [config.name for config, _ in (plan.baseline, *plan.candidates)]
     with session_scope(runtime.sessions) as session:
-        comparison_id = store.save_comparison(
+        return store.save_comparison(
             session, plan_name=plan.spec.name, plan=plan.spec.model_dump(mode="json"),
-            baseline_run_ids=run_ids[names[0]],
-            candidate_run_ids=[i for c, _ in plan.candidates for i in run_ids[c.name]],
-            report={"verdicts": [v.as_dict() for v in verdicts], "rounds": rounds},
+            baseline_run_ids=rounds.run_ids[names[0]],
+            candidate_run_ids=[i for name in names[1:] for i in rounds.run_ids[name]],
+            report={"verdicts": [v.as_dict() for v in verdicts], "rounds": rounds.orders, **report},
         )
-    return PlanResult(comparison_id, baseline, verdicts)
+
+
+def run_until_settled(plan: Plan, runtime: Runtime, *, progress=lambda message: None,
+                      clock=time.monotonic) -> PlanResult:
+    """min_rounds rounds and a first step of passages, then a look; after each look the round and the step of
+    passages the unsure criteria need (servelab/analysis/sequential.py), until it says stop.
+
+    NOTE: the passages are scored between rounds, on every core, with no worker serving (fresh workers stop after
+    their round; kept ones wait idle); the long-context segments, a fixed set, are scored once, at the first step.
+    """
+    spec, q, limits = plan.spec.sequential, plan.spec.quality, plan.spec.limits
+    assert spec is not None, "a plan run until settled has a sequential budget"
+    configs = [plan.baseline, *plan.candidates]
+    names = [config.name for config, _ in configs]
+    rounds, steps, scored = Rounds({name: [] for name in names}), passage_steps(q, spec), {n: Scored() for n in names}
+    levels = spec.levels(exact_passages=q.lambada_samples)
+    record, start = SequentialRecord(spec, levels), clock()
+    with ExitStack() as kept:
+        workers = {} if plan.spec.fresh_workers else start_workers(kept, configs, runtime, plan.workload, progress)
+        num_rounds, take_passages = spec.min_rounds, True
+        while not record.stop:
+            for _ in range(num_rounds):
+                run_round(plan, runtime, rounds, workers, f"{len(rounds.orders) + 1} (of at most {spec.max_rounds})",
+                          progress)
+            if take_passages:
+                first = not record.looks
+                for config, _ in configs:
+                    score_step(config, runtime, q, steps[0] if steps else [], scored[config.name],
+                               long_context=first, progress=progress)
+                steps = steps[1:]
+            look = Look(len(record.looks) + 1, len(rounds.orders), scored[names[0]].num_passages,
+                        (clock() - start) / 60)
+            step = record.add(look, judge_so_far(plan, runtime, rounds, scored, levels), limits,
+                              has_passages=bool(q.lambada_samples))
+            num_rounds, take_passages = int(step.take_round), step.take_passages
+            progress(f"look {look.index}: " + "; ".join(f"{v.candidate} {v.decision}" for v in record.verdicts.values())
+                     + (f"; {record.stop}" if record.stop else ""))
+    with session_scope(runtime.sessions) as session:
+        for name in names:
+            for run_id in rounds.run_ids[name]:
+                store.set_run_quality(session, run_id=run_id, quality=scored[name].record() or None)
+    verdicts = tuple(record.verdicts[c.name] for c, _ in plan.candidates)
+    comparison_id = save(plan, runtime, rounds, verdicts, sequential=record.as_dict())
+    return PlanResult(comparison_id, load_run_set(runtime, rounds.run_ids[names[0]]), verdicts, record)
+
+
+@dataclass
+class Scored:
+    """One config's quality scored so far in a sequential comparison (stored on its runs at the end)."""
+
+    lambada: QualityResult | None = None
+    long_context: dict[str, Any] | None = None
+
+    @property
+    def num_passages(self) -> int:
+        return self.lambada.num_passages if self.lambada else 0
+
+    def record(self) -> dict[str, Any]:
+        record = quality_record(self.lambada) if self.lambada else {}
+        return {**record, "long_context": self.long_context} if self.long_context else record
+
+
+def judge_so_far(plan: Plan, runtime: Runtime, rounds: Rounds, scored: dict[str, Scored], levels) -> list[Verdict]:
+    def run_set(name: str) -> RunSet:
+        loaded = load_run_set(runtime, rounds.run_ids[name])
+        return replace(loaded, quality=runsets.quality_outcome(scored[name].record()),
+                       long_context=scored[name].long_context)
+
+    baseline = run_set(plan.baseline[0].name)
+    return [compare(baseline, run_set(c.name), plan.spec.limits, levels=levels) for c, _ in plan.candidates]
+
+
+def passage_steps(quality: QualitySpec, spec: SequentialSpec) -> list[list[LambadaPassage]]:
+    """The LAMBADA passages a sequential comparison scores, step by step: a seeded sample of its budget in a
+    seeded order, so each step adds passages drawn at random from LAMBADA; none when quality.lambada_samples is 0."""
+    if not quality.lambada_samples:
+        return []
+    from servelab.lab.quality import lambada_passages
+
+    chosen = lambada_passages(spec.max_passages, seed=quality.seed)
+    chosen = random.Random(f"{quality.seed}:steps").sample(chosen, len(chosen))
+    return [chosen[i:i + spec.passage_step] for i in range(0, len(chosen), spec.passage_step)]
+
+
+def score_step(config: ServingConfig, runtime: Runtime, spec: QualitySpec, passages: list[LambadaPassage],
+               scored: Scored, *, long_context: bool, progress) -> None:
+    """Score one step of passages (and, at the first step, the long-context segments) and add them to `scored`."""
+    from servelab.lab.quality import QualityResult
+
+    segments = spec.long_context_segments if long_context else 0
+    if not passages and not segments:
+        return
+    progress(f"[{config.name}] LAMBADA on {len(passages)} more passages"
+             + (f", long-context perplexity on {segments} segments" if segments else ""))
+    result, measured = score_quality(config, runtime, spec.model_copy(update={"long_context_segments": segments}),
+                                     passages)
+    if result is not None:
+        earlier = scored.lambada.passages if scored.lambada else ()
+        scored.lambada = QualityResult(result.config, earlier + result.passages)
+    scored.long_context = measured or scored.long_context
 
 
 def measure_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec) -> dict[str, Any]:
-    """LAMBADA (and, when asked, long-context perplexity) through the serving engine with this config's weights, cache,
-    attention window and batching."""
-    from servelab.lab.quality import evaluate_lambada, lambada_passages, scoring_engine
+    """LAMBADA on the plan's sample (and, when asked, long-context perplexity), as a run's quality record."""
+    from servelab.lab.quality import lambada_passages
+
+    passages = lambada_passages(spec.lambada_samples, seed=spec.seed) if spec.lambada_samples else []
+    result, long_context = score_quality(config, runtime, spec, passages)
+    record = quality_record(result) if result is not None else {}
+    return {**record, "long_context": long_context} if long_context else record
+
+
+def score_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec, passages: list[LambadaPassage],
+                  ) -> tuple[QualityResult | None, dict[str, Any] | None]:
+    """LAMBADA on these passages (and, when spec asks, long-context perplexity) through the serving engine with this
+    config's weights, cache, attention window and batching."""
+    from servelab.lab.quality import evaluate_lambada, scoring_engine
 
     engine = scoring_engine(config, runtime.settings)
-    record: dict[str, Any] = {}
-    if spec.lambada_samples:
-        record = quality_record(evaluate_lambada(engine, lambada_passages(spec.lambada_samples, seed=spec.seed),
-                                                 batch_size=config.batching.max_batch_size))
-    if spec.long_context_segments:
-        from servelab.lab.long_context import evaluate_long_context, long_segments
+    result = evaluate_lambada(engine, passages, batch_size=config.batching.max_batch_size) if passages else None
+    if not spec.long_context_segments:
+        return result, None
+    from servelab.lab.long_context import evaluate_long_context, long_segments
 
-        segments = long_segments(engine.tokenizer, length=spec.long_context_tokens,
-                                 num_segments=spec.long_context_segments)
-        result = evaluate_long_context(engine, segments, scored_from=spec.long_context_scored_from)
-        record["long_context"] = {**result.as_dict(), "length": spec.long_context_tokens,
-                                  "scored_from": spec.long_context_scored_from}
-    return record
+    segments = long_segments(engine.tokenizer, length=spec.long_context_tokens, num_segments=spec.long_context_segments)
+    measured = evaluate_long_context(engine, segments, scored_from=spec.long_context_scored_from)
+    return result, {**measured.as_dict(), "length": spec.long_context_tokens,
+                    "scored_from": spec.long_context_scored_from}
 
 
 def quality_record(result) -> dict[str, Any]:

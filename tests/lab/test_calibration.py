@@ -10,12 +10,17 @@ verdict's t interval is exact: P(an interval excludes the truth) = 5 %, and P(a 
 noncentral t probability. Every count is then a binomial draw, and each check accepts the central 1 - ALPHA
 of that binomial: a correct verdict fails a check with probability ALPHA = 0.001 (the seed is fixed, so a run
 is repeatable, and ALPHA says why a passing seed was not picked for luck: any seed passes with p >= 0.999).
+
+The same experiments with sequential looks (a look after every round, 5 % spent over the planned looks) check
+the stated rate as a bound (the union bound is conservative, so no exact rate is expected), and read the fixed
+95 % interval at every look as a contrast that exceeds it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -24,10 +29,14 @@ import pytest
 from scipy.stats import binom, nct
 from scipy.stats import t as student_t
 
-from servelab.analysis import stats
+from servelab.analysis import stats, verdict
+from servelab.analysis.plan import DEFAULT_REPEATS
+from servelab.analysis.sequential import ALPHA as ALPHA_SPENT
+from servelab.analysis.sequential import Look, SequentialRecord, SequentialSpec
 from servelab.lab.calibrate import CALIBRATION_LIMITS
 from servelab.analysis.metrics import RequestSample
-from servelab.analysis.verdict import Criterion, RunSet, compare, gain_criteria, latency_criteria, overall, paired_runs
+from servelab.analysis.verdict import (Criterion, RunSet, Verdict, compare, gain_criteria, latency_criteria, overall,
+                                       paired_runs)
 
 ALPHA = 0.001  # the chance that one count check below fails although the verdict is right
 NUM_COMPARISONS = 600
@@ -170,3 +179,140 @@ def test_a_known_difference_is_found_as_often_as_its_power_says_and_its_reverse_
     p_reject = 1 - (1 - p_latency_fail) * (1 - p_gain_out)
     assert_rate(sum(v.decision == "reject" for v in backward), p_reject, "the reverse rejected")
     assert all(v.decision != "accept" for v in backward)
+
+
+# --- sequential looks: the same run sets, judged after every round until settled (servelab/analysis/sequential.py)
+
+SEQUENTIAL = SequentialSpec()  # the defaults: a look after every round from 3 to 12
+NUM_SEQUENTIAL = 400  # comparisons per experiment: a rate of 2.5 % against the naive looks' ~9 % is told apart
+STATED = ALPHA_SPENT  # a criterion wrongly passed at most 2.5 %, wrongly failed at most 2.5 %: either, 5 %
+
+
+def fast_percentile(values, q: float) -> float:
+    """numpy's linear percentile for a handful of values, in Python (numpy's costs 70 us a call)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    low = math.floor(pos)
+    return xs[low] + (xs[min(low + 1, len(xs) - 1)] - xs[low]) * (pos - low)
+
+
+@pytest.fixture
+def _quick_looks(monkeypatch) -> None:
+    """NOTE: a sequential comparison is judged up to ten times: the pure percentile and t quantiles it asks for
+    again and again are computed in Python and remembered, so the experiments take seconds."""
+    assert fast_percentile([3.0, 1.0, 2.0, 7.0], 95) == pytest.approx(stats.percentile([3.0, 1.0, 2.0, 7.0], 95))
+    monkeypatch.setattr(verdict, "percentile", fast_percentile)
+    monkeypatch.setattr(stats, "t_quantile", functools.lru_cache(maxsize=None)(stats.t_quantile))
+
+
+def judged_verdict(base: RunSet, cand: RunSet, level: float) -> Verdict:
+    """compare()'s criteria and decision at one confidence level, without its figures (as judge_pair)."""
+    pairs = paired_runs(base, cand)
+    criteria = [*latency_criteria(base, cand, CALIBRATION_LIMITS, pairs, level),
+                *gain_criteria(base, cand, CALIBRATION_LIMITS, pairs, level)]
+    decision, reason = overall(criteria, CALIBRATION_LIMITS)
+    return Verdict(base.name, cand.name, (), tuple(criteria), (), decision, reason)
+
+
+@dataclass(frozen=True)
+class Looked:
+    fixed: Verdict  # the plan's DEFAULT_REPEATS rounds, judged once at 95 %
+    sequential: Verdict  # judged after every round at the spent level, until settled or the rounds run out
+    sequential_rounds: int
+    naive: Verdict | None = None  # judged after every round at 95 % (the fixed interval read again and again)
+    naive_rounds: int = 0
+
+
+def until_settled(draw, level: float) -> tuple[Verdict, int]:
+    """The real stopping rule over one comparison's rounds: a look after each round from min_rounds on."""
+    record = SequentialRecord(SEQUENTIAL, SEQUENTIAL.levels())
+    for index, num_rounds in enumerate(range(SEQUENTIAL.min_rounds, SEQUENTIAL.max_rounds + 1), start=1):
+        step = record.add(Look(index, num_rounds, 0, 0.0), [judged_verdict(*draw(num_rounds), level)],
+                          CALIBRATION_LIMITS, has_passages=False)
+        if step.stop:
+            return record.verdicts["cand"], num_rounds
+        assert step.take_round and not step.take_passages
+    raise AssertionError("the round budget must stop the comparison")
+
+
+def sequential_comparisons(truth: Truth, *, seed: int, naive: bool = False) -> list[Looked]:
+    """NUM_SEQUENTIAL comparisons, each drawn for the whole round budget (the noise of comparisons()); the fixed
+    plan reads its first DEFAULT_REPEATS rounds, the sequential one as many as it needs."""
+    rng = np.random.default_rng(seed)
+    looked = []
+    for _ in range(NUM_SEQUENTIAL):
+        drift = rng.normal(0.0, 0.3, size=(2, SEQUENTIAL.max_rounds))
+        noise = rng.normal(0.0, SIGMA, size=(2, 2, SEQUENTIAL.max_rounds))
+
+        def draw(n: int) -> tuple[RunSet, RunSet]:
+            return (run_set("base", 100 * np.exp(drift[0, :n] + noise[0, 0, :n]),
+                            200 * np.exp(drift[1, :n] + noise[0, 1, :n])),
+                    run_set("cand", 100 * truth.tokens_per_s * np.exp(drift[0, :n] + noise[1, 0, :n]),
+                            200 * truth.latency * np.exp(drift[1, :n] + noise[1, 1, :n])))
+
+        fixed = judged_verdict(*draw(DEFAULT_REPEATS), stats.LEVEL)
+        sequential, rounds = until_settled(draw, SEQUENTIAL.levels().runs)
+        naive_verdict, naive_rounds = until_settled(draw, stats.LEVEL) if naive else (None, 0)
+        looked.append(Looked(fixed, sequential, rounds, naive_verdict, naive_rounds))
+    return looked
+
+
+def wrong_in_aa(v: Verdict) -> bool:
+    """Nothing changed: accepted as a gain, or rejected for a latency limit."""
+    return v.decision == "accept" or latency_of(v).outcome == "fail"
+
+
+def wrong_on_limits(v: Verdict) -> bool:
+    """The gain exactly on its goal judged met, or the latency exactly on its limit judged beyond it: each is the
+    worst case of its error (a truth a hair on the other side of the limit)."""
+    return gain_of(v).outcome == "pass" or latency_of(v).outcome == "fail"
+
+
+def share(count: int, n: int) -> str:
+    rate = stats.wilson_interval(count, n)
+    return f"{count:>3}/{n} {100 * rate.value:5.1f} % [{100 * rate.low:4.1f}, {100 * rate.high:4.1f}]"
+
+
+def at_most_stated(count: int) -> bool:
+    """The count is within what a true rate of STATED gives (its upper 1 - ALPHA binomial quantile)."""
+    return count <= binom.isf(ALPHA, NUM_SEQUENTIAL, STATED)
+
+
+@pytest.mark.usefixtures("_quick_looks")
+def test_sequential_looks_err_at_most_the_stated_rate_find_the_known_difference_and_naive_looks_do_not() -> None:
+    """A/A (nothing changed), both criteria exactly on their limits, and the known difference both ways, each judged
+    three ways on the same draws: the fixed plan (6 rounds, 95 %), sequential looks (3-12 rounds, 5 % spent over
+    10 looks) and naive looks (3-12 rounds, the fixed 95 % interval read at every look). Prints the table."""
+    aa = sequential_comparisons(Truth(1.0, 1.0), seed=11)
+    limits = sequential_comparisons(Truth(1.2, 1.2), seed=12, naive=True)
+    known = sequential_comparisons(Truth(1.5, 0.7), seed=13)
+    reverse = sequential_comparisons(Truth(1 / 1.5, 1 / 0.7), seed=14)
+    n = NUM_SEQUENTIAL
+
+    def row(method: str, pick, rounds) -> str:
+        return (f"{method:<26} {share(sum(wrong_in_aa(pick(x)) for x in aa), n)} "
+                f"{share(sum(wrong_on_limits(pick(x)) for x in limits), n)} "
+                f"{share(sum(pick(x).decision == 'accept' for x in known), n)} "
+                f"{share(sum(pick(x).decision == 'reject' for x in reverse), n)}   "
+                + " ".join(f"{statistics.fmean(rounds(x) for x in e):5.2f}" for e in (aa, limits, known, reverse))
+                + f"   {share(sum(pick(x).decision != 'inconclusive' for x in aa), n)}")
+
+    print(f"\n{'':<26} {'A/A wrong':<26} {'on the limits wrong':<26} {'known accepted':<26} {'reverse rejected':<26}"
+          f"   mean rounds (A/A, limits, known, reverse); A/A settled; stated: at most {100 * STATED:.0f} % wrong; "
+          "Wilson 95 % intervals")
+    print(row(f"fixed, {DEFAULT_REPEATS} rounds", lambda x: x.fixed, lambda x: DEFAULT_REPEATS))
+    print(row("sequential, 3-12 rounds", lambda x: x.sequential, lambda x: x.sequential_rounds))
+    naive_wrong = sum(wrong_on_limits(x.naive) for x in limits)
+    print(f"{'naive 95 % looks, 3-12':<26} {'':<26} {share(naive_wrong, n)} "
+          f"{'':<53}   {'':<5} {statistics.fmean(x.naive_rounds for x in limits):5.2f}")
+
+    assert at_most_stated(sum(wrong_in_aa(x.sequential) for x in aa)), "A/A wrongly accepted or rejected"
+    assert at_most_stated(sum(wrong_on_limits(x.sequential) for x in limits)), "on the limits: wrongly settled"
+    # the contrast, so this check can fail: reading the fixed interval at every look exceeds the stated rate
+    assert not at_most_stated(naive_wrong), f"naive looks wrong {naive_wrong}/{n}: expected above {STATED:.0%}"
+    # the known difference is still found, at least as often as the fixed plan finds it, and never reversed
+    assert sum(x.sequential.decision == "accept" for x in known) >= sum(x.fixed.decision == "accept" for x in known)
+    assert sum(x.sequential.decision == "reject" for x in reverse) >= \
+        sum(x.fixed.decision == "reject" for x in reverse)
+    assert all(x.sequential.decision != "reject" for x in known) and \
+        all(x.sequential.decision != "accept" for x in reverse)
