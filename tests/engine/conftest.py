@@ -78,8 +78,13 @@ def save_tiny_llama(folder: Path, tokenizer_folder: str, *, hidden_size: int = 6
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings,
     )
+    return save_random_model(folder, LlamaForCausalLM, config, tokenizer)
+
+
+def save_random_model(folder: Path, model_class, config, tokenizer) -> Path:
+    """A model of this class and config with seeded random weights, saved with the tokenizer's files."""
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -98,10 +103,7 @@ def save_tiny_gpt2(folder: Path, tokenizer_folder: str) -> Path:
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=512,
                         initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_random_model(folder, GPT2LMHeadModel, config, tokenizer)
 
 
 @pytest.fixture(scope="session")
