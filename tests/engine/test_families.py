@@ -164,12 +164,13 @@ def test_the_fused_kernels_serve_where_they_compute_what_the_family_needs(family
 
 @pytest.mark.parametrize("name", [*BLOCKS, "gemma3"])  # NOTE: Gemma 3 reads int8 blocks in torch's and the fused path
 def test_an_int8_pool_stays_near_its_own_fp32_run(family_folders, settings: Settings, name: str) -> None:
-    fp32, int8 = (_engine(family_folders, settings, name, kv_cache_dtype=d) for d in ("fp32", "int8"))
+    fp32, int8 = _engine(family_folders, settings, name), _engine(family_folders, settings, name, kv_cache_dtype="int8")
     requests = [_greedy(f"q{i}", p, 4, logprobs=1) for i, p in enumerate(PROMPTS)]
     for engine in (fp32, int8):
         engine.reset()
     want, got = (e.generate(requests).completions for e in (fp32, int8))
     assert int8.runner.cache(int8.scheduler.pool).keys[0].dtype == torch.int8
+    assert fp32.runner.cache(fp32.scheduler.pool).keys[0].dtype == torch.float32  # auto: the fp32 weights' dtype
     moved = [abs(a.logprobs[0].chosen.logprob - b.logprobs[0].chosen.logprob) for a, b in zip(want, got)]
     # NOTE: the first token reads every prompt column back from int8 blocks: int8's rounding (half of 1/127 of each
     # head's largest value) moves its log-probability, far less than the spread of this model's logits (several nats)
