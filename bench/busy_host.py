@@ -11,7 +11,8 @@ Each cell is one closed batch of B rows x --new-tokens tokens (a short prompt, E
 as a worker steps it, the adaptive team ticked after each step; tok/s = generated tokens over the batch's wall time.
 Medians over the rounds, and each cell's ratio to 1 thread on the same host in the same round. The adaptive team keeps
 its state (how far it shrank, when it probes next) from one batch to the next within a host condition, as a worker's
-does; its mean team size is printed beside it. Greedy tokens are compared across the teams (the kernels give a row the
+does, on a clock of its own that runs only while its batches run (a worker's runs while it serves); its mean team
+size and every change it made are printed. Greedy tokens are compared across the teams (the kernels give a row the
 same bits whatever the thread count).
 
     python -m bench.busy_host --config configs/fp32.yaml --batch-sizes 1,16 --rounds 3
@@ -41,9 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the city of Lyon begins"
 
 
-def spin(core: int, go, stop) -> None:
+def spin(core: int, go, stop, ready) -> None:
     """A busy process: a Python loop on one core while `go` is set."""
     os.sched_setaffinity(0, {core})
+    ready.set()
     while not stop.is_set():
         if go.is_set():
             for _ in range(100_000):
@@ -101,10 +103,29 @@ def host(condition: str, go, quota: Quota):
             quota.off()
 
 
+class TeamClock:
+    """The adaptive team's own time: it runs only while that team's batches run, as a worker's clock runs while it
+    serves (the other teams' batches between would otherwise count as its time, and every batch would probe)."""
+
+    def __init__(self) -> None:
+        self.elapsed, self.since = 0.0, None
+
+    def start(self) -> None:
+        self.since = time.monotonic()
+
+    def stop(self) -> None:
+        self.elapsed, self.since = self(), None
+
+    def __call__(self) -> float:
+        return self.elapsed + (time.monotonic() - self.since if self.since is not None else 0.0)
+
+
 def batch(engine: Engine, threads: int, rows: int, new_tokens: int, governor: ThreadGovernor | None
           ) -> tuple[float, list[tuple[int, ...]], float]:
     """One closed batch stepped as a worker steps it -> (tok/s, each row's tokens, the team's mean size per step)."""
     torch.set_num_threads(threads if governor is None else governor.threads)
+    if governor is not None:
+        governor.restart()  # NOTE: the other teams' batches ran since its last tick
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     done, sizes = {}, []
     started = time.perf_counter()
@@ -141,9 +162,10 @@ def main() -> None:
         "max_batch_size": max(config.batching.max_batch_size, max(args.batch_sizes))})})
     engine = Engine.from_config(config, Settings(cache_dir=REPO / ".cache"))
     context = multiprocessing.get_context("spawn")
-    go, stop = context.Event(), context.Event()
-    busy = context.Process(target=spin, args=(cores[n - 1], go, stop), daemon=True)
+    go, stop, ready = context.Event(), context.Event(), context.Event()
+    busy = context.Process(target=spin, args=(cores[n - 1], go, stop, ready), daemon=True)
     busy.start()
+    assert ready.wait(60), "the busy process did not start"
     conditions = ["quiet", "busy"] + (["quota"] if quota.reason is None else [])
     teams = ["1 thread", f"{n} threads", f"{n} adaptive"]
     print(f"cpu: {describe_hardware().cpu}; config {config.name} ({config.weights}, {engine.kernel}); team of {n} on "
@@ -152,10 +174,11 @@ def main() -> None:
           + f"; {args.rounds} rounds interleaved, medians", flush=True)
     os.sched_setaffinity(0, set(cores[:n]))
     try:
-        governors = {c: ThreadGovernor(n) for c in conditions}
-        for condition in conditions:  # NOTE: warm-up, and each adaptive team settles to its host
+        for condition in conditions:  # NOTE: warm-up (each host condition once), with a team of its own
             with host(condition, go, quota):
-                batch(engine, n, 2, 8, governors[condition])
+                batch(engine, n, 2, 8, ThreadGovernor(n))
+        clocks = {c: TeamClock() for c in conditions}
+        governors = {c: ThreadGovernor(n, clock=clocks[c]) for c in conditions}
         speed = {(c, t, b): [] for c in conditions for t in teams for b in args.batch_sizes}
         mean_team = {(c, b): [] for c in conditions for b in args.batch_sizes}
         tokens_differ = set()
@@ -166,8 +189,12 @@ def main() -> None:
                         reference = None
                         for team in teams:
                             governor = governors[condition] if team.endswith("adaptive") else None
+                            if governor is not None:
+                                clocks[condition].start()
                             tok_s, tokens, size = batch(engine, 1 if team == "1 thread" else n, b, args.new_tokens,
                                                         governor)
+                            if governor is not None:
+                                clocks[condition].stop()
                             speed[(condition, team, b)].append(tok_s)
                             if governor is not None:
                                 mean_team[(condition, b)].append(size)
@@ -184,6 +211,9 @@ def main() -> None:
                     cells.append(f"{team} {statistics.median(samples):7.1f} (x{ratio:.2f})")
                 print(f"  {condition:<6} batch {b:>3}, tok/s: " + " | ".join(cells)
                       + f"; adaptive team's mean size {statistics.mean(mean_team[(condition, b)]):.2f}", flush=True)
+        for condition, governor in governors.items():
+            print(f"  {condition}: the adaptive team's changes (threads, its threads' wait per second of wall time): "
+                  + (", ".join(f"{c.threads} ({c.wait_share:.2f})" for c in governor.changes) or "none"), flush=True)
         print("  greedy tokens the same for every team: "
               + ("yes" if not tokens_differ else f"no ({', '.join(sorted(tokens_differ))} differ)"), flush=True)
     finally:

@@ -71,17 +71,25 @@ class ThreadGovernor:
         self._shrunk_at: float | None = None  # when the team last shrank (None: it is whole)
         self._probing = False  # the team just grew back by one: the next window says whether the core is free
         self._window_start: tuple[float, float] | None = None
+        self._last_tick_s = 0.0
 
     @property
     def is_active(self) -> bool:
         return self.max_threads > self.min_threads and self._read_delay() is not None
 
+    def restart(self) -> None:
+        """The next tick opens a fresh window (what ran in between, another team's work say, is not this team's)."""
+        self._window_start = None
+
     def tick(self) -> int:
-        """After a step: close the window when it is long enough and resize the team if it says so; -> threads."""
+        """After a step: close the window when it is long enough and resize the team if it says so; -> threads.
+        NOTE: a tick long after the last (an idle worker) opens a fresh window: an idle stretch would dilute it."""
         now = self._clock()
-        if self._window_start is None:
+        if self._window_start is None or now - self._last_tick_s > max(1.0, 4 * self.window_s):
+            self._last_tick_s = now
             self._begin(now)
             return self.threads
+        self._last_tick_s = now
         started_s, delay_s = self._window_start
         if now - started_s < self.window_s:
             return self.threads
