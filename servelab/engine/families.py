@@ -150,9 +150,8 @@ def sliding_window(config) -> int | None:
 def unsupported_reason(model) -> str | None:
     """Why servelab's decoder cannot run this model exactly as transformers does, or None when it can."""
     config = model.config
-    if family_of(config) is None:
+    if (family := family_of(config)) is None:
         return f"architecture {config.model_type!r} (servelab's decoder covers {', '.join(map(repr, FAMILIES))})"
-    family = family_of(config)
     if (activation := getattr(config, family.activation_field)) not in ACTIVATIONS:
         return f"activation {activation!r}"
     for rope in rope_types(model):

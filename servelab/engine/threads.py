@@ -109,7 +109,7 @@ class ThreadGovernor:
         elif self._shrunk_at is not None and now - self._shrunk_at >= self._next_probe_s:
             self._resize(self.threads + 1, now, share)
             self._probing = True
-        self._begin(now)
+        self._window_start = (now, delay)  # NOTE: the next window opens where this one closed
         return self.threads
 
     def _begin(self, now: float) -> None:

@@ -221,9 +221,7 @@ def measure_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec) 
     from servelab.lab.quality import lambada_passages
 
     passages = lambada_passages(spec.lambada_samples, seed=spec.seed) if spec.lambada_samples else []
-    result, long_context = score_quality(config, runtime, spec, passages)
-    record = quality_record(result) if result is not None else {}
-    return {**record, "long_context": long_context} if long_context else record
+    return Scored(*score_quality(config, runtime, spec, passages)).record()
 
 
 def score_quality(config: ServingConfig, runtime: Runtime, spec: QualitySpec, passages: list[LambadaPassage],

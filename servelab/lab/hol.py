@@ -25,7 +25,7 @@ from servelab.engine.engine import Engine
 from servelab.lab.relays import read_all
 from servelab.lab.bench import bench_requests, nearest_rank as percentile
 from servelab.scheduler.policy import BatchPolicy
-from servelab.queue.streams import RequestStreams, enqueue_all, wait_done
+from servelab.queue.streams import RequestStreams, wait_done
 from servelab.queue.tokens import read_to_end
 from servelab.queue.submit import submit_request
 from servelab.request import GenerationRequest, SamplingParams
@@ -173,8 +173,7 @@ def _submit_job(worker: ServingWorker, requests: list[GenerationRequest]) -> lis
     with session_scope(worker.sessions) as session:
         ids = [store.create_request(session, serving_config_name=worker.streams.config_name, stream=StreamKind.BULK,
                                     prompt=r.prompt, sampling=r.params) for r in requests]
-    enqueue_all(worker.streams.client, prefix=worker.streams.prefix,
-                entries=[(i, worker.streams.config_name, StreamKind.BULK) for i in ids])
+    worker.streams.enqueue_many(ids, StreamKind.BULK)
     return ids
 
 
