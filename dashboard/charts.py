@@ -111,3 +111,21 @@ def kv_cache_lines(lines: pd.DataFrame, batches: pd.DataFrame, requests: pd.Data
         layers.append(alt.Chart(requests).mark_point(size=60, shape="diamond", filled=False, strokeWidth=2).encode(
             x=x, y=y, color="config:N", tooltip=["config", "run", "tokens", alt.Tooltip("kib:Q", format=",.1f")]))
     return alt.layer(*layers).properties(height=360)
+
+
+def interval_narrowing(frame: pd.DataFrame) -> alt.FacetChart:
+    """frame: criterion, look, where (rounds and passages at that look), value, low, high, limit (may be empty), one
+    row per look and criterion; a panel per criterion, its interval as a band narrowing look by look, the limit as a
+    red rule."""
+    base = alt.Chart().encode(x=alt.X("look:O", title="look", axis=alt.Axis(labelAngle=0)))
+    tooltip = ["look", "where", alt.Tooltip("value:Q", format=".3g"), alt.Tooltip("low:Q", format=".3g"),
+               alt.Tooltip("high:Q", format=".3g"), "outcome", "limit"]
+    band = base.mark_area(opacity=0.25).encode(y=alt.Y("low:Q", title=None, scale=alt.Scale(zero=False)), y2="high:Q")
+    whiskers = base.mark_rule(strokeWidth=2).encode(y="low:Q", y2="high:Q")
+    points = base.mark_point(filled=True, size=70).encode(
+        y="value:Q", color=alt.Color("outcome:N", scale=alt.Scale(domain=["pass", "unsure", "fail"],
+                                                                  range=["seagreen", "darkorange", "firebrick"])),
+        tooltip=tooltip)
+    limit = alt.Chart().mark_rule(color="firebrick", strokeDash=[5, 4]).encode(y="limit:Q")
+    return alt.layer(band, whiskers, points, limit, data=frame).properties(width=260, height=180).facet(
+        facet=alt.Facet("criterion:N", title=None), columns=3).resolve_scale(y="independent")

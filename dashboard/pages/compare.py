@@ -8,7 +8,9 @@ never written back. The judging is servelab.analysis.verdict's; this page select
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -16,6 +18,7 @@ import streamlit as st
 
 from dashboard import charts, hints, reads
 from servelab.analysis.metrics import latency_values
+from servelab.analysis.ranking import rank
 from servelab.analysis.stats import Estimate, mean_interval
 from servelab.analysis.report import NO_PRICE, is_priced, limit_rows
 from servelab.analysis.verdict import (COST_METRICS, GAIN_METRICS, THROUGHPUT_METRICS, GainGoal, LatencyLimit, Limits,
@@ -129,6 +132,63 @@ def show_verdict(v: Verdict) -> None:
         st.dataframe(pd.DataFrame([_figure_row(f) for f in v.figures]), hide_index=True, width="stretch")
         if any(f.name in COST_METRICS and not (f.baseline or f.candidate) for f in v.figures):
             st.caption(f"Cost: {NO_PRICE}.")
+
+
+def show_ranking(sets: list[RunSet], verdicts: list[Verdict], limits: Limits, rank_by: str | None) -> None:
+    """Several candidates: those that meet every limit, best first by the plan's figure, each pair's interval."""
+    ranking = rank(sets, verdicts, limits, rank_by=rank_by)
+    st.header("Ranking")
+    (st.success if ranking.ranked else st.warning)(ranking.summary)
+    rows = [{"place": i, "candidate": r.name, f"{ranking.metric} against the baseline":
+             _ratio_text(r.versus_baseline)} for i, r in enumerate(ranking.ranked, 1)]
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    if ranking.pairs:
+        st.dataframe(pd.DataFrame([{"pair": f"{p.better} / {p.worse}", "ratio": _ratio_text(p.ratio),
+                                    "told apart": "yes" if p.told_apart else "no: the interval holds x1"}
+                                   for p in ranking.pairs]), hide_index=True, width="stretch")
+        st.caption(f"Each pair compared directly, paired by round, at {100 * ranking.level:.2f} % (95 % shared "
+                   f"over the {len(ranking.pairs)} pairs); {'higher' if ranking.higher_is_better else 'lower'} "
+                   f"{ranking.metric} ranks first.")
+    for name, why in ranking.not_ranked:
+        st.caption(f"Not ranked: {name} ({why})")
+
+
+def _ratio_text(e: Estimate) -> str:
+    return "-" if not math.isfinite(e.value) else f"x{e.value:.3f} {_interval(e)}"
+
+
+def narrowing_frame(sequential: dict[str, Any], candidate: str) -> pd.DataFrame:
+    """A stored sequential record's looks for one candidate: each criterion's estimate and interval per look."""
+    rows = []
+    for look, criteria in zip(sequential.get("looks", []), sequential.get("history", [])):
+        for c in criteria.get(candidate, []):
+            rows.append({"criterion": c["name"], "look": look["index"], "value": c["value"], "low": c["low"],
+                         "high": c["high"], "outcome": c["outcome"], "limit": limit_value(c["limit"]),
+                         "where": f"{look['num_rounds']} rounds, {look['num_passages']} passages"})
+    return pd.DataFrame(rows)
+
+
+def limit_value(label: str) -> float | None:
+    """A criterion's limit as a number on its own scale: '<= x1.1' -> 1.1, '<= 0.05' -> 0.05, '<= 120 ms' -> 120."""
+    found = re.search(r"[-+]?\d*\.?\d+(?:e[-+]?\d+)?", label)
+    return float(found.group()) if found else None
+
+
+def show_narrowing(sequential: dict[str, Any] | None, candidates: list[str]) -> None:
+    """A comparison run until settled: how each criterion's interval narrowed look by look, per candidate."""
+    if not sequential or not sequential.get("history"):
+        return
+    st.header("How the intervals narrowed")
+    st.caption(f"Run until settled: {sequential.get('stop', '')}. Each look reads its intervals at the level that "
+               "spends 5 % over the planned looks; a settled criterion is kept as the look that settled it read it.")
+    for name in candidates:
+        frame = narrowing_frame(sequential, name)
+        if frame.empty:
+            continue
+        st.subheader(name)
+        st.caption(sequential.get("settled_by", {}).get(name, ""))
+        st.altair_chart(charts.interval_narrowing(frame))
 
 
 def _fmt_measured(name: str, kind: str, value: float) -> str:
@@ -284,6 +344,10 @@ def main() -> None:
                                                 if s.name in judged]
     if len(sets) < 2:
         return
+    stored = reads.stored_limits(tuple(base_ids), tuple(i for _, ids in candidates for i in ids))
+    if len(verdicts) > 1:
+        show_ranking(sets[1:], verdicts, limits, stored.rank_by)
+    show_narrowing(stored.sequential, [v.candidate for v in verdicts])
     st.header("Side by side")
     show_settings(sets, {r.id: r for r in listing})
     show_throughput_and_cost(sets)
@@ -292,4 +356,5 @@ def main() -> None:
     show_quality(sets, verdicts)
 
 
-main()
+if __name__ == "__main__":  # NOTE: Streamlit runs a page as __main__; the tests import its sections
+    main()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from servelab.analysis.sequential import SequentialSpec
-from servelab.analysis.verdict import Limits
+from servelab.analysis.verdict import GAIN_METRICS, Limits
 from servelab.analysis.workload import Workload, load_workload
 from servelab.config import ConfigError, ServingConfig, describe_validation_error, read_yaml_mapping
 
@@ -65,6 +65,8 @@ class PlanSpec(BaseModel):
     sequential: SequentialSpec | None = Field(default=None, description=(
         "run until every candidate is settled or this budget is spent, instead of `repeats` rounds and "
         "quality.lambada_samples passages (servelab/analysis/sequential.py)"))
+    rank_by: Literal[GAIN_METRICS] | None = Field(default=None, description=(  # type: ignore[valid-type]
+        "with several candidates: the figure that ranks those meeting every limit (null: the first gain's)"))
 
 
 @dataclass(frozen=True)

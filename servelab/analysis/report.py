@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from servelab.analysis.ranking import Ranking
 from servelab.analysis.sequential import ALPHA, SequentialRecord
 from servelab.analysis.verdict import COST_METRICS, Limits, Verdict
 
@@ -56,16 +57,39 @@ def format_sequential(record: SequentialRecord) -> str:
              f"LAMBADA at {100 * levels.passages:.2f} % ({spec.num_passage_looks} looks, {spec.passage_step} passages "
              f"a step up to {spec.max_passages}); a criterion is kept as the look that settled it read it"]
     lines += [f"   {record.settled_by(name)}" for name in record.verdicts]
+    lines += [f"   {name}: rejected at look {record.decided_at[name]}, measured no more after it"
+              for name in sorted(record.rejected) if record.decided_at[name] < len(record.looks)]
     for look in record.looks:
         lines.append(f"   look {look.index}: {look.num_rounds} rounds, {look.num_passages} passages, "
                      f"{look.minutes:.1f} min")
     return "\n".join(lines)
 
 
+def format_ranking(ranking: Ranking) -> str:
+    """The candidates that meet every limit, best first by the ranking figure, each pair's difference, and those
+    left out and why."""
+    better = "higher" if ranking.higher_is_better else "lower"
+    lines = [f"ranking by {ranking.metric} ({better} is better): {ranking.summary}"]
+    for place, r in enumerate(ranking.ranked, 1):
+        e = r.versus_baseline
+        interval = f" [{e.low:.3f}, {e.high:.3f}]" if e.has_interval else ""
+        lines.append(f"   {place}. {r.name}: x{e.value:.3f}{interval} the baseline's")
+    for p in ranking.pairs:
+        e = p.ratio
+        interval = f"[{e.low:.3f}, {e.high:.3f}]" if e.has_interval else "no interval"
+        told = "told apart" if p.told_apart else "cannot be told apart"
+        lines.append(f"   {p.better} / {p.worse}: x{e.value:.3f} {interval} ({100 * ranking.level:.2f} % interval, "
+                     f"paired by round): {told}")
+    lines += [f"   not ranked: {name} ({why})" for name, why in ranking.not_ranked]
+    return "\n".join(lines)
+
+
 def decision_of(verdicts) -> str:
-    """The plan's answer over every candidate: reject if any is rejected, else inconclusive if any is, else accept."""
+    """The plan's answer. One candidate: its decision. Several (a plan that picks one): accept when one meets every
+    limit (the ranking names the best), else inconclusive while one may still, else reject."""
     decisions = {v.decision for v in verdicts}
-    return next(d for d in ("reject", "inconclusive", "accept") if d in decisions or d == "accept")
+    order = ("reject", "inconclusive", "accept") if len(verdicts) == 1 else ("accept", "inconclusive", "reject")
+    return next(d for d in order if d in decisions or d == order[-1])
 
 
 def _is_difference(figure) -> bool:

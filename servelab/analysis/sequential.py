@@ -148,15 +148,23 @@ class SequentialRecord:
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # candidate -> the verdict so far
     settled_at: dict[str, dict[str, int]] = field(default_factory=dict)  # candidate -> criterion -> look index
     decided_at: dict[str, int] = field(default_factory=dict)  # candidate -> the look its decision settled at
+    # per look: candidate -> its criteria as that look judged them (settled ones as kept), for the narrowing chart;
+    # a rejected candidate, no longer measured, has no entry after the look that rejected it
+    history: list[dict[str, list[dict[str, Any]]]] = field(default_factory=list)
     stop: str = ""
 
     def add(self, look: Look, verdicts: Sequence[Verdict], limits: Limits, *, has_passages: bool) -> Step:
         """Judge one look (the candidates' verdicts on all the data so far); returns what to do next."""
         assert not self.stop, "a stopped comparison takes no more looks"
         self.looks.append(look)
+        self.history.append({})
         for current in verdicts:
+            assert current.candidate not in self.rejected, f"{current.candidate} was rejected: it is no longer judged"
             merged = settle(self.verdicts.get(current.candidate), current, limits)
             self.verdicts[current.candidate] = merged
+            self.history[-1][current.candidate] = [
+                {"kind": c.kind, "name": c.name, "limit": c.limit, "outcome": c.outcome, **c.measured.as_dict()}
+                for c in merged.criteria]
             when = self.settled_at.setdefault(current.candidate, {})
             for c in merged.criteria:
                 if is_settled(c):
@@ -166,6 +174,12 @@ class SequentialRecord:
         step = next_step(list(self.verdicts.values()), self.spec, look, has_passages=has_passages)
         self.stop = step.stop
         return step
+
+    @property
+    def rejected(self) -> set[str]:
+        """Candidates rejected so far: a limit failed (or the gain goal out of reach) at a look; they are measured
+        no more (servelab/lab/compare.py leaves them out of later rounds and passages), their verdict kept."""
+        return {name for name, v in self.verdicts.items() if v.decision == "reject"}
 
     def settled_by(self, candidate: str) -> str:
         """What settled a candidate's decision and when, in words."""
@@ -179,5 +193,5 @@ class SequentialRecord:
     def as_dict(self) -> dict[str, Any]:
         return {"spec": self.spec.model_dump(mode="json"), "alpha": ALPHA, "levels": asdict(self.levels),
                 "looks": [asdict(look) for look in self.looks], "settled_at": self.settled_at,
-                "decided_at": self.decided_at, "stop": self.stop,
+                "decided_at": self.decided_at, "history": self.history, "stop": self.stop,
                 "settled_by": {name: self.settled_by(name) for name in self.verdicts}}

@@ -119,11 +119,12 @@ def compare(
 ) -> None:
     """Run a plan's baseline and candidates, judge each candidate, print and store the verdicts.
 
-    Exit status: 0 every candidate accepted, 1 one rejected, 3 none rejected but one inconclusive, 2 an error.
+    Exit status: 0 accepted, 1 rejected, 3 inconclusive, 2 an error. With several candidates the plan picks one:
+    0 when one meets every limit (the ranking names the best), 3 when none does yet but one may, 1 when all failed.
     """
     from servelab.analysis.plan import PlanError, load_plan
     from servelab.analysis.plan import until_settled as run_until_settled
-    from servelab.analysis.report import decision_of, format_sequential, format_verdicts
+    from servelab.analysis.report import decision_of, format_ranking, format_sequential, format_verdicts
     from servelab.lab.compare import run_plan
     from servelab.lab.runner import RunError
 
@@ -150,15 +151,18 @@ def compare(
     if as_json:
         from servelab.store.runs import json_safe
 
-        sequential = {"sequential": result.sequential.as_dict()} if result.sequential else {}
+        extra = {**({"sequential": result.sequential.as_dict()} if result.sequential else {}),
+                 **({"ranking": result.ranking.as_dict()} if result.ranking else {})}
         typer.echo(json.dumps(json_safe({"comparison_id": result.comparison_id, "plan": loaded.spec.name,
                                          "decision": decision, "verdicts": [v.as_dict() for v in result.verdicts],
-                                         **sequential}), indent=2, default=str))
+                                         **extra}), indent=2, default=str))
     else:
         typer.echo(f"comparison {result.comparison_id} ({loaded.spec.name}, workload {loaded.workload.name})")
         if result.sequential:
             typer.echo(format_sequential(result.sequential))
         typer.echo(format_verdicts(result.verdicts))
+        if result.ranking:
+            typer.echo(format_ranking(result.ranking))
     raise typer.Exit(EXIT_CODES[decision])
 
 

@@ -1,11 +1,11 @@
 """A comparison, run: a plan's rounds on real workers, then quality once per config, judged and stored; or, run until
 settled, rounds and steps of LAMBADA passages judged after each step until every candidate is settled or the budget
-is spent.
+is spent, a rejected candidate measured no more. With several candidates, those that meet every limit ranked.
 
 Knows the order of work (rounds, each starting a fresh worker per config and running every config once in a
 counterbalanced order; then quality once per config with the workers stopped) and how stored runs become
 RunSets. The plan file and the rounds' order are servelab/analysis/plan.py's, the judging verdict.py's, when to
-stop sequential.py's and the printed report report.py's.
+stop sequential.py's, the ranking ranking.py's and the printed report report.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from servelab.analysis.plan import Plan, QualitySpec, round_order
+from servelab.analysis.ranking import Ranking, rank
 from servelab.analysis.sequential import Look, SequentialRecord, SequentialSpec
 from servelab.analysis.verdict import RunSet, Verdict, compare
 from servelab.analysis.workload import Workload
@@ -37,6 +38,7 @@ class PlanResult:
     baseline: RunSet
     verdicts: tuple[Verdict, ...]
     sequential: SequentialRecord | None = None  # run until settled: its looks, what settled it and when
+    ranking: Ranking | None = None  # with several candidates: those that meet every limit, best first
 
 
 @dataclass
@@ -83,15 +85,26 @@ def run_plan(plan: Plan, runtime: Runtime, *, progress=lambda message: None, clo
                 for run_id in run_ids[config.name]:
                     store.set_run_quality(session, run_id=run_id, quality=quality)
     baseline = load_run_set(runtime, run_ids[names[0]])
-    verdicts = tuple(compare(baseline, load_run_set(runtime, run_ids[c.name]), plan.spec.limits)
-                     for c, _ in plan.candidates)
-    return PlanResult(save(plan, runtime, rounds, verdicts), baseline, verdicts)
+    candidates = [load_run_set(runtime, run_ids[c.name]) for c, _ in plan.candidates]
+    verdicts = tuple(compare(baseline, c, plan.spec.limits) for c in candidates)
+    ranking = ranked(plan, candidates, verdicts)
+    return PlanResult(save(plan, runtime, rounds, verdicts, ranking), baseline, verdicts, ranking=ranking)
+
+
+def ranked(plan: Plan, candidates: list[RunSet], verdicts: tuple[Verdict, ...], level: float | None = None,
+           ) -> Ranking | None:
+    """A plan with several candidates: those accepted, ranked by the plan's rank_by (its first gain's figure)."""
+    if len(plan.candidates) < 2:
+        return None
+    return rank(candidates, verdicts, plan.spec.limits, rank_by=plan.spec.rank_by,
+                **({"level": level} if level is not None else {}))
 
 
 def run_round(plan: Plan, runtime: Runtime, rounds: Rounds, workers: dict[str, WorkerProcess], label: str,
-              progress) -> None:
-    """One more round: every config once, in the round's order, each on a fresh worker unless `workers` are kept."""
-    configs = [plan.baseline, *plan.candidates]
+              progress, *, left_out: frozenset[str] = frozenset()) -> None:
+    """One more round: every config once (but those left out: candidates rejected earlier), in the round's order,
+    each on a fresh worker unless `workers` are kept."""
+    configs = [c for c in (plan.baseline, *plan.candidates) if c[0].name not in left_out]
     by_name = {config.name: config for config, _ in configs}
     repeat = len(rounds.orders)
     rounds.orders.append(round_order(list(by_name), repeat, seed=plan.spec.seed))
@@ -105,8 +118,11 @@ def run_round(plan: Plan, runtime: Runtime, rounds: Rounds, workers: dict[str, W
             rounds.run_ids[name].append(outcome.run_id)
 
 
-def save(plan: Plan, runtime: Runtime, rounds: Rounds, verdicts: tuple[Verdict, ...], **report: Any) -> str:
+def save(plan: Plan, runtime: Runtime, rounds: Rounds, verdicts: tuple[Verdict, ...], ranking: Ranking | None,
+         **report: Any) -> str:
     names = [config.name for config, _ in (plan.baseline, *plan.candidates)]
+    if ranking is not None:
+        report["ranking"] = ranking.as_dict()
     with session_scope(runtime.sessions) as session:
         return store.save_comparison(
             session, plan_name=plan.spec.name, plan=plan.spec.model_dump(mode="json"),
@@ -119,7 +135,8 @@ def save(plan: Plan, runtime: Runtime, rounds: Rounds, verdicts: tuple[Verdict, 
 def run_until_settled(plan: Plan, runtime: Runtime, *, progress=lambda message: None,
                       clock=time.monotonic) -> PlanResult:
     """min_rounds rounds and a first step of passages, then a look; after each look the round and the step of
-    passages the unsure criteria need (servelab/analysis/sequential.py), until it says stop.
+    passages the unsure criteria need (servelab/analysis/sequential.py), until it says stop. A candidate rejected at
+    a look is left out of the rounds and passages after it (its verdict kept as that look read it).
 
     NOTE: the passages are scored between rounds, on every core, with no worker serving (fresh workers stop after
     their round; kept ones wait idle); the long-context segments, a fixed set, are scored once, at the first step.
@@ -135,29 +152,35 @@ def run_until_settled(plan: Plan, runtime: Runtime, *, progress=lambda message: 
         workers = {} if plan.spec.fresh_workers else start_workers(kept, configs, runtime, plan.workload, progress)
         num_rounds, take_passages = spec.min_rounds, True
         while not record.stop:
+            left_out = frozenset(record.rejected)
             for _ in range(num_rounds):
                 run_round(plan, runtime, rounds, workers, f"{len(rounds.orders) + 1} (of at most {spec.max_rounds})",
-                          progress)
+                          progress, left_out=left_out)
             if take_passages:
                 first = not record.looks
                 for config, _ in configs:
-                    score_step(config, runtime, q, steps[0] if steps else [], scored[config.name],
-                               long_context=first, progress=progress)
+                    if config.name not in left_out:
+                        score_step(config, runtime, q, steps[0] if steps else [], scored[config.name],
+                                   long_context=first, progress=progress)
                 steps = steps[1:]
             look = Look(len(record.looks) + 1, len(rounds.orders), scored[names[0]].num_passages,
                         (clock() - start) / 60)
-            step = record.add(look, judge_so_far(plan, runtime, rounds, scored, levels), limits,
+            step = record.add(look, judge_so_far(plan, runtime, rounds, scored, levels, left_out=left_out), limits,
                               has_passages=bool(q.lambada_samples))
             num_rounds, take_passages = int(step.take_round), step.take_passages
+            dropped = sorted(record.rejected - left_out) if not record.stop else []
             progress(f"look {look.index}: " + "; ".join(f"{v.candidate} {v.decision}" for v in record.verdicts.values())
+                     + (f"; {', '.join(dropped)} measured no more (rejected)" if dropped else "")
                      + (f"; {record.stop}" if record.stop else ""))
     with session_scope(runtime.sessions) as session:
         for name in names:
             for run_id in rounds.run_ids[name]:
                 store.set_run_quality(session, run_id=run_id, quality=scored[name].record() or None)
     verdicts = tuple(record.verdicts[c.name] for c, _ in plan.candidates)
-    comparison_id = save(plan, runtime, rounds, verdicts, sequential=record.as_dict())
-    return PlanResult(comparison_id, load_run_set(runtime, rounds.run_ids[names[0]]), verdicts, record)
+    ranking = ranked(plan, [load_run_set(runtime, rounds.run_ids[c.name]) for c, _ in plan.candidates], verdicts,
+                     levels.runs)
+    comparison_id = save(plan, runtime, rounds, verdicts, ranking, sequential=record.as_dict())
+    return PlanResult(comparison_id, load_run_set(runtime, rounds.run_ids[names[0]]), verdicts, record, ranking)
 
 
 @dataclass
@@ -176,14 +199,17 @@ class Scored:
         return {**record, "long_context": self.long_context} if self.long_context else record
 
 
-def judge_so_far(plan: Plan, runtime: Runtime, rounds: Rounds, scored: dict[str, Scored], levels) -> list[Verdict]:
+def judge_so_far(plan: Plan, runtime: Runtime, rounds: Rounds, scored: dict[str, Scored], levels, *,
+                 left_out: frozenset[str] = frozenset()) -> list[Verdict]:
+    """Every candidate still measured, against the baseline, on all the data so far."""
     def run_set(name: str) -> RunSet:
         loaded = load_run_set(runtime, rounds.run_ids[name])
         return replace(loaded, quality=runsets.quality_outcome(scored[name].record()),
                        long_context=scored[name].long_context)
 
     baseline = run_set(plan.baseline[0].name)
-    return [compare(baseline, run_set(c.name), plan.spec.limits, levels=levels) for c, _ in plan.candidates]
+    return [compare(baseline, run_set(c.name), plan.spec.limits, levels=levels) for c, _ in plan.candidates
+            if c.name not in left_out]
 
 
 def passage_steps(quality: QualitySpec, spec: SequentialSpec) -> list[list[LambadaPassage]]:

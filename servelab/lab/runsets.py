@@ -36,6 +36,8 @@ class StoredLimits:
     limits: Limits
     source: str  # "plan <name> (comparison <id>)" or "defaults"
     plan_name: str | None = None
+    rank_by: str | None = None  # the plan's ranking figure (null: its first gain's)
+    sequential: dict[str, Any] | None = None  # run until settled: its stored record (looks, each look's criteria)
 
 
 def load_run_set(session: Session, *, run_ids: list[str]) -> RunSet:
@@ -124,7 +126,7 @@ def batch_samples(session: Session, *, request_ids: list[str]) -> list[BatchSamp
 def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_run_ids: list[str]) -> StoredLimits:
     """The limits of the newest stored comparison that holds all these runs on the same sides; else the defaults."""
     row = session.execute(
-        select(ComparisonRow.id, ComparisonRow.plan_name, ComparisonRow.plan)
+        select(ComparisonRow.id, ComparisonRow.plan_name, ComparisonRow.plan, ComparisonRow.report["sequential"])
         .where(ComparisonRow.baseline_run_ids.contains([uuid.UUID(i) for i in baseline_run_ids]),
                ComparisonRow.candidate_run_ids.contains([uuid.UUID(i) for i in candidate_run_ids]))
         .order_by(ComparisonRow.created_at.desc()).limit(1)
@@ -132,4 +134,4 @@ def stored_limits(session: Session, *, baseline_run_ids: list[str], candidate_ru
     if row is None or "limits" not in (row.plan or {}):
         return StoredLimits(DEFAULT_LIMITS, "defaults")
     return StoredLimits(Limits.model_validate(row.plan["limits"]), f"plan {row.plan_name} (comparison {row.id})",
-                        row.plan_name)
+                        row.plan_name, row.plan.get("rank_by"), row[3])

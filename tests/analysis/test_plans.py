@@ -83,3 +83,24 @@ def test_the_window_configs_differ_by_eviction_alone_and_the_workload_fits_them(
     assert all(item.max_new_tokens == 4000 <= window.decoding.max_new_tokens for item in workload.items)
     with pytest.raises(ValueError, match=r"long_context_scored_from \(2048\) must be below long_context_tokens"):
         QualitySpec(long_context_segments=4, long_context_scored_from=2048)
+
+
+def test_the_demo_runs_until_settled_within_the_fixed_plans_budget() -> None:
+    from servelab.analysis.plan import DEFAULT_REPEATS
+
+    plan = load_plan(REPO / "plans" / "demo.yaml")
+    budget = plan.spec.sequential
+    assert budget is not None and budget.min_rounds < budget.max_rounds <= DEFAULT_REPEATS
+    assert budget.passage_step < budget.max_passages <= plan.spec.quality.lambada_samples
+
+
+def test_the_precision_pick_ranks_three_candidates_and_a_bad_rank_figure_is_refused(tmp_path) -> None:
+    from servelab.analysis.plan import PlanError
+
+    plan = load_plan(REPO / "plans" / "pick-precision.yaml")
+    assert len(plan.candidates) == 3 and plan.spec.rank_by == "output_tokens_per_s" and plan.spec.sequential
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "plans" / "pick-precision.yaml").read_text().replace(
+        "rank_by: output_tokens_per_s", "rank_by: p95_ttft"))
+    with pytest.raises(PlanError, match="rank_by.*output_tokens_per_s"):
+        load_plan(bad)

@@ -150,6 +150,28 @@ def test_the_record_says_when_each_criterion_and_the_decision_settled() -> None:
         record.add(look(3, 5, 50), [], LIMITS, has_passages=True)
 
 
+def test_a_rejected_candidate_is_judged_no_more_and_each_look_keeps_every_criterion_for_the_chart() -> None:
+    record = SequentialRecord(SPEC, SPEC.levels())
+    failed = verdict(criterion("latency", LATENCY, "fail", 1.4), criterion("gain", GAIN, "unsure"), candidate="slow")
+    open_ = verdict(criterion("latency", LATENCY, "unsure", 1.05), criterion("gain", GAIN, "unsure", 1.3))
+    step = record.add(look(1, 3, 50), [failed, open_], LIMITS, has_passages=True)
+    assert record.rejected == {"slow"} and step.take_round and not step.stop  # "cand" is still open
+    later = verdict(criterion("latency", LATENCY, "pass", 1.02), criterion("gain", GAIN, "pass", 1.28))
+    record.add(look(2, 4, 50), [later], LIMITS, has_passages=True)  # "slow" is no longer judged
+    assert record.stop.startswith("settled") and record.decided_at == {"slow": 1, "cand": 2}
+    assert [set(h) for h in record.history] == [{"slow", "cand"}, {"cand"}]
+    first, second = record.history[0]["cand"], record.history[1]["cand"]
+    assert [c["name"] for c in first] == [LATENCY, GAIN] and first[0]["outcome"] == "unsure"
+    assert second[0] == {"kind": "latency", "name": LATENCY, "limit": "x", "outcome": "pass",
+                         **Estimate(1.02, 1.02 - 0.1, 1.02 + 0.1).as_dict()}
+    printed = format_sequential(record)
+    assert "slow: rejected at look 1, measured no more after it" in printed
+    assert record.as_dict()["history"] == record.history
+    with pytest.raises(AssertionError, match="slow was rejected"):
+        SequentialRecord(SPEC, SPEC.levels(), verdicts=dict(record.verdicts)).add(
+            look(3, 5, 50), [failed], LIMITS, has_passages=True)
+
+
 @pytest.mark.parametrize(("section", "message"), [
     ({"min_rounds": 6, "max_rounds": 4}, "min_rounds (6) must be at most max_rounds (4)"),
     ({"passage_step": 200, "max_passages": 100}, "passage_step (200) must be at most max_passages (100)"),

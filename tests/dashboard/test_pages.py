@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import streamlit as st
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 from streamlit.testing.v1 import AppTest
 
@@ -182,3 +184,74 @@ def test_unmigrated_database_says_how_to_migrate(open_app) -> None:
     finally:
         st.cache_resource.clear()
         drop_test_database(url)
+
+
+def test_a_comparison_run_until_settled_shows_how_each_interval_narrowed(open_app, seeded) -> None:
+    """A sequential record built by the lab's own code from the seeded runs' real verdicts (two looks: 4 passages,
+    then all 8; a zero accuracy-drop limit is final only at the planned 8), stored as the newest comparison of these
+    runs; removed after."""
+    from dataclasses import replace
+
+    from dashboard.pages.compare import narrowing_frame
+    from servelab.analysis.sequential import Look, SequentialRecord, SequentialSpec
+    from servelab.analysis.verdict import compare
+    from servelab.lab import runsets
+    from servelab.store.db import session_factory, session_scope
+    from servelab.store.models import ComparisonRow
+    from servelab.store.runs import save_comparison
+
+    engine, comparison_id = make_engine(seeded.database_url), None
+    try:
+        with session_scope(session_factory(engine)) as session:
+            base, cand = (runsets.load_run_set(session, run_ids=ids) for ids in (seeded.baseline_ids,
+                                                                                  seeded.candidate_ids))
+            stored = runsets.stored_limits(session, baseline_run_ids=seeded.baseline_ids,
+                                           candidate_run_ids=seeded.candidate_ids)
+            limits = stored.limits.model_copy(update={"max_accuracy_drop": 0.0})
+            spec = SequentialSpec(min_rounds=2, max_rounds=2, passage_step=4, max_passages=8)
+            record = SequentialRecord(spec, spec.levels(exact_passages=8))
+            for index, passages in ((1, 4), (2, 8)):
+                first = [replace(s, quality=replace(s.quality, **{f: getattr(s.quality, f)[:passages] for f in (
+                    "passage_ids", "correct", "nll", "num_target_tokens")})) for s in (base, cand)]
+                record.add(Look(index, 2, passages, index / 2), [compare(*first, limits, levels=record.levels)], limits,
+                           has_passages=True)
+            comparison_id = save_comparison(
+                session, plan_name="dash-sequential", plan={"limits": limits.model_dump(mode="json")},
+                baseline_run_ids=seeded.baseline_ids, candidate_run_ids=seeded.candidate_ids,
+                report={"sequential": record.as_dict()})
+        at = open_app(seeded.database_url, baseline=",".join(seeded.baseline_ids),
+                      candidates=",".join(seeded.candidate_ids))
+        shown = texts(at)
+        assert "How the intervals narrowed" in [h.value for h in at.header] and record.stop in shown
+        narrowing = [spec for spec in (json.loads(c.spec) for c in charts(at)) if "facet" in spec]
+        assert len(narrowing) == 1 and narrowing[0]["facet"]["field"] == "criterion"
+        frame = narrowing_frame(record.as_dict(), seeded.candidate_name)  # what the chart draws
+        assert set(frame["look"]) == {1, 2} and list(frame["where"])[0] == "2 rounds, 4 passages"
+        assert set(frame["criterion"]) == {c.name for c in record.verdicts[seeded.candidate_name].criteria}
+        weights = frame[frame["criterion"] == "weight_bytes"]
+        assert list(weights["limit"]) == [0.75, 0.75] and (weights["low"] <= weights["high"]).all()
+    finally:
+        if comparison_id is not None:
+            with session_scope(session_factory(engine)) as session:
+                session.execute(delete(ComparisonRow).where(ComparisonRow.id == uuid.UUID(comparison_id)))
+        engine.dispose()
+
+
+def test_several_candidates_are_ranked_with_each_pair_told_apart_or_not() -> None:
+    """The compare page's ranking section on hand-made run sets (tests/analysis/test_ranking.py's)."""
+    def page() -> None:
+        from dashboard.pages.compare import show_ranking
+        from servelab.analysis.verdict import compare
+        from tests.analysis.test_ranking import candidates
+        from tests.analysis.test_verdict import BASE, LIMITS
+
+        sets = candidates()
+        show_ranking(sets, [compare(BASE, c, LIMITS) for c in sets], LIMITS, None)
+
+    at = AppTest.from_function(page, default_timeout=60).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.success[0].value.startswith("best: fast")
+    ranked, pairs = (d.value for d in at.dataframe)
+    assert list(ranked["candidate"]) == ["fast", "second", "close"]
+    assert pairs.set_index("pair").loc["second / close", "told apart"].startswith("no")
+    assert any("Not ranked: slow" in c.value for c in at.caption)

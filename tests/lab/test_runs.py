@@ -130,15 +130,18 @@ def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tm
 
 def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_spent(tmp_path, tiny_folder, runtime,
                                                                                     service_settings) -> None:
-    """Two copies of one config (they differ in name only). Deterministic on purpose: the weights' ratio is exactly
-    x1 (settled at the first look), no passage can be lost (an exact check, final only at the plan's 8 passages),
-    and with no price set the cost has no value on either side, so it stays unsure and asks for rounds to the end."""
+    """Two copies of one bf16 config (they differ in name only) and an fp32 candidate. Deterministic on purpose: the
+    copy's weights are exactly x1 the baseline's (settled at the first look) and fp32's x2 (its goal out of reach:
+    rejected at the first look, then measured no more); no passage can be lost (an exact check, final only at the
+    plan's 8 passages), and with no price set the cost has no value on either side, so it stays unsure and asks for
+    rounds to the end."""
     suffix = uuid.uuid4().hex[:6]
-    base, copy = (tiny_config(tmp_path, tiny_folder, f"{side}-{suffix}") for side in ("a", "b"))
+    base, copy = (tiny_config(tmp_path, tiny_folder, f"{side}-{suffix}", weights="bf16") for side in ("a", "b"))
+    wider = tiny_config(tmp_path, tiny_folder, f"c-{suffix}")
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(
-        f"workload: {workload_file(tmp_path)}\nbaseline: {base}\ncandidates: [{copy}]\nfresh_workers: false\n"
-        "quality: {lambada_samples: 8}\nsequential: {min_rounds: 2, passage_step: 4}\n"
+        f"workload: {workload_file(tmp_path)}\nbaseline: {base}\ncandidates: [{copy}, {wider}]\n"
+        "fresh_workers: false\nquality: {lambada_samples: 8}\nsequential: {min_rounds: 2, passage_step: 4}\n"
         "limits:\n  max_accuracy_drop: 0\n  gain_rule: all\n"
         "  gains: [{metric: weight_bytes, max_ratio: 1.0}, {metric: cost_per_request, max_ratio: 1.0}]\n")
     env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
@@ -148,7 +151,7 @@ def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_s
     assert refused.exit_code == 2 and "passage_step (4) must be at most max_passages (2)" in refused.output
     result = CliRunner().invoke(app, ["compare", str(plan_path), "--until-settled", "--max-rounds", "3",
                                       "--max-passages", "8", "--json"], env=env)
-    assert result.exit_code == 3, result.output  # inconclusive: the cost cannot be judged
+    assert result.exit_code == 3, result.output  # inconclusive: no candidate accepted, the copy's cost unsure
     printed = json.loads(result.stdout)
     sequential = printed["sequential"]
     # look 1 after 2 rounds and 4 passages; look 2 after a round and a step of passages more: both budgets spent
@@ -156,16 +159,27 @@ def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_s
     assert sequential["stop"].startswith("the budget is spent after 3 rounds, 8 passages") and \
         sequential["stop"].endswith("still unsure: cost_per_request")
     assert sequential["settled_at"][f"b-{suffix}"] == {"weight_bytes": 1, "LAMBADA accuracy drop": 2}
+    assert sequential["decided_at"] == {f"c-{suffix}": 1}
+    assert [sorted(h) for h in sequential["history"]] == [[f"b-{suffix}", f"c-{suffix}"], [f"b-{suffix}"]]
     assert sequential["levels"]["runs"] == pytest.approx(1 - 0.05 / 2)  # two looks planned over rounds 2-3
-    criteria = {c["name"]: c for c in printed["verdicts"][0]["criteria"]}
+    copy_verdict, wider_verdict = printed["verdicts"]
+    criteria = {c["name"]: c for c in copy_verdict["criteria"]}
     assert criteria["LAMBADA accuracy drop"]["note"].startswith("exact: 0 of 8 passages lost")
     assert criteria["cost_per_request"]["outcome"] == "unsure"
+    assert wider_verdict["decision"] == "reject" and "weight_bytes x2.000" in wider_verdict["reason"]
+    ranking = printed["ranking"]
+    assert ranking["ranked"] == [] and [n for n, _ in ranking["not_ranked"]] == [f"b-{suffix}", f"c-{suffix}"]
     with session_scope(runtime.sessions) as session:
         stored = session.get(ComparisonRow, uuid.UUID(printed["comparison_id"]))
         runs = session.scalars(select(RunRow).where(RunRow.id.in_(stored.baseline_run_ids))).all()
+        rejected = session.scalars(select(RunRow).where(RunRow.id.in_(stored.candidate_run_ids),
+                                                        RunRow.serving_config_name == f"c-{suffix}")).all()
     assert stored.report["sequential"]["stop"] == sequential["stop"] and len(stored.report["rounds"]) == 3
+    assert f"c-{suffix}" not in stored.report["rounds"][2] and len(stored.report["rounds"][2]) == 2
+    assert stored.report["ranking"]["summary"] == "no candidate meets every limit: nothing to rank"
     assert stored.plan["sequential"]["max_rounds"] == 3  # the budget it ran under, options included
     assert len(runs) == 3 and all(len(r.quality["correct"]) == 8 for r in runs)
+    assert len(rejected) == 2 and all(len(r.quality["correct"]) == 4 for r in rejected)  # measured no more
 
 
 def test_a_run_is_refused_while_another_worker_serves_its_config(tmp_path, tiny_folder, runtime) -> None:
