@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default=Path(".cache"), description="converted and quantised model files")
     state_dir: Path = Field(default=Path(".state"), description="embedded servers' data, logs, pids")
     key_prefix: str = Field(default="servelab", description="prefix of every Redis key this process uses")
+    stack_cores: int | None = Field(default=None, ge=0, le=1024, description=(
+        "cores `servelab up` keeps for the stack's own processes (api, jobs-worker, beat) when it splits the cores "
+        "between gpu-workers; None: 1 where the workers leave one spare (measured on a 2-core host: the served "
+        "worker on 1 core beside them beat 2 threads on both), 0: the workers take every core"))
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: the config's, else every "
                                     "core this process may run on (available_cores)")
     huge_pages: bool = Field(default=True, description="CPU: the weights a decode step reads on transparent huge pages")

@@ -54,7 +54,7 @@ class StackProcess:
     args: tuple[str, ...] = ()  # after the interpreter: how `up` starts it again
     start_ticks: int | None = None  # /proc start time: the pid is still this process only while it matches
     health_url: str | None = None  # the api's /healthz
-    cpus: tuple[int, ...] | None = None  # a gpu-worker's cores (its CPU affinity); None: every core
+    cpus: tuple[int, ...] | None = None  # its cores (CPU affinity): a gpu-worker's share, the stack's kept cores; None: all
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,9 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
     kept = {n for n in names if n in recorded and is_running(recorded[n])}
     starting = [n for n in names if n.startswith("gpu-worker") and n not in kept
                 and (wanted.get(n) or recorded[n].args)]
-    held = {c for n in kept for c in (recorded[n].cpus or ())}
-    cores = {} if share_cores else worker_cores(starting, sorted(set(os.sched_getaffinity(0)) - held))
+    held = {c for n in kept for c in (recorded[n].cpus or ()) if n.startswith("gpu-worker")}
+    cores = {} if share_cores else split_cores(starting, [n for n in names if not n.startswith("gpu-worker")],
+                                               sorted(set(os.sched_getaffinity(0)) - held), settings.stack_cores)
     changes = []
     for name in names:
         old = recorded.get(name)
@@ -131,6 +132,29 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
     if api is not None and api.action != "running" and api.process.health_url:
         _wait_for_api(api.process.health_url, api.process)
     return changes
+
+
+def split_cores(workers: list[str], others: list[str], free: list[int], stack_cores: int | None
+                ) -> dict[str, tuple[int, ...]]:
+    """The free cores for the gpu-workers to start and the stack's other processes: `stack_cores` of them (default 1)
+    kept for the others (api, jobs-worker, beat), pinned there, where the workers leave that many spare; the rest
+    split between the workers (worker_cores). No worker to start: nothing is pinned.
+
+    NOTE: on a 2-core host the served worker alone on one core served more than a team of 2 threads on both (AIPerf,
+    concurrency 8: 105-116 against 62-65 output tok/s, docs/performance.md "Threads on a busy host"): the api, the
+    relays, Redis, PostgreSQL and the client need a core of their own, and a team that shares one waits at every
+    barrier. The embedded Redis and PostgreSQL, started earlier, are not pinned; the kernel's balancer runs them
+    where the pinned workers leave room."""
+    if not workers:
+        return {}
+    spare = max(len(free) - len(workers), 0)
+    if stack_cores is not None and stack_cores > spare:
+        raise StackError(f"SERVELAB_STACK_CORES is {stack_cores}, but {len(free)} free core(s) "
+                         f"({format_cores(free) or 'none'}) and {len(workers)} gpu-worker(s) to start leave {spare} "
+                         f"spare: set it to at most {spare} (0: the workers take every core)")
+    keep = min(1, spare) if stack_cores is None else stack_cores
+    split = worker_cores(workers, free[keep:])
+    return {**split, **({name: tuple(free[:keep]) for name in others} if keep else {})}
 
 
 def worker_cores(names: list[str], free: list[int]) -> dict[str, tuple[int, ...]]:

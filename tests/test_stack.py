@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from servelab.cli import app
 from servelab.settings import Settings
 from servelab.stack import (StackError, StackProcess, _start_ticks, _write_stack, format_cores, is_running, read_stack,
-                            start_stack, stop_stack, worker_cores)
+                            split_cores, start_stack, stop_stack, worker_cores)
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
 
 NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
@@ -55,8 +55,11 @@ def test_the_stack_starts_answers_and_stops_what_it_started(tmp_path: Path, tiny
         assert [c.process.name for c in started] == NAMES and {c.action for c in started} == {"started"}
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
         worker = next(c.process for c in started if c.process.name.startswith("gpu-worker"))
-        assert worker.cpus == tuple(sorted(os.sched_getaffinity(0)))  # one worker: every core, pinned
-        assert os.sched_getaffinity(worker.pid) == set(worker.cpus)
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+        kept = cores[:1] if len(cores) > 1 else ()  # a core for the api, jobs-worker and beat where one is spare
+        assert worker.cpus == cores[len(kept):] and os.sched_getaffinity(worker.pid) == set(worker.cpus)
+        for other in (c.process for c in started if c.process is not worker):
+            assert other.cpus == (kept or None) and os.sched_getaffinity(other.pid) == set(kept or cores)
         again = start_stack(settings, env=env, config_paths=[config], api_port=port)  # up twice: reused
         assert [c.process for c in again] == [c.process for c in started] and {c.action for c in again} == {"running"}
     finally:
@@ -93,6 +96,8 @@ def test_up_after_the_gpu_worker_was_killed_starts_it_again_and_status_says_so(
     try:
         first = runner.invoke(app, up, env=env)
         assert first.exit_code == 0, first.output
+        if len(os.sched_getaffinity(0)) > 1:  # a core kept for the api, jobs-worker and beat, and said so
+            assert "kept for the stack's own processes" in first.stdout, first.stdout
         report = _wait_for_live_worker(env, "gpu-worker-tiny")
         assert [p["name"] for p in report["processes"]] == NAMES and all(p["is_running"] for p in report["processes"])
         assert report["processes"][0]["answers"] is True and report["servers"][0]["answers"] is True
@@ -168,6 +173,20 @@ def test_gpu_workers_split_the_free_cores_and_never_share_one_unless_asked() -> 
     with pytest.raises(StackError, match=r"3 gpu-worker\(s\) to start \(a, b, c\) and 2 free core\(s\) \(0-1\).*--share-cores"):
         worker_cores(["a", "b", "c"], [0, 1])
     assert format_cores((5, 0, 1, 2)) == "0-2,5" and format_cores(()) == ""
+
+
+def test_up_keeps_a_core_for_the_stacks_own_processes_where_the_workers_leave_one_spare() -> None:
+    others = ["api", "jobs-worker", "beat"]
+    assert split_cores(["w"], others, [0, 1], None) == {"w": (1,), "api": (0,), "jobs-worker": (0,), "beat": (0,)}
+    assert split_cores(["a", "b"], others, [0, 1, 2, 3, 4], None) == {"a": (1, 2), "b": (3, 4), **dict.fromkeys(
+        others, (0,))}
+    assert split_cores(["a", "b"], others, [0, 1], None) == {"a": (0,), "b": (1,)}  # none spare: nothing kept
+    assert split_cores(["w"], others, [0, 1, 2, 3], 2) == {"w": (2, 3), **dict.fromkeys(others, (0, 1))}
+    assert split_cores(["w"], others, [0, 1], 0) == {"w": (0, 1)}  # 0: the workers take every core
+    assert split_cores([], others, [0, 1], None) == {}  # no worker to start: nothing is pinned
+    with pytest.raises(StackError, match=r"SERVELAB_STACK_CORES is 2, but 2 free core\(s\) \(0-1\) and 1 gpu-worker"
+                                         r"\(s\) to start leave 1 spare: set it to at most 1"):
+        split_cores(["w"], others, [0, 1], 2)
 
 
 def test_up_share_measures_a_worker_alone_and_beside_a_busy_one(tmp_path: Path, tiny_folder: Path,

@@ -77,6 +77,11 @@ def up(
         cores = f" cores {format_cores(p.cpus)}" if p.cpus else ""
         typer.echo(f"{p.name:<24} pid {p.pid:<8} {change.action:<10} log {p.log}{was}{cores}"
                    f"{_threads(pinned[p.name], p.cpus) if p.name in pinned else ''}")
+    kept_for_stack = sorted({c for ch in changes if not ch.process.name.startswith("gpu-worker") and ch.action != "running"
+                             for c in ch.process.cpus or ()})
+    if kept_for_stack:
+        typer.echo(f"cores {format_cores(kept_for_stack)} kept for the stack's own processes (api, jobs-worker, beat; "
+                   "SERVELAB_STACK_CORES sets how many, 0 gives the workers every core)")
     api = next((c.process for c in changes if c.process.name == "api"), None)
     if api is not None and api.health_url:
         typer.echo(f"API: {api.health_url.removesuffix('/healthz')}/v1 (OpenAI-compatible; model = a config name)")
@@ -87,7 +92,9 @@ def _threads(pinned: int | None, cpus: tuple[int, ...] | None) -> str:
     if pinned:
         return f", {pinned} thread(s) (its config's num_threads)"
     # NOTE: SERVELAB_NUM_THREADS, where set, pins it instead; a CPU quota (cgroup) can lower it further
-    return (f", {len(cpus) if cpus else 'a thread per core'}{' thread(s)' if cpus else ''}: every core of its share, "
+    if cpus and len(cpus) == 1:
+        return ", 1 thread: its share is one core"
+    return (f", {len(cpus) if cpus else 'a thread per core'}{' threads' if cpus else ''}: every core of its share, "
             "fewer while other processes take them")
 
 
