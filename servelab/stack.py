@@ -1,8 +1,8 @@
 """The local stack: the service processes of docker-compose.yml, started on this machine in the background.
 
 Knows how to start the api, jobs-worker, beat and one gpu-worker per config as detached processes with
-logs under the state folder, record each one's pid, start time and command, split this process's cores between
-the gpu-workers (each pinned to its own share, so two never run on one core unless asked), start again the ones that
+logs under the state folder, record each one's pid, start time and command, pin each to the cores servelab/cores.py
+splits between them (a gpu-worker to its own share, so two never run on one core unless asked), start again the ones that
 died, stop exactly the processes it started (a recorded pid that now belongs to another process is left
 alone), and read what runs: its processes, the servers, the workers' heartbeats and the queues' depths.
 Does not know what the processes do; the embedded servers are servelab/embedded.py's.
@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
+from servelab.cores import CoreSplitError, split_cores
 from servelab.embedded import EmbeddedServer, recorded_servers
 from servelab.queue.streams import stream_depths
 from servelab.settings import Settings
@@ -102,7 +103,7 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
                 api_port: int, api_workers: int | None = None, share_cores: bool = False) -> list[StackChange]:
     """Make every process of the recorded stack and of this call run: those running are kept, those that died
     are started again (with this call's command where it names them, else the recorded one), new ones started.
-    The gpu-workers started split the cores that running gpu-workers do not hold (worker_cores), unless
+    The gpu-workers started split the cores that running gpu-workers do not hold (servelab/cores.py), unless
     share_cores: then each may run on every core."""
     recorded = {p.name: p for p in read_stack(settings)}
     wanted = stack_commands(config_paths, api_port, api_workers)
@@ -113,8 +114,11 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
     starting = [n for n in names if n.startswith("gpu-worker") and n not in kept
                 and (wanted.get(n) or recorded[n].args)]
     held = {c for n in kept for c in (recorded[n].cpus or ()) if n.startswith("gpu-worker")}
-    cores = {} if share_cores else split_cores(starting, [n for n in names if not n.startswith("gpu-worker")],
-                                               sorted(set(os.sched_getaffinity(0)) - held), settings.stack_cores)
+    try:
+        cores = {} if share_cores else split_cores(starting, [n for n in names if not n.startswith("gpu-worker")],
+                                                   sorted(set(os.sched_getaffinity(0)) - held), settings.stack_cores)
+    except CoreSplitError as exc:
+        raise StackError(str(exc)) from None
     changes = []
     for name in names:
         old = recorded.get(name)
@@ -132,59 +136,6 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
     if api is not None and api.action != "running" and api.process.health_url:
         _wait_for_api(api.process.health_url, api.process)
     return changes
-
-
-def split_cores(workers: list[str], others: list[str], free: list[int], stack_cores: int | None
-                ) -> dict[str, tuple[int, ...]]:
-    """The free cores for the gpu-workers to start and the stack's other processes: `stack_cores` of them (default 1)
-    kept for the others (api, jobs-worker, beat), pinned there, where the workers leave that many spare; the rest
-    split between the workers (worker_cores). No worker to start: nothing is pinned.
-
-    NOTE: on a 2-core host the served worker alone on one core served more than a team of 2 threads on both (AIPerf,
-    concurrency 8: 105-116 against 62-65 output tok/s, docs/performance.md "Threads on a busy host"): the api, the
-    relays, Redis, PostgreSQL and the client need a core of their own, and a team that shares one waits at every
-    barrier. The embedded Redis and PostgreSQL, started earlier, are not pinned; the kernel's balancer runs them
-    where the pinned workers leave room."""
-    if not workers:
-        return {}
-    spare = max(len(free) - len(workers), 0)
-    if stack_cores is not None and stack_cores > spare:
-        raise StackError(f"SERVELAB_STACK_CORES is {stack_cores}, but {len(free)} free core(s) "
-                         f"({format_cores(free) or 'none'}) and {len(workers)} gpu-worker(s) to start leave {spare} "
-                         f"spare: set it to at most {spare} (0: the workers take every core)")
-    keep = min(1, spare) if stack_cores is None else stack_cores
-    split = worker_cores(workers, free[keep:])
-    return {**split, **({name: tuple(free[:keep]) for name in others} if keep else {})}
-
-
-def worker_cores(names: list[str], free: list[int]) -> dict[str, tuple[int, ...]]:
-    """The free cores split between the gpu-workers `names` in contiguous shares, as even as they go (the first
-    shares one core more); a worker's torch threads default to its share (servelab.settings.available_cores).
-    Fewer free cores than workers: StackError, since two would share a core."""
-    if not names:
-        return {}
-    if len(free) < len(names):
-        raise StackError(f"{len(names)} gpu-worker(s) to start ({', '.join(names)}) and {len(free)} free core(s) "
-                         f"({format_cores(free) or 'none'}): each needs a core of its own; stop one, or pass "
-                         "--share-cores to let the workers share every core")
-    share, extra = divmod(len(free), len(names))
-    out, at = {}, 0
-    for i, name in enumerate(names):
-        size = share + (i < extra)
-        out[name] = tuple(free[at:at + size])
-        at += size
-    return out
-
-
-def format_cores(cores) -> str:
-    """(0, 1, 2, 5) -> '0-2,5'."""
-    runs: list[list[int]] = []
-    for c in sorted(cores):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str], logs: Path, health_url: str | None,

@@ -100,9 +100,9 @@ FLOORS = (
     ("servelab.config", "servelab.settings", "servelab.request", "servelab.outputs", "servelab.memory",
      "servelab.idempotency"),
     # 1: rows; the configs a request may name; the lab's pure arithmetic; the model; the step's plan; the host;
-    # embedded servers; Prometheus counts; this process's memory
+    # how up splits the cores; embedded servers; Prometheus counts; this process's memory
     ("servelab.store", "servelab.catalog", "servelab.analysis", "servelab.engine", "servelab.scheduler",
-     "servelab.hardware", "servelab.embedded", "servelab.telemetry", "servelab.resident"),
+     "servelab.hardware", "servelab.cores", "servelab.embedded", "servelab.telemetry", "servelab.resident"),
     ("servelab.queue", "servelab.runtime"),  # 2: Redis streams; connections
     ("servelab.jobs", "servelab.protocol", "servelab.serving", "servelab.stack"),  # 3: control plane, OpenAI, worker, stack
     ("servelab.lab",),  # 4: the runners: runs, comparisons, calibration, quality, sweeps, benches

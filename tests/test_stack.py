@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.settings import Settings
-from servelab.stack import (StackError, StackProcess, _start_ticks, _write_stack, format_cores, is_running, read_stack,
-                            split_cores, start_stack, stop_stack, worker_cores)
+from servelab.cores import CoreSplitError, format_cores, split_cores, worker_cores
+from servelab.stack import StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
 
 NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
@@ -170,7 +170,7 @@ def test_gpu_workers_split_the_free_cores_and_never_share_one_unless_asked() -> 
     assert worker_cores(["a", "b"], [0, 1, 2, 3, 4]) == {"a": (0, 1, 2), "b": (3, 4)}
     assert worker_cores(["a", "b"], [2, 3]) == {"a": (2,), "b": (3,)}
     assert worker_cores([], []) == {}
-    with pytest.raises(StackError, match=r"3 gpu-worker\(s\) to start \(a, b, c\) and 2 free core\(s\) \(0-1\).*--share-cores"):
+    with pytest.raises(CoreSplitError, match=r"3 gpu-worker\(s\) to start \(a, b, c\) and 2 free core\(s\) \(0-1\).*--share-cores"):
         worker_cores(["a", "b", "c"], [0, 1])
     assert format_cores((5, 0, 1, 2)) == "0-2,5" and format_cores(()) == ""
 
@@ -184,7 +184,7 @@ def test_up_keeps_a_core_for_the_stacks_own_processes_where_the_workers_leave_on
     assert split_cores(["w"], others, [0, 1, 2, 3], 2) == {"w": (2, 3), **dict.fromkeys(others, (0, 1))}
     assert split_cores(["w"], others, [0, 1], 0) == {"w": (0, 1)}  # 0: the workers take every core
     assert split_cores([], others, [0, 1], None) == {}  # no worker to start: nothing is pinned
-    with pytest.raises(StackError, match=r"SERVELAB_STACK_CORES is 2, but 2 free core\(s\) \(0-1\) and 1 gpu-worker"
+    with pytest.raises(CoreSplitError, match=r"SERVELAB_STACK_CORES is 2, but 2 free core\(s\) \(0-1\) and 1 gpu-worker"
                                          r"\(s\) to start leave 1 spare: set it to at most 1"):
         split_cores(["w"], others, [0, 1], 2)
 

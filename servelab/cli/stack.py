@@ -57,7 +57,8 @@ def up(
     never share a core unless --share-cores. What runs is kept; a process that died is started again.
     `servelab status` shows it (with each worker's cores), `servelab down` stops it.
     """
-    from servelab.stack import StackError, format_cores, start_stack
+    from servelab.cores import format_cores
+    from servelab.stack import StackError, start_stack
 
     paths = config_paths(configs)
     pinned = {f"gpu-worker-{path.stem}": load_config(path).num_threads for path in paths}

@@ -39,7 +39,7 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="print the statu
 
 
 def _print_status(report, state_dir) -> None:
-    from servelab.stack import format_cores
+    from servelab.cores import format_cores
 
     typer.secho(f"local stack ({state_dir}/stack.json)", bold=True)
     if not report.processes:
