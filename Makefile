@@ -1,6 +1,7 @@
 # servelab: `make demo` runs the main job, `make test` runs the tests. Both create .venv on first use.
 # `make lock` writes requirements.lock again; `make stop` stops the local stack; `make clean` removes it all;
 # `make clients` installs the benchmark clients (AIPerf, GuideLLM) that `make test` runs against the API.
+# `make gpu-wheels` makes the folder `make gpu-check` installs on an air-gapped CUDA host (docs/deployment.md).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,12 @@ PIP_VERSION := 26.3
 
 CLIENTS := .cache/clients
 
-.PHONY: install lock demo test clients clients-lock bench stop clean
+GPU_WHEELS ?= dist/gpu-wheels
+GPU_PYTHON ?= python3
+GPU_VENV := .cache/gpu-check-venv
+GPU_CHECK_ARGS ?=
+
+.PHONY: install lock demo test clients clients-lock bench stop clean gpu-wheels gpu-check
 
 # Every package at the version requirements.lock names (applied as pip constraints: the whole tree pinned).
 $(STAMP): pyproject.toml requirements-nodeps.txt $(LOCK)
@@ -84,6 +90,19 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(SL) bench steps --config configs/fp32.yaml --threads 1
 	$(SL) bench steps --config configs/bf16.yaml --threads 1
+
+# On a networked machine: the wheels a CUDA host with Python 3.12, PyTorch, transformers and Triton lacks, servelab's
+# wheel and the bundled tokenizer, then the folder's size against its 64 MiB limit (it fails when over).
+gpu-wheels: $(STAMP)
+	$(PY) deploy/gpu_wheels.py $(GPU_WHEELS)
+
+# On the CUDA host, no network, no project venv: a throwaway venv over the host's own packages (--system-site-packages:
+# its torch, transformers and Triton), the folder's wheels, then the check from this checkout. Exit status: the check's.
+gpu-check:
+	rm -rf $(GPU_VENV)
+	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --no-index --find-links $(GPU_WHEELS) -r $(GPU_WHEELS)/requirements.txt
+	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m servelab.cli check-gpu --tokenizer $(GPU_WHEELS)/tokenizer $(GPU_CHECK_ARGS)
 
 stop:
 	@if [ -x $(SL) ]; then $(SL) down; fi

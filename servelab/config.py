@@ -44,7 +44,8 @@ class BatchingConfig(_Frozen):
         "continuous: prompt tokens (rows x longest prompt) prefilled between two decode steps; one "
         "newcomer always joins"))
     max_kv_cache_mib: int | None = Field(default=None, ge=1, description=(
-        "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens"))
+        "KV-cache memory a batch may take; with the model's shape and the cache dtype it caps max_batch_tokens (on "
+        "CUDA it caps the pool sized from the device's free memory)"))
 
 
 class KVCacheConfig(_Frozen):

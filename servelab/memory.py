@@ -1,4 +1,5 @@
-"""Memory arithmetic: KV-cache bytes from the model shape, and the breakdown reported with a batch.
+"""Memory arithmetic: KV-cache bytes from the model shape, the breakdown reported with a batch, and the paged pool a
+device's free memory holds.
 
 Pure: imports no torch, so the batcher (which budgets KV tokens) and the dashboard can use it.
 Does not measure anything; servelab/engine/measure.py reads real tensors and the process.
@@ -41,3 +42,24 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, int | str]:
         return dict(self.__dict__)
+
+
+# What a GPU's pool leaves free: activations (a prefill chunk's MLP, the logits, attention's gathers), the allocator's
+# fragments and other tensors of the process. NOTE: 10 % of the device, at least 2 GiB: a 512-token chunk of an 8B
+# model's MLP in bf16 takes about 45 MiB, the logits of 256 rows 125 MiB; the rest is headroom for what is unmeasured
+DEVICE_RESERVE_FRACTION = 0.10
+DEVICE_RESERVE_MIN_BYTES = 2 * 2**30
+
+
+def device_reserve_bytes(total_bytes: int) -> int:
+    """The bytes of a device's memory its KV pool leaves free."""
+    return max(DEVICE_RESERVE_MIN_BYTES, int(total_bytes * DEVICE_RESERVE_FRACTION))
+
+
+def memory_pool_blocks(free_bytes: int, block_bytes: int, *, cap_bytes: int | None, reserve_bytes: int) -> int:
+    """The blocks of block_bytes that free_bytes holds once reserve_bytes are kept back, at most cap_bytes' worth
+    (max_kv_cache_mib); 0 where nothing is left (pool_blocks still keeps one lone request's)."""
+    room = max(free_bytes - reserve_bytes, 0)
+    if cap_bytes is not None:
+        room = min(room, cap_bytes)
+    return room // block_bytes

@@ -35,7 +35,7 @@ PANELS = (
     ("The local stack", (stack.up, status.status, stack.down, stack.dashboard)),
     ("API clients", (client.submit, client.results)),
     ("Comparing configs", (lab.compare, lab.run, lab.quality, lab.sweep, lab.calibrate)),
-    ("The engine in this process", (engine.generate, engine.check_model, engine.quantize)),
+    ("The engine in this process", (engine.generate, engine.check_model, engine.check_gpu, engine.quantize)),
     ("Services (what docker-compose runs)", (stack.api, stack.worker, stack.jobs_worker, stack.beat, stack.migrate,
                                              status.health)),
 )

@@ -1,5 +1,6 @@
 """The engine in this process, no queue: `generate` serves prompts as one batch, `check-model` says whether servelab's
-fast path serves a model folder, `quantize` makes int4 weights.
+fast path serves a model folder, `check-gpu` checks a CUDA host (or, `--dry-run`, its paths on this CPU), `quantize`
+makes int4 weights.
 
 Knows these commands' options and how their results are printed. Does not know the queue, the store or
 the lab; the engine and torch are imported inside the commands, so `servelab --help` stays fast.
@@ -200,3 +201,118 @@ def quantize(config: ConfigOption) -> None:
         progress(f"gptqmodel's output: {log_path}")
     typer.echo(f"{record.method} int{record.bits} g{record.group_size} checkpoint {verb}: {record.checkpoint} "
                f"({calibration})")
+
+
+def check_gpu(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="tiny shapes in fp32 on this CPU with torch's kernels "
+                                                            "(the GPU's code paths): what CI runs")] = False,
+    shapes: Annotated[str, typer.Option(help="comma-separated model shapes with random weights: 1b (Llama-3.2-1B), "
+                                             "8b (Llama-3.1-8B)")] = "1b,8b",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 in the dry "
+                                                   "run)")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="a folder with tokenizer.json (default: the bundled model's; "
+                                                       "`make gpu-wheels` copies it into its folder)")] = None,
+    awq_kernel: Annotated[str | None, typer.Option(help="the int4 kernel (awq.kernel): default triton on CUDA, torch "
+                                                        "on the CPU")] = None,
+    awq: Annotated[bool, typer.Option(help="check AWQ int4 (needs gptqmodel)")] = True,
+    served: Annotated[bool, typer.Option(help="run the served path (a worker, requests through the queue)")] = True,
+    speed: Annotated[bool, typer.Option(help="time decode and prefill, measure the bandwidth, fill the KV pool "
+                                             "(--no-speed: tokens only)")] = True,
+    as_json: Annotated[Path | None, typer.Option("--json", help="also write every figure to this file")] = None,
+) -> None:
+    """Check a CUDA host in minutes, with no weights to carry: Llama-3.2-1B and Llama-3.1-8B shapes with random
+    weights and the bundled tokenizer. Greedy tokens against naive decoding (rows joining and leaving, a cached prefix,
+    chunked prefill, AWQ int4), decode and prefill tok/s against transformers' generate and the measured memory
+    bandwidth, the KV pool sized from the GPU's memory and the largest batch held, and a worker serving requests
+    through the queue.
+
+    Exit status 0 when every token matches (a near tie, within the stated tolerance, is not a wrong token), 1 on a
+    wrong token or a part that did not do what it says, 2 when the check cannot run (no CUDA without --dry-run, a
+    missing package or tokenizer, a part that failed to start).
+    """
+    from servelab.lab.check_gpu import SHAPES, TOLERANCES
+
+    names = [s.strip() for s in shapes.split(",") if s.strip()]
+    if unknown := [s for s in names if s not in SHAPES or s == "tiny"]:
+        fail(f"--shapes {','.join(unknown)}: choose from 1b, 8b")
+    dtype = dtype or ("fp32" if dry_run else "bf16")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        fail(f"--dtype {dtype}: choose bf16, fp16 or fp32")
+
+    from servelab.lab.check_gpu import CheckCannotRun, run_check
+
+    try:
+        check = run_check(shapes=names, dtype_name=dtype, dry_run=dry_run, tokenizer_path=tokenizer,
+                          settings=settings(), awq_kernel=awq_kernel, awq=awq, served=served, speed=speed,
+                          progress=progress)
+    except CheckCannotRun as exc:
+        fail(str(exc))
+    _print_gpu_check(check, TOLERANCES)
+    if as_json is not None:
+        as_json.write_text(json.dumps(check.record(), indent=2) + "\n")
+        progress(f"figures written to {as_json}")
+    raise typer.Exit(code=check.exit_code)
+
+
+def _print_gpu_check(check, tolerances: dict[str, float]) -> None:
+    what = "dry run: tiny shapes on the CPU, torch's kernels" if check.dry_run else "CUDA"
+    typer.echo(f"device   {check.device_name} ({what}); torch {check.torch_version}, transformers "
+               f"{check.transformers_version}")
+    for s in check.shapes:
+        size = f"{s.num_parameters / 1e9:.2f} B" if s.num_parameters >= 1e8 else f"{s.num_parameters / 1e6:.1f} M"
+        typer.echo(f"\n{s.shape}: {size} parameters, {s.dtype}, random weights; {s.kernel}; "
+                   f"weights held {s.weight_bytes / 2**30:.2f} GiB, read per decode step {s.step_weight_bytes / 2**30:.2f} GiB")
+        for part in s.parts:
+            _print_part(part, tolerances[s.dtype])
+        if not s.decode:
+            typer.echo("  speed         not measured (--no-speed)")
+            continue
+        speeds = "; ".join(f"batch {d.batch_size}: {d.servelab_tok_s:.1f} (transformers {d.transformers_tok_s:.1f}, "
+                           f"x{d.servelab_tok_s / d.transformers_tok_s:.2f})" for d in s.decode)
+        typer.echo(f"  decode tok/s  {speeds} (one timed batch each, after a warm-up)")
+        typer.echo(f"  prefill       {s.prefill_tokens} tokens: {s.prefill_servelab_tok_s:.0f} tok/s (transformers' "
+                   f"forward {s.prefill_transformers_tok_s:.0f}, x{s.prefill_servelab_tok_s / s.prefill_transformers_tok_s:.2f})")
+        typer.echo(f"  bandwidth     {s.bandwidth_gbs:.1f} GB/s measured (a copy, bytes read + written); decode at "
+                   f"batch 1 reads the step's weights at {s.decode1_roof_fraction:.0%} of it")
+        typer.echo(f"  KV pool       {s.kv_pool_blocks} blocks x {s.kv_block_size} tokens = "
+                   f"{s.kv_pool_blocks * s.kv_block_size} tokens, {s.kv_pool_bytes / 2**30:.2f} GiB, sized from "
+                   f"{s.kv_pool_sized_from}")
+        typer.echo(f"  largest batch {s.largest_batch} rows in one step ({s.capacity_rows} rows asked at once held "
+                   f"{s.capacity_peak_tokens} KV tokens at the peak, {s.capacity_preempted} preempted)")
+    if check.awq is not None:
+        typer.echo("")
+        _print_part(check.awq, tolerances["int4"])
+    else:
+        typer.secho(f"\nAWQ int4  not checked: {check.awq_reason}", fg=typer.colors.YELLOW)
+    served = check.served
+    if served is not None and served.ran:
+        mark = "" if served.passed else "  FAIL"
+        typer.echo(f"\nserved    {served.num_answered_once} of {served.num_requests} requests answered exactly once "
+                   f"through the queue ({served.reason}) in {served.seconds:.1f} s{mark}")
+    elif served is not None:
+        typer.secho(f"\nserved    not run: {served.reason}", fg=typer.colors.YELLOW)
+    for problem in check.problems:
+        typer.secho(f"could not run: {problem}", fg=typer.colors.RED, err=True)
+    verdict = {0: "every token equal to naive decoding (near ties within the tolerance named)",
+               1: "FAIL: a wrong token, or a part that did not do what it says (above)",
+               2: "INCOMPLETE: a part could not run (above)"}[check.exit_code]
+    typer.echo(f"\nverdict   {verdict}")
+
+
+def _print_part(part, tolerance: float) -> None:
+    counts = {v: sum(r.verdict == v for r in part.rows) for v in ("equal", "near tie", "WRONG")}
+    tokens = sum(len(r.tokens.token_ids) for r in part.rows)
+    largest = max((r.tokens.max_logprob_diff for r in part.rows), default=0.0)
+    status = "ok" if part.passed else "FAIL"
+    typer.echo(f"  {part.name:<16} {status}: {counts['equal']} of {len(part.rows)} rows equal to naive decoding over "
+               f"{tokens} tokens, {counts['near tie']} parted at a near tie, {counts['WRONG']} wrong; largest "
+               f"log-probability difference {largest:.1e} (tolerance {tolerance:g} nats); {part.detail}")
+    if part.failure:
+        typer.secho(f"    FAIL: {part.failure}", fg=typer.colors.RED)
+    for r in part.rows:
+        t = r.tokens
+        if r.verdict != "equal":
+            where = (f"at token {t.first_difference}: servelab {t.token_ids[t.first_difference]}, naive "
+                     f"{t.reference_ids[t.first_difference]}, ranked {t.gap_at_difference:.2e} apart"
+                     if t.first_difference is not None else f"log-probabilities {t.max_logprob_diff:.2e} apart")
+            typer.echo(f"    {r.request_id} ({r.num_prompt_tokens} prompt tokens): {r.verdict} {where}")

@@ -32,7 +32,7 @@ from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kerne
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.runner import PagedRunner, Runner
 from servelab.engine.sampling import kernel_argmax
-from servelab.memory import MemoryBreakdown
+from servelab.memory import MemoryBreakdown, device_reserve_bytes, memory_pool_blocks
 from servelab.outputs import BatchResult, BatchTimings, Completion, StepOutput, failed
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
@@ -104,10 +104,11 @@ class Engine:
         figures = dict(shape=loaded.shape, kv_bytes_per_element=self.kv_bytes_per_element,
                        weight_bytes=self.weight_bytes, device=self.device)
         self.runner: Runner
-        self.kv_pool_blocks = 0  # the paged pool's blocks (0: not paged), sized from max_kv_cache_mib or max_batch_tokens
+        self.kv_pool_blocks = 0  # the paged pool's blocks (0: not paged): pool_blocks
         if own:
             block_size = config.kv_cache.block_size
-            self.kv_pool_blocks = pool_blocks(config, self.decoder.kv_bytes_per_block(block_size), block_size)
+            self.kv_pool_blocks = pool_blocks(config, self.decoder.kv_bytes_per_block(block_size), block_size,
+                                              device_memory=device_memory(self.device))
             self.runner = PagedRunner(self.decoder, self.decodings, block_size=block_size,
                                       num_blocks=self.kv_pool_blocks, **figures)
         else:
@@ -300,18 +301,37 @@ class Engine:
         return self.runner.take_stats()
 
 
-def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int) -> int:
-    """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; never fewer than one
-    request of max_context_tokens needs (a lone request is always served)."""
+def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int, *,
+                device_memory: tuple[int, int] | None = None) -> int:
+    """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; on a GPU (device_memory: its
+    free and total bytes once the weights are on it) what its free memory holds less a reserve, capped by
+    max_kv_cache_mib (`memory_pool_blocks`); never fewer than one request of max_context_tokens needs (a lone request
+    is always served)."""
     batching = config.batching
-    tokens = batching.max_batch_tokens
-    blocks = -(-tokens // block_size)
-    if batching.max_kv_cache_mib is not None:
-        blocks = min(blocks, batching.max_kv_cache_mib * 2**20 // block_bytes)
+    cap = batching.max_kv_cache_mib * 2**20 if batching.max_kv_cache_mib is not None else None
+    if device_memory is not None:
+        # NOTE: max_batch_tokens does not size a GPU's pool (its default, 16,384 tokens, is a CPU's figure): the memory
+        # left after the weights does, as vLLM's gpu_memory_utilization does
+        free, total = device_memory
+        blocks = memory_pool_blocks(free, block_bytes, cap_bytes=cap, reserve_bytes=device_reserve_bytes(total))
+    else:
+        blocks = -(-batching.max_batch_tokens // block_size)
+        if cap is not None:
+            blocks = min(blocks, cap // block_bytes)
     lone = -(-config.decoding.max_context_tokens // block_size)
     if (window := kv_window(config)) is not None:  # a windowed row holds no more than its sinks, window and a chunk
         lone = min(lone, window[0] + window[1] + 2 + -(-batching.max_prefill_tokens // block_size))
     return max(blocks, lone)
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device, what torch's allocator caches unused counted free; None elsewhere (a CPU's
+    pool is sized by the config alone)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()  # NOTE: blocks the allocator caches are free to the pool, but mem_get_info counts them used
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
 
 
 def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:

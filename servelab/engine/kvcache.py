@@ -196,7 +196,8 @@ class PagedKVCache:
     H_kv, block_size) fp32 (`quantize_heads`); a float pool's are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
-    a block past them is taken: memory follows what the rows hold, up to the pool's size. A block is written
+    a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU the whole pool is
+    allocated at the first reach, its size taken from the free memory). A block is written
     before it is read (a row reads only its own columns).
     """
 
@@ -250,6 +251,10 @@ class PagedKVCache:
         if needed <= have:
             return
         blocks = min(self.num_blocks, max(needed, have + have // 2))
+        if self.device.type == "cuda":
+            # NOTE: a GPU's pool is sized to its free memory (engine.pool_blocks): growing by copying would need the old
+            # and the new tensors at once, past what is free, so the whole pool is allocated at its first reach
+            blocks = self.num_blocks
         shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
         # NOTE: zeros, not empty: no column is read before it is written, but a dump or a comparison of the pool
         # then never meets stale bits or NaN

@@ -1,0 +1,160 @@
+"""`servelab check-gpu`: the CPU dry run through the real CLI (tokens equal, every figure present, exit 0; the served
+path through the test servers), a corrupted weight on servelab's side only making it exit 1, the KV pool's sizing from
+a device's free memory, the AWQ packing against servelab's own unpacking, and (skipped without CUDA, with the reason)
+the check on the real shapes and the pool sized on a real GPU. The wheel folder's size check: tests/test_gpu_wheels.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from servelab.cli import app
+from servelab.engine import engine as engine_module
+from servelab.engine.engine import Engine, pool_blocks
+from servelab.memory import device_reserve_bytes, memory_pool_blocks
+from servelab.lab import check_gpu, gpu_models
+from servelab.settings import Settings
+from tests.engine.conftest import make_config
+
+runner = CliRunner()
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+GiB = 2**30
+# NOTE: smaller than Sizes.dry_run (the CLI's): the suite's run checks the paths, not the figures
+QUICK = check_gpu.Sizes(decode_batches=(1, 4), decode_prompt_tokens=8, decode_new_tokens=3, prefill_tokens=32,
+                        reference_new_tokens=4, join_prompt_tokens=(5, 37, 20, 11), join_new_tokens=(3, 5, 2, 4),
+                        prefix_tokens=36, chunk_budget=16, chunk_prompt_tokens=(40, 21), capacity_rows=6,
+                        capacity_prompt_tokens=20, bandwidth_bytes=8 * 2**20, served_requests=64, served_new_tokens=2)
+
+
+@pytest.fixture
+def quick_sizes(monkeypatch) -> None:
+    monkeypatch.setattr(check_gpu.Sizes, "dry_run", classmethod(lambda cls: QUICK))
+
+
+@pytest.fixture
+def servers(monkeypatch, service_settings: Settings, bundled_folder: str) -> Settings:
+    """The CLI's settings: the test servers, this test's key prefix, the suite's cache."""
+    for name, value in (("REDIS_URL", service_settings.redis_url), ("DATABASE_URL", service_settings.database_url),
+                        ("KEY_PREFIX", service_settings.key_prefix), ("CACHE_DIR", str(service_settings.cache_dir)),
+                        ("STATE_DIR", str(service_settings.state_dir))):
+        monkeypatch.setenv(f"SERVELAB_{name}", value)
+    return service_settings
+
+
+def test_the_dry_run_finds_every_token_equal_and_reports_every_figure(quick_sizes, servers: Settings,
+                                                                       tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    result = runner.invoke(app, ["check-gpu", "--dry-run", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    for part in ("joins and leaves", "cached prefix", "chunked prefill", "AWQ int4"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(part))
+        assert " ok: " in line and " 0 wrong" in line, line
+    assert "decode tok/s  batch 1: " in text and "batch 4: " in text and "prefill       32 tokens" in text
+    assert "GB/s measured" in text and "KV pool       " in text and "largest batch " in text
+    assert "64 of 64 requests answered exactly once through the queue" in text, text
+    assert "verdict   every token equal to naive decoding" in text
+
+    record = json.loads(out.read_text())
+    assert record["exit_code"] == 0 and record["dry_run"] and record["device"] == "cpu"
+    (shape,) = record["shapes"]
+    assert [s["batch_size"] for s in shape["decode"]] == [1, 4]
+    assert all(s["servelab_tok_s"] > 0 and s["transformers_tok_s"] > 0 for s in shape["decode"])
+    assert shape["prefill_servelab_tok_s"] > 0 and shape["bandwidth_gbs"] > 0 and 0 < shape["decode1_roof_fraction"]
+    assert shape["kv_pool_blocks"] > 0 and shape["largest_batch"] == QUICK.capacity_rows
+    rows = [row for part in shape["parts"] for row in part["rows"]] + record["awq"]["rows"]
+    assert rows and all(row["tokens"]["passed"] for row in rows)
+    assert record["served"] == {**record["served"], "ran": True, "num_requests": 64, "num_answered_once": 64}
+
+
+def test_a_corrupted_weight_on_servelabs_side_only_is_a_wrong_token_and_exit_1(quick_sizes, monkeypatch,
+                                                                                bundled_folder: str) -> None:
+    """The engine's own copy of the first layer's gate/up projection negated: transformers' model, the reference,
+    keeps the weights it was built from, so the engine's tokens part from naive decoding, not at a near tie."""
+
+    class CorruptedEngine(Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            gate_up = self.decoder.layers[0].gate_up
+            assert gate_up.weight.data_ptr() != self.loaded.model.model.layers[0].mlp.gate_proj.weight.data_ptr()
+            gate_up.weight = -gate_up.weight
+
+    monkeypatch.setattr(check_gpu, "Engine", CorruptedEngine)
+    result = runner.invoke(app, ["check-gpu", "--dry-run", "--no-awq", "--no-served", "--no-speed"])
+    assert result.exit_code == 1, result.output
+    joins = next(line for line in result.stdout.splitlines() if line.strip().startswith("joins and leaves"))
+    assert " FAIL: 0 of 4 rows equal" in joins and "4 wrong" in joins, joins
+    # each row parts from naive decoding (a token not at a near tie) or its log-probabilities do, beyond fp32's 1e-3
+    assert sum("): WRONG " in line for line in result.stdout.splitlines()) >= 4
+    assert "verdict   FAIL: a wrong token" in result.stdout
+
+
+def test_without_cuda_the_check_asks_for_the_dry_run_and_exits_2(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(app, ["check-gpu"])
+    assert result.exit_code == 2 and "no CUDA device here" in result.stderr and "--dry-run" in result.stderr
+    assert runner.invoke(app, ["check-gpu", "--shapes", "70b"]).exit_code == 2
+
+
+def test_a_gpus_pool_is_its_free_memory_less_the_reserve_capped_by_max_kv_cache_mib() -> None:
+    block = 2 * 16 * 8 * 64 * 2 * 16  # Llama-3.2-1B's bf16 block of 16 tokens: 512 KiB
+    assert device_reserve_bytes(80 * GiB) == 8 * GiB and device_reserve_bytes(8 * GiB) == 2 * GiB
+    assert memory_pool_blocks(70 * GiB, block, cap_bytes=None, reserve_bytes=8 * GiB) == 62 * GiB // block
+    assert memory_pool_blocks(70 * GiB, block, cap_bytes=GiB, reserve_bytes=8 * GiB) == GiB // block
+    assert memory_pool_blocks(GiB, block, cap_bytes=None, reserve_bytes=2 * GiB) == 0
+
+    config = make_config("tiny", decoding={"max_new_tokens": 64, "max_context_tokens": 4096})
+    # on a GPU max_batch_tokens (16,384 by default) does not size the pool; nothing left still keeps one lone request
+    assert pool_blocks(config, block, 16, device_memory=(70 * GiB, 80 * GiB)) == 62 * GiB // block
+    assert pool_blocks(config, block, 16, device_memory=(GiB, 80 * GiB)) == 4096 // 16
+    capped = make_config("tiny", batching={"max_kv_cache_mib": 512})
+    assert pool_blocks(capped, block, 16, device_memory=(70 * GiB, 80 * GiB)) == 512 * 2**20 // block
+    # a CPU's pool is the config's, as before
+    assert pool_blocks(config, block, 16) == 16_384 // 16
+    assert engine_module.device_memory(torch.device("cpu")) is None
+
+
+def test_awq_packing_is_the_inverse_of_servelabs_unpacking() -> None:
+    from servelab.engine.awq.unpack import dequantize, unpack_awq
+
+    torch.manual_seed(0)
+    weight = torch.randn(48, 128) * 0.05
+    qweight, qzeros, scales = gpu_models.rtn_int4(weight, 32)
+    assert qweight.shape == (128, 6) and qzeros.shape == (4, 6) and scales.shape == (4, 48)
+    q, zeros, unpacked_scales, group = unpack_awq(qweight, qzeros, scales)
+    assert group == 32 and int(q.max()) <= 15 and int(zeros.max()) <= 15
+    restored = dequantize(q, zeros, unpacked_scales, group)
+    # round to nearest on a grid of scale (max - min) / 15: within half a step of each weight but at a group's ends,
+    # where the rounded zero point may push a value past 15 (clamped: within a step)
+    steps = scales.float().t().repeat_interleave(32, dim=1)
+    error = (restored - weight).abs()
+    assert bool((error <= steps + 1e-6).all()) and float((error <= steps / 2 + 1e-6).float().mean()) > 0.98
+    values = torch.randint(0, 16, (3, 16), dtype=torch.uint8)
+    from servelab.engine.awq.unpack import unpack_int32_columns
+
+    assert torch.equal(unpack_int32_columns(gpu_models.pack_int32_columns(values)), values)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_the_check_on_the_real_shapes_finds_every_token_equal(settings: Settings, bundled_folder: str) -> None:
+    check = check_gpu.run_check(shapes=["1b", "8b"], dtype_name="bf16", dry_run=False, tokenizer_path=bundled_folder,
+                                settings=settings, served=False)
+    assert check.exit_code == 0, check.record()
+    assert [s.shape for s in check.shapes] == ["Llama-3.2-1B", "Llama-3.1-8B"]
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_gpus_pool_is_sized_from_its_free_memory_and_allocated_whole(tiny_folder: Path, settings: Settings) -> None:
+    engine = Engine.from_config(make_config(str(tiny_folder), device="cuda"), settings)
+    free, total = torch.cuda.mem_get_info()
+    block = engine.decoder.kv_bytes_per_block(16)
+    # the free memory less the reserve, not max_batch_tokens' 1,024 blocks (a tiny model's blocks are small)
+    assert 16_384 // 16 < engine.kv_pool_blocks <= (free - device_reserve_bytes(total)) // block + 1
+    engine.generate([check_gpu.greedy_request("a", [1, 2, 3], 2, engine.tokenizer)])
+    assert engine.runner.cache(engine.scheduler.pool).num_allocated_blocks == engine.kv_pool_blocks
