@@ -26,7 +26,9 @@ def format_verdicts(verdicts: tuple[Verdict, ...] | list[Verdict]) -> str:
             lines.append(f"   warning: {w}")
         for check in v.repeat_checks:
             lines.append(f"   runs: {check}")
-        lines.append(f"   {'criterion':<34} {'measured':>10} {'95% interval':>22} {'limit':>10}  result")
+        # NOTE: a sequential comparison's criteria are read at its looks' level (each note says which), not 95 %
+        header = "interval" if any("sequential interval" in c.note for c in v.criteria) else "95% interval"
+        lines.append(f"   {'criterion':<34} {'measured':>10} {header:>22} {'limit':>10}  result")
         for c in v.criteria:
             interval = f"[{c.measured.low:.3g}, {c.measured.high:.3g}]" if c.measured.has_interval else "-"
             lines.append(f"   {c.kind + ': ' + c.name:<34} {c.measured.value + 0.0:>10.3g} {interval:>22} {c.limit:>10}  "
