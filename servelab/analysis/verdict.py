@@ -455,7 +455,10 @@ def run_spread(run_set: RunSet, metrics: tuple[str, ...] = ("ttft_ms", "tpot_ms"
         values = measured_values(run_set, measure)
         if len(values) >= 2 and statistics.fmean(values) > 0:
             parts.append(f"{name} {100 * statistics.stdev(values) / statistics.fmean(values):.1f} %")
-    return f"{len(run_set.summaries)} runs; run-to-run spread (coefficient of variation): " + ", ".join(parts)
+    threads = run_set.hardware.get("num_threads")  # NOTE: the team's size when its worker started (runs since 12-2026)
+    at = f" at {threads} thread(s)" + (" (adaptive)" if run_set.hardware.get("adaptive_threads") else "") \
+        if threads else ""
+    return f"{len(run_set.summaries)} runs{at}; run-to-run spread (coefficient of variation): " + ", ".join(parts)
 
 
 def _geometric_mean(run_set: RunSet, measure) -> float | None:

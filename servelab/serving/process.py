@@ -69,21 +69,25 @@ def measured_alone(config: ServingConfig, settings: Settings) -> AbstractContext
     return file_lock(settings.cache_dir / "kernels" / "load.lock")
 
 
-def worker_hardware(engine: Engine, *, bandwidth_gbs: float) -> dict[str, Any]:
+def worker_hardware(engine: Engine, *, bandwidth_gbs: float, adaptive_threads: bool = False) -> dict[str, Any]:
     """What a worker registers (and every run it serves stores): the host, the device, the decoder and kernels serving
-    the weights (with why transformers' forward serves them, where it does, and what that costs), the weights, the
-    memory bandwidth its rooflines use and the paged pool it built."""
+    the weights (with why transformers' forward serves them, where it does, and what that costs), the weights, its
+    threads (the team it started with, and whether it adapts), the memory bandwidth its rooflines use and the paged
+    pool it built."""
     reason = engine.decoder_reason
     return {**describe_hardware().as_dict(), "device": str(engine.device), "kernel": engine.kernel,
             "decoder": engine.decoder.name, **({"decoder_reason": reason} if reason else {}),
+            "num_threads": torch.get_num_threads(), "adaptive_threads": adaptive_threads,
             "model_weights": describe_weights(engine.config.model), "bandwidth_gbs": bandwidth_gbs, **kv_pool(engine)}
 
 
-def register(session: Session, *, name: str, engine: Engine, bandwidth_gbs: float) -> None:
+def register(session: Session, *, name: str, engine: Engine, bandwidth_gbs: float, adaptive_threads: bool = False,
+             ) -> None:
     """The worker's row (its hardware, software and config), and its config saved for the runs it serves."""
     config = engine.config
+    hardware = worker_hardware(engine, bandwidth_gbs=bandwidth_gbs, adaptive_threads=adaptive_threads)
     store.register_worker(session, name=name, serving_config_name=config.name, config_hash=config.config_hash,
-                          hardware=worker_hardware(engine, bandwidth_gbs=bandwidth_gbs), software=software_versions())
+                          hardware=hardware, software=software_versions())
     store.save_serving_config(session, config=config)
 
 
@@ -106,10 +110,11 @@ def run_worker(config: ServingConfig, runtime: Runtime) -> None:
         engine = Engine.from_config(config, runtime.settings)
         bandwidth_gbs = round(measure_bandwidth_gbs(engine.device), 1)
     streams = RequestStreams(runtime.redis, prefix=runtime.settings.key_prefix, config_name=config.name)
+    threads = thread_governor(engine, runtime.settings)
     with session_scope(runtime.sessions) as session:
-        register(session, name=name, engine=engine, bandwidth_gbs=bandwidth_gbs)
+        register(session, name=name, engine=engine, bandwidth_gbs=bandwidth_gbs, adaptive_threads=threads is not None)
     worker = ServingWorker(engine=engine, streams=streams, sessions=runtime.sessions, name=name, policy=batch_policy(engine),
-                           faults=faults, threads=thread_governor(engine, runtime.settings))
+                           faults=faults, threads=threads)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop.set())
     metrics_port = serve_worker_metrics(runtime.settings.worker_metrics_port)

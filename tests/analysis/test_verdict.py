@@ -317,6 +317,11 @@ def test_the_run_to_run_spread_of_each_side_is_reported() -> None:
     spread = run_spread(BASE)
     assert spread.startswith("4 runs; run-to-run spread") and "output tokens/s 1.3 %" in spread
     assert "one run" in run_spread(run_set("one", tokens_per_s=(1.0,), tpot_ms=50.0, correct=None))
+    # the thread count each side's worker started with (and whether it adapted), where its runs stored it
+    pinned = replace(BASE, hardware={**HARDWARE, "num_threads": 1, "adaptive_threads": False})
+    adaptive = replace(BASE, hardware={**HARDWARE, "num_threads": 2, "adaptive_threads": True})
+    assert run_spread(pinned).startswith("4 runs at 1 thread(s); run-to-run spread")
+    assert run_spread(adaptive).startswith("4 runs at 2 thread(s) (adaptive); run-to-run spread")
 
 
 def test_interleaved_rounds_measure_every_cell_once_per_round_and_keep_medians() -> None:

@@ -64,6 +64,7 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     expected = f"servelab decoder, dense float32, {auto_kernel_label(runtime.settings.cache_dir, tiny_folder)}"
     assert run.hardware["kernel"] == outcome.kernel == expected
     assert run.hardware["model_weights"] == f"the local folder {tiny_folder}"  # what was served, in words
+    assert (run.hardware["num_threads"], run.hardware["adaptive_threads"]) == (1, False)  # the config pins one
     assert len(sent) == 6 and configs == {config.name}
     assert streams == [StreamKind.BULK] * 2 + [StreamKind.INTERACTIVE] * 4  # the backlog went to the bulk stream
     summary = run.summary
