@@ -35,8 +35,10 @@ from servelab.analysis.token_match import TokenComparison, compare_tokens
 from servelab.config import BUNDLED_PREFIX, ServingConfig
 from servelab.engine.engine import Engine, device_memory
 from servelab.engine.loader import DTYPES
+from servelab.lab.check_model import reference_greedy
 from servelab.lab.gpu_models import (SHAPES, LlamaShape, dense_twin, dequantised_reference, loaded_model, random_llama,
                                      write_awq_checkpoint)
+from servelab.hardware import measure_bandwidth_gbs
 from servelab.memory import device_reserve_bytes
 from servelab.outputs import Completion
 from servelab.request import GenerationRequest, SamplingParams
@@ -240,24 +242,6 @@ def engine_config(name: str, *, weights: str, device: torch.device, max_context:
 # --- the naive reference and the comparison ---
 
 
-@torch.inference_mode()
-def reference_greedy(model, prompt_ids: Sequence[int], ours: Sequence[int]) -> tuple[
-        list[tuple[int, float | None]], list[float | None]]:
-    """transformers' forward over the whole sequence at each step (no cache, no padding), greedy, as many tokens as
-    `ours` -> ([(its token, its log-probability of ours' token there; None past a difference)], [its log-probability
-    of its own token minus of ours' there])."""
-    ids, tokens, gaps, same = list(prompt_ids), [], [], True
-    for our_id in ours:
-        logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1).logits
-        logprobs = logits[0, -1].float().log_softmax(-1)
-        token_id = int(logprobs.argmax())
-        tokens.append((token_id, float(logprobs[our_id]) if same else None))
-        gaps.append(float(logprobs[token_id] - logprobs[our_id]) if same else None)
-        same = same and token_id == our_id
-        ids.append(token_id)
-    return tokens, gaps
-
-
 def compare_row(part: str, model, request: GenerationRequest, completion: Completion, tolerance: float) -> RowCheck:
     if completion.error:
         raise RuntimeError(f"{part}: the engine failed row {request.request_id}: {completion.error}")
@@ -392,23 +376,6 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_bandwidth_gbs(device: torch.device, num_bytes: int, repeats: int = 8) -> float:
-    """Memory bandwidth measured here: a tensor copied onto another, bytes read + written over the best time."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = math.inf
-    for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - started)
-    del src, dst
-    return 2 * num_bytes / best / 1e9
-
-
-@torch.inference_mode()
 def time_generate(model, ids: torch.Tensor, new_tokens: int, pad_token_id: int) -> float:
     sync(ids.device)
     started = time.perf_counter()
@@ -511,7 +478,7 @@ def check_shape(shape: LlamaShape, *, tokenizer, folder: str, dtype_name: str, d
                  f"{sizes.prefill_tokens} tokens, against transformers' generate")
         decode = measure_decode(engine, model, sizes, rng)
         prefill_ours, prefill_theirs = measure_prefill(engine, model, sizes, rng)
-        bandwidth = measure_bandwidth_gbs(device, sizes.bandwidth_bytes)
+        bandwidth = measure_bandwidth_gbs(device, num_bytes=sizes.bandwidth_bytes, repeats=8)
         progress(f"{shape.name}: {sizes.capacity_rows} rows at once into the KV pool")
         largest, peak_tokens, preempted = measure_capacity(engine, sizes, rng)
         largest = max(largest, max(sizes.decode_batches))

@@ -97,7 +97,7 @@ def reference_greedy(model, prompt_ids: list[int], ours: list[int]) -> tuple[lis
     ids, tokens, gaps = list(prompt_ids), [], []
     same_prefix = True  # until the two part, both decode from the same ids
     for our_id in ours:
-        logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits  # (1, T, V)
+        logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1).logits
         logprobs = logits[0, -1].float().log_softmax(-1)  # (V,)
         token_id = int(logprobs.argmax())
         tokens.append((token_id, float(logprobs[our_id]) if same_prefix else None))
