@@ -132,8 +132,9 @@ def batch(engine: Engine, threads: int, rows: int, new_tokens: int, governor: Th
     out = engine.add([GenerationRequest(f"r{i}", prompt=PROMPT, params=params) for i in range(rows)])
     done.update((c.request_id, c) for c in out.finished)
     while engine.num_live:
+        live = engine.num_live  # NOTE: the tokens this step computes (one a row), which weigh a probe's speed
         done.update((c.request_id, c) for c in engine.step().finished)
-        sizes.append(torch.get_num_threads() if governor is None else governor.tick())
+        sizes.append(torch.get_num_threads() if governor is None else governor.tick(live))
     seconds = time.perf_counter() - started
     engine.take_stats()
     tokens = [tuple(done[f"r{i}"].token_ids) for i in range(rows)]

@@ -14,6 +14,13 @@ process waits about half of the time. When the run delay per second of wall time
 drops a thread; after `probe_s` it tries one more again, and each probe that finds the host still busy doubles the
 wait before the next (up to `max_probe_s`), so a busy host costs a few slow windows a minute and a quiet one gets its
 cores back. The kernels give a row the same bits whatever the thread count, so only speed changes.
+
+Waiting is not always losing: under a CPU quota between two core counts (a container's `--cpus 1.5` for 2 threads) the
+larger team's threads wait too, yet it computes more than the smaller one. So where the worker says how much work each
+step did (tokens computed), a probe is also weighed by speed: a probe window that waited but computed at least
+`min_gain` more tokens per second than the window before it (the smaller team) keeps the thread, and the team keeps it
+while its windows stay that much faster than the smaller team was; a window that falls back below drops it. Without
+work figures (ticks with none) the wait share alone decides.
 Does not know models, requests or what a step does: the worker ticks it after each step.
 """
 
@@ -58,12 +65,12 @@ class TeamChange:
 
 class ThreadGovernor:
     def __init__(self, max_threads: int, *, min_threads: int = 1, window_s: float = 0.5, max_wait_share: float = 0.2,
-                 probe_s: float = 5.0, max_probe_s: float = 60.0,
+                 probe_s: float = 5.0, max_probe_s: float = 60.0, min_gain: float = 0.1,
                  read_delay: Callable[[], float | None] = process_run_delay_s, clock: Callable[[], float] = time.monotonic,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.max_threads, self.min_threads = max_threads, max(1, min(min_threads, max_threads))
         self.window_s, self.max_wait_share = window_s, max_wait_share
-        self.probe_s, self.max_probe_s = probe_s, max_probe_s
+        self.probe_s, self.max_probe_s, self.min_gain = probe_s, max_probe_s, min_gain
         self._read_delay, self._clock, self._set_threads = read_delay, clock, set_threads
         self.threads = max_threads
         self.changes: list[TeamChange] = []  # every change, for the worker's figures and the tests
@@ -72,6 +79,9 @@ class ThreadGovernor:
         self._probing = False  # the team just grew back by one: the next window says whether the core is free
         self._window_start: tuple[float, float] | None = None
         self._last_tick_s = 0.0
+        self._work = 0.0  # tokens computed in the open window
+        self._last_rate: float | None = None  # the last closed window's tokens per second (None: no work figures)
+        self._smaller_rate: float | None = None  # a waiting team kept for its speed: what the smaller team computed
 
     @property
     def is_active(self) -> bool:
@@ -81,8 +91,9 @@ class ThreadGovernor:
         """The next tick opens a fresh window (what ran in between, another team's work say, is not this team's)."""
         self._window_start = None
 
-    def tick(self) -> int:
-        """After a step: close the window when it is long enough and resize the team if it says so; -> threads.
+    def tick(self, work: float = 0.0) -> int:
+        """After a step that computed `work` tokens (0: not said): close the window when it is long enough and resize
+        the team if it says so; -> threads.
         NOTE: a tick long after the last (an idle worker) opens a fresh window: an idle stretch would dilute it."""
         now = self._clock()
         if self._window_start is None or now - self._last_tick_s > max(1.0, 4 * self.window_s):
@@ -90,6 +101,7 @@ class ThreadGovernor:
             self._begin(now)
             return self.threads
         self._last_tick_s = now
+        self._work += work
         started_s, delay_s = self._window_start
         if now - started_s < self.window_s:
             return self.threads
@@ -97,11 +109,22 @@ class ThreadGovernor:
         if delay is None:
             return self.threads
         share = (delay - delay_s) / (now - started_s)
+        rate = self._work / (now - started_s) if self._work > 0 else None
+        before, self._last_rate = self._last_rate, rate
         if share > self.max_wait_share and self.threads > self.min_threads:
-            if self._probing:  # NOTE: the probe found the host still busy: wait longer before the next
-                self._next_probe_s = min(2 * self._next_probe_s, self.max_probe_s)
-            self._resize(self.threads - 1, now, share)
-            self._probing, self._shrunk_at = False, now
+            if self._probing and _faster(rate, before, self.min_gain):
+                # NOTE: its threads waited, yet the larger team computed more (a quota between two core counts): keep
+                self._probing, self._smaller_rate = False, before
+                self._shrunk_at = None if self.threads == self.max_threads else now
+                self._next_probe_s = self.probe_s
+                self._log("kept", share, rate, before)
+            elif not self._probing and _faster(rate, self._smaller_rate, self.min_gain):
+                pass  # NOTE: still faster than the smaller team was, waits and all
+            else:
+                if self._probing:  # NOTE: the probe found the host still busy: wait longer before the next
+                    self._next_probe_s = min(2 * self._next_probe_s, self.max_probe_s)
+                self._resize(self.threads - 1, now, share)
+                self._probing, self._shrunk_at, self._smaller_rate = False, now, None
         elif self._probing:  # NOTE: the probe's window was quiet: the core is free again
             self._probing = False
             self._shrunk_at = None if self.threads == self.max_threads else now
@@ -109,15 +132,25 @@ class ThreadGovernor:
         elif self._shrunk_at is not None and now - self._shrunk_at >= self._next_probe_s:
             self._resize(self.threads + 1, now, share)
             self._probing = True
-        self._window_start = (now, delay)  # NOTE: the next window opens where this one closed
+        self._window_start, self._work = (now, delay), 0.0  # NOTE: the next window opens where this one closed
         return self.threads
 
     def _begin(self, now: float) -> None:
         delay = self._read_delay()
-        self._window_start = None if delay is None else (now, delay)
+        self._window_start, self._work = (None if delay is None else (now, delay)), 0.0
 
     def _resize(self, threads: int, now: float, share: float) -> None:
         self._set_threads(threads)
         self.threads = threads
         self.changes.append(TeamChange(now, threads, share))
         log.info("thread team: %d thread(s) (its threads waited %.0f%% of the time for a CPU)", threads, 100 * share)
+
+    def _log(self, what: str, share: float, rate: float | None, before: float | None) -> None:
+        log.info("thread team: %s %d thread(s): its threads waited %.0f%% of the time, but it computed %.0f tokens/s "
+                 "against the smaller team's %.0f", what, self.threads, 100 * share, rate or 0, before or 0)
+
+
+def _faster(rate: float | None, than: float | None, min_gain: float) -> bool:
+    """Whether a window computed at least min_gain more tokens per second than another (False where either is
+    unknown: the wait share alone decides then)."""
+    return rate is not None and than is not None and rate >= than * (1 + min_gain)

@@ -134,8 +134,8 @@ class ServingWorker:
             self._preempted(plan)
         plan, started = self._claim(plan)
         out = self.engine.runner.execute(plan)  # NOTE: read through the engine, which a test may wrap
-        if self.threads is not None:
-            self.meter.threads(self.threads.tick())
+        if self.threads is not None:  # NOTE: the tokens the step computed weigh a team kept for its speed (threads.py)
+            self.meter.threads(self.threads.tick(len(plan.decode) + sum(n for _, n in plan.chunks)))
         with self.held.lock:
             self.scheduler.update(plan)
         finished = [*out.finished, *self._publish(started, out, ended={c.request_id for c in out.finished})]

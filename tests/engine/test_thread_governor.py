@@ -17,16 +17,18 @@ from servelab.request import GenerationRequest, SamplingParams
 
 
 class Host:
-    """A fake clock and run-delay counter: each `run(s, wait_share)` advances both."""
+    """A fake clock and run-delay counter: each `run(s, wait_share)` advances both; with `speed` (tokens per second
+    by team size) each step says the tokens it computed."""
 
     def __init__(self) -> None:
         self.now, self.delay, self.sizes = 0.0, 0.0, []
 
-    def run(self, seconds: float, wait_share: float, governor: ThreadGovernor, step_s: float = 0.05) -> None:
+    def run(self, seconds: float, wait_share: float, governor: ThreadGovernor, step_s: float = 0.05,
+            speed: dict[int, float] | None = None) -> None:
         for _ in range(round(seconds / step_s)):
             self.now += step_s
             self.delay += step_s * wait_share
-            governor.tick()
+            governor.tick(speed[governor.threads] * step_s if speed else 0.0)
 
     def governor(self, threads: int = 2, **kwargs) -> ThreadGovernor:
         return ThreadGovernor(threads, read_delay=lambda: self.delay, clock=lambda: self.now,
@@ -52,6 +54,36 @@ def test_a_busy_host_shrinks_the_team_then_probes_less_and_less_often() -> None:
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] <= 20.0 + 2.0  # the cap, plus the probe's window
     assert [c.threads for c in governor.changes] == [1, 2] * (len(governor.changes) // 2) + [1] * (len(governor.changes) % 2)
+
+
+def test_under_a_quota_a_probe_that_waits_but_computes_more_keeps_its_thread() -> None:
+    """A CPU quota of 1.5 for 2 threads: both team sizes wait, and 2 threads compute x1.3 what 1 does (the bench's
+    figure): the probe keeps the second thread, and the team holds it while it stays that much faster."""
+    host = Host()
+    governor = host.governor(2, probe_s=5.0)
+    quota = {1: 100.0, 2: 130.0}
+    host.run(1.0, 0.45, governor, speed=quota)
+    assert governor.threads == 1  # the waits alone: shrunk, as before
+    host.run(8.0, 0.3, governor, speed=quota)  # the probe at 5 s waits too, but computes x1.3: kept
+    assert governor.threads == 2 and [c.threads for c in governor.changes] == [1, 2]
+    host.run(30.0, 0.45, governor, speed=quota)  # it stays: every window is faster than the smaller team was
+    assert governor.threads == 2 and len(governor.changes) == 2
+    host.run(1.0, 0.6, governor, speed={1: 100.0, 2: 60.0})  # a busy process beside: slower than 1 thread was
+    assert governor.threads == 1 and [c.threads for c in governor.changes] == [1, 2, 1]
+
+
+def test_a_probe_that_computes_less_or_barely_more_is_dropped_within_its_window() -> None:
+    """A busy process on one of two cores (2 threads at x0.49 of 1), then a host where the second thread gains less than
+    min_gain (x1.05): every probe is dropped one window after it began."""
+    for speed in ({1: 100.0, 2: 49.0}, {1: 100.0, 2: 105.0}):
+        host = Host()
+        governor = host.governor(2, probe_s=2.0, max_probe_s=4.0)
+        host.run(30.0, 0.5, governor, speed=speed)
+        changes = governor.changes
+        assert [c.threads for c in changes[:4]] == [1, 2, 1, 2]
+        for grew, after in zip(changes, changes[1:]):
+            if grew.threads == 2:
+                assert after.threads == 1 and after.at_s - grew.at_s <= governor.window_s + 0.06, (speed, changes)
 
 
 def test_the_team_grows_back_when_the_host_is_quiet_again() -> None:
