@@ -86,7 +86,7 @@ def rank(candidates: Sequence[RunSet], verdicts: Sequence[Verdict], limits: Limi
         if v.decision == "accept":
             accepted.append((v.candidate, _versus_baseline(v, metric)))
         else:
-            not_ranked.append((v.candidate, f"{v.decision}: {v.reason}"))
+            not_ranked.append((v.candidate, v.reason))  # NOTE: a reason opens with its decision ("rejected: ...")
     # NOTE: a figure with no value (nan) sorts last; ties keep the plan's order
     accepted.sort(key=lambda pair: _sort_key(pair[1].value, higher))
     num_pairs = len(accepted) * (len(accepted) - 1) // 2
