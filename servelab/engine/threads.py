@@ -19,8 +19,10 @@ Waiting is not always losing: under a CPU quota between two core counts (a conta
 larger team's threads wait too, yet it computes more than the smaller one. So where the worker says how much work each
 step did (tokens computed), a probe is also weighed by speed: a probe window that waited but computed at least
 `min_gain` more tokens per second than the window before it (the smaller team) keeps the thread, and the team keeps it
-while its windows stay that much faster than the smaller team was; a window that falls back below drops it. Without
-work figures (ticks with none) the wait share alone decides.
+while its windows stay that much faster than the smaller team was (a probe whose window did not wait sets the same
+mark: a quota's throttling comes in bursts); a window that falls back below drops it. The mark lasts `max_probe_s`,
+then a waiting window drops the thread and the next probe measures again: rates an hour apart (another load, other
+batches) are not compared. Without work figures (ticks with none) the wait share alone decides.
 Does not know models, requests or what a step does: the worker ticks it after each step.
 """
 
@@ -81,7 +83,8 @@ class ThreadGovernor:
         self._last_tick_s = 0.0
         self._work = 0.0  # tokens computed in the open window
         self._last_rate: float | None = None  # the last closed window's tokens per second (None: no work figures)
-        self._smaller_rate: float | None = None  # a waiting team kept for its speed: what the smaller team computed
+        self._smaller_rate: float | None = None  # since the team last grew: what the smaller team computed (tokens/s)
+        self._smaller_rate_at = 0.0  # when it was measured
 
     @property
     def is_active(self) -> bool:
@@ -114,11 +117,12 @@ class ThreadGovernor:
         if share > self.max_wait_share and self.threads > self.min_threads:
             if self._probing and _faster(rate, before, self.min_gain):
                 # NOTE: its threads waited, yet the larger team computed more (a quota between two core counts): keep
-                self._probing, self._smaller_rate = False, before
+                self._probing, self._smaller_rate, self._smaller_rate_at = False, before, now
                 self._shrunk_at = None if self.threads == self.max_threads else now
                 self._next_probe_s = self.probe_s
                 self._log("kept", share, rate, before)
-            elif not self._probing and _faster(rate, self._smaller_rate, self.min_gain):
+            elif not self._probing and now - self._smaller_rate_at < self.max_probe_s and \
+                    _faster(rate, self._smaller_rate, self.min_gain):
                 pass  # NOTE: still faster than the smaller team was, waits and all
             else:
                 if self._probing:  # NOTE: the probe found the host still busy: wait longer before the next
@@ -126,7 +130,7 @@ class ThreadGovernor:
                 self._resize(self.threads - 1, now, share)
                 self._probing, self._shrunk_at, self._smaller_rate = False, now, None
         elif self._probing:  # NOTE: the probe's window was quiet: the core is free again
-            self._probing = False
+            self._probing, self._smaller_rate, self._smaller_rate_at = False, before, now
             self._shrunk_at = None if self.threads == self.max_threads else now
             self._next_probe_s = self.probe_s
         elif self._shrunk_at is not None and now - self._shrunk_at >= self._next_probe_s:

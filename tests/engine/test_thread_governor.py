@@ -72,6 +72,24 @@ def test_under_a_quota_a_probe_that_waits_but_computes_more_keeps_its_thread() -
     assert governor.threads == 1 and [c.threads for c in governor.changes] == [1, 2, 1]
 
 
+def test_a_quiet_probe_marks_the_smaller_teams_speed_too_and_the_mark_expires() -> None:
+    """A quota's throttling comes in bursts: the probe's window may not wait at all, the next ones do. The team keeps
+    its thread while it stays faster than the smaller team was, for max_probe_s; then a waiting window drops it and the
+    next probe measures again (rates far apart in time are not compared)."""
+    host = Host()
+    governor = host.governor(2, probe_s=5.0, max_probe_s=20.0)
+    quota = {1: 100.0, 2: 130.0}
+    host.run(1.0, 0.45, governor, speed=quota)
+    host.run(4.5, 0.45, governor, speed=quota)
+    assert governor.threads == 1
+    host.run(0.6, 0.0, governor, speed=quota)  # the probe: its window did not wait
+    assert governor.threads == 2
+    host.run(15.0, 0.45, governor, speed=quota)  # waits, but x1.3 the smaller team: kept
+    assert [c.threads for c in governor.changes] == [1, 2]
+    host.run(12.0, 0.45, governor, speed=quota)  # the mark (20 s) expired: dropped, then a probe keeps it again
+    assert [c.threads for c in governor.changes] == [1, 2, 1, 2] and governor.threads == 2
+
+
 def test_a_probe_that_computes_less_or_barely_more_is_dropped_within_its_window() -> None:
     """A busy process on one of two cores (2 threads at x0.49 of 1), then a host where the second thread gains less than
     min_gain (x1.05): every probe is dropped one window after it began."""
