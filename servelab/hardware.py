@@ -54,15 +54,16 @@ def measure_bandwidth_gbs(device: torch.device, *, num_bytes: int = 256 << 20, r
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - started)
     return 2 * num_bytes / best / 1e9
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA stream); nothing on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -56,10 +56,17 @@ def device_reserve_bytes(total_bytes: int) -> int:
     return max(DEVICE_RESERVE_MIN_BYTES, int(total_bytes * DEVICE_RESERVE_FRACTION))
 
 
-def memory_pool_blocks(free_bytes: int, block_bytes: int, *, cap_bytes: int | None, reserve_bytes: int) -> int:
-    """The blocks of block_bytes that free_bytes holds once reserve_bytes are kept back, at most cap_bytes' worth
-    (max_kv_cache_mib); 0 where nothing is left (pool_blocks still keeps one lone request's)."""
+DEFAULT_GPU_MEMORY_SHARE = 0.9
+
+
+def memory_pool_blocks(free_bytes: int, block_bytes: int, *, cap_bytes: int | None, reserve_bytes: int,
+                       share_bytes: int | None = None) -> int:
+    """The blocks of block_bytes that free_bytes holds once reserve_bytes are kept back, at most share_bytes (what is
+    left of this process's share of the device) and cap_bytes' worth (max_kv_cache_mib); 0 where nothing is left
+    (pool_blocks still keeps one lone request's)."""
     room = max(free_bytes - reserve_bytes, 0)
+    if share_bytes is not None:
+        room = max(min(room, share_bytes), 0)
     if cap_bytes is not None:
         room = min(room, cap_bytes)
     return room // block_bytes

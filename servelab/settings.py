@@ -27,6 +27,9 @@ class Settings(BaseSettings):
         "cores `servelab up` keeps for the stack's own processes (api, jobs-worker, beat) when it splits the cores "
         "between gpu-workers; None: 1 where the workers leave one spare (measured on a 2-core host: the served "
         "worker on 1 core beside them beat 2 threads on both), 0: the workers take every core"))
+    gpu_memory_share: float = Field(default=0.9, gt=0, le=1, description=(
+        "the share of a GPU's memory this process may hold (weights, KV pool, working memory), as vLLM's "
+        "gpu_memory_utilization: processes sharing one GPU must split it (0.45 each for two)"))
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: the config's, else every "
                                     "core this process may run on (available_cores)")
     huge_pages: bool = Field(default=True, description="CPU: the weights a decode step reads on transparent huge pages")

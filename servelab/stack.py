@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
-from servelab.cores import CoreSplitError, split_cores
+from servelab.cores import CoreSplitError, format_cores, split_cores
 from servelab.embedded import EmbeddedServer, recorded_servers
 from servelab.queue.streams import stream_depths
 from servelab.settings import Settings
@@ -119,6 +119,13 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
                                                    sorted(set(os.sched_getaffinity(0)) - held), settings.stack_cores)
     except CoreSplitError as exc:
         raise StackError(str(exc)) from None
+    # NOTE: stack processes still running keep the cores they were pinned to: a new worker must not land on them
+    stack_held = {c for n in kept if not n.startswith("gpu-worker") for c in (recorded[n].cpus or ())}
+    crowded = sorted({c for n in starting for c in cores.get(n, ())} & stack_held)
+    if crowded:
+        raise StackError(f"the stack's own processes run pinned to core(s) {format_cores(crowded)}, which a gpu-worker "
+                         f"to start ({', '.join(starting)}) would share: `servelab down`, then `servelab up` with "
+                         "every config to split the cores again, or --share-cores")
     changes = []
     for name in names:
         old = recorded.get(name)
@@ -129,7 +136,10 @@ def start_stack(settings: Settings, *, env: dict[str, str], config_paths: list[P
         if not args:
             continue  # NOTE: a dead process recorded without its command (an older record): nothing to start
         health_url = f"http://127.0.0.1:{api_port}/healthz" if name == "api" else None
-        changes.append(StackChange(_spawn(name, args, env, logs, health_url, cores.get(name)),
+        # NOTE: a stack process started again where no worker starts goes back to the cores it was pinned to
+        cpus = cores.get(name) or (old.cpus if old is not None and not name.startswith("gpu-worker")
+                                   and not share_cores else None)
+        changes.append(StackChange(_spawn(name, args, env, logs, health_url, cpus),
                                    "restarted" if old else "started", old))
     _write_stack(settings, [c.process for c in changes])
     api = next((c for c in changes if c.process.name == "api"), None)

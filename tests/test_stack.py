@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from servelab.cli import app
 from servelab.settings import Settings
 from servelab.cores import CoreSplitError, format_cores, split_cores, worker_cores
-from servelab.stack import StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
+from servelab.stack import StackError, StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
 
 NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
@@ -153,6 +153,28 @@ def test_a_recorded_pid_that_another_process_now_has_is_never_signalled(tmp_path
         if stranger.poll() is None:
             stranger.kill()
             stranger.wait()
+
+
+def test_a_new_gpu_worker_never_lands_on_the_cores_the_running_stack_is_pinned_to(tmp_path: Path) -> None:
+    """The api, jobs-worker and beat run pinned to core 0 (sleepers recorded as them); a worker to start with no core
+    kept spare (SERVELAB_STACK_CORES=0) would share it: refused, naming the way out, before anything starts."""
+    cores = sorted(os.sched_getaffinity(0))
+    settings = Settings(state_dir=tmp_path / "state", stack_cores=0)
+    settings.state_dir.mkdir()
+    sleepers = [_sleeper() for _ in range(3)]
+    try:
+        _write_stack(settings, [StackProcess(name, p.pid, f"{name}.log", ("-m", "x"), _start_ticks(p.pid), None,
+                                             (cores[0],)) for name, p in zip(("api", "jobs-worker", "beat"), sleepers)])
+        config = tmp_path / "w.yaml"
+        config.write_text("name: w\nmodel: bundled:smollm2-135m-instruct\ndevice: cpu\n")
+        with pytest.raises(StackError, match=rf"pinned to core\(s\) {cores[0]}, which a gpu-worker to start "
+                                             r"\(gpu-worker-w\) would share: `servelab down`"):
+            start_stack(settings, env={}, config_paths=[config], api_port=free_port())
+        assert [p.name for p in read_stack(settings)] == ["api", "jobs-worker", "beat"]  # nothing started
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
 
 
 def test_status_with_nothing_running_exits_1_and_starts_nothing(tmp_path: Path) -> None:

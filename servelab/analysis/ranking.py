@@ -101,6 +101,11 @@ def rank(candidates: Sequence[RunSet], verdicts: Sequence[Verdict], limits: Limi
 
 
 def _versus_baseline(verdict: Verdict, metric: str) -> Estimate:
+    """The gain criterion's estimate where the figure is a goal (its interval at the criteria's level, a sequential
+    comparison's included), else the figures table's (95 %)."""
+    goal = next((c for c in verdict.criteria if c.kind == "gain" and c.name == metric), None)
+    if goal is not None:
+        return goal.measured
     figure = next((f for f in verdict.figures if f.name == metric), None)
     return figure.ratio if figure is not None and figure.ratio is not None else Estimate(float("nan"))
 

@@ -32,7 +32,7 @@ from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kerne
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.runner import PagedRunner, Runner
 from servelab.engine.sampling import kernel_argmax
-from servelab.memory import MemoryBreakdown, device_reserve_bytes, memory_pool_blocks
+from servelab.memory import DEFAULT_GPU_MEMORY_SHARE, MemoryBreakdown, device_reserve_bytes, memory_pool_blocks
 from servelab.outputs import BatchResult, BatchTimings, Completion, StepOutput, failed
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
@@ -107,8 +107,9 @@ class Engine:
         self.kv_pool_blocks = 0  # the paged pool's blocks (0: not paged): pool_blocks
         if own:
             block_size = config.kv_cache.block_size
-            self.kv_pool_blocks = pool_blocks(config, self.decoder.kv_bytes_per_block(block_size), block_size,
-                                              device_memory=device_memory(self.device))
+            self.kv_pool_blocks = pool_blocks(
+                config, self.decoder.kv_bytes_per_block(block_size), block_size, device_memory=device_memory(self.device),
+                memory_share=settings.gpu_memory_share if settings is not None else DEFAULT_GPU_MEMORY_SHARE)
             self.runner = PagedRunner(self.decoder, self.decodings, block_size=block_size,
                                       num_blocks=self.kv_pool_blocks, **figures)
         else:
@@ -302,18 +303,25 @@ class Engine:
 
 
 def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int, *,
-                device_memory: tuple[int, int] | None = None) -> int:
+                device_memory: tuple[int, int, int] | None = None,
+                memory_share: float = DEFAULT_GPU_MEMORY_SHARE) -> int:
     """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; on a GPU (device_memory: its
-    free and total bytes once the weights are on it) what its free memory holds less a reserve, capped by
-    max_kv_cache_mib (`memory_pool_blocks`); never fewer than one request of max_context_tokens needs (a lone request
-    is always served)."""
+    free and total bytes and this process's own, once the weights are on it) what its free memory holds less a
+    reserve, within this process's share of the device (memory_share of its total, less what it holds already) and
+    capped by max_kv_cache_mib (`memory_pool_blocks`); never fewer than one request of max_context_tokens needs (a lone
+    request is always served).
+
+    NOTE: processes that share one GPU (several gpu-workers, a plan's baseline and candidates at once) must split it
+    with SERVELAB_GPU_MEMORY_SHARE: each sizes its pool from its share, so two starting at once cannot both take the
+    free memory; the lab and `servelab up` do not set it for them yet."""
     batching = config.batching
     cap = batching.max_kv_cache_mib * 2**20 if batching.max_kv_cache_mib is not None else None
     if device_memory is not None:
         # NOTE: max_batch_tokens does not size a GPU's pool (its default, 16,384 tokens, is a CPU's figure): the memory
         # left after the weights does, as vLLM's gpu_memory_utilization does
-        free, total = device_memory
-        blocks = memory_pool_blocks(free, block_bytes, cap_bytes=cap, reserve_bytes=device_reserve_bytes(total))
+        free, total, own = device_memory
+        blocks = memory_pool_blocks(free, block_bytes, cap_bytes=cap, reserve_bytes=device_reserve_bytes(total),
+                                    share_bytes=int(memory_share * total) - own)
     else:
         blocks = -(-batching.max_batch_tokens // block_size)
         if cap is not None:
@@ -324,14 +332,14 @@ def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int, *,
     return max(blocks, lone)
 
 
-def device_memory(device: torch.device) -> tuple[int, int] | None:
-    """(free, total) bytes of a CUDA device, what torch's allocator caches unused counted free; None elsewhere (a CPU's
-    pool is sized by the config alone)."""
+def device_memory(device: torch.device) -> tuple[int, int, int] | None:
+    """(free, total, this process's) bytes of a CUDA device, what torch's allocator caches unused counted free; None
+    elsewhere (a CPU's pool is sized by the config alone)."""
     if device.type != "cuda":
         return None
     torch.cuda.empty_cache()  # NOTE: blocks the allocator caches are free to the pool, but mem_get_info counts them used
     free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
+    return int(free), int(total), int(torch.cuda.memory_reserved(device))
 
 
 def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:

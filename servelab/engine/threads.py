@@ -95,7 +95,7 @@ class ThreadGovernor:
         self._window_start = None
 
     def tick(self, work: float = 0.0) -> int:
-        """After a step that computed `work` tokens (0: not said): close the window when it is long enough and resize
+        """After a step that decoded `work` tokens (0: not said): close the window when it is long enough and resize
         the team if it says so; -> threads.
         NOTE: a tick long after the last (an idle worker) opens a fresh window: an idle stretch would dilute it."""
         now = self._clock()
@@ -140,8 +140,11 @@ class ThreadGovernor:
         return self.threads
 
     def _begin(self, now: float) -> None:
+        """A fresh window after an idle stretch or a restart: the rates measured before it are another load's (other
+        rows, other batches) and are not compared with the windows after it."""
         delay = self._read_delay()
         self._window_start, self._work = (None if delay is None else (now, delay)), 0.0
+        self._last_rate = self._smaller_rate = None
 
     def _resize(self, threads: int, now: float, share: float) -> None:
         self._set_threads(threads)

@@ -38,7 +38,7 @@ from servelab.engine.loader import DTYPES
 from servelab.lab.check_model import reference_greedy
 from servelab.lab.gpu_models import (SHAPES, LlamaShape, dense_twin, dequantised_reference, loaded_model, random_llama,
                                      write_awq_checkpoint)
-from servelab.hardware import measure_bandwidth_gbs
+from servelab.hardware import measure_bandwidth_gbs, sync
 from servelab.memory import device_reserve_bytes
 from servelab.outputs import Completion
 from servelab.request import GenerationRequest, SamplingParams
@@ -368,11 +368,6 @@ def check_chunks(engine: Engine, model, sizes: Sizes, rng: random.Random, tolera
 
 
 # --- speed ---
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()

@@ -104,10 +104,13 @@ def run_round(plan: Plan, runtime: Runtime, rounds: Rounds, workers: dict[str, W
               progress, *, left_out: frozenset[str] = frozenset()) -> None:
     """One more round: every config once (but those left out: candidates rejected earlier), in the round's order,
     each on a fresh worker unless `workers` are kept."""
+    every = [config.name for config, _ in (plan.baseline, *plan.candidates)]
     configs = [c for c in (plan.baseline, *plan.candidates) if c[0].name not in left_out]
     by_name = {config.name: config for config, _ in configs}
     repeat = len(rounds.orders)
-    rounds.orders.append(round_order(list(by_name), repeat, seed=plan.spec.seed))
+    # NOTE: the order is drawn over every config, then those left out are taken from it: a block of two rounds keeps
+    # its reversal when a candidate drops out between them
+    rounds.orders.append([n for n in round_order(every, repeat, seed=plan.spec.seed) if n not in left_out])
     with ExitStack() as fresh:
         if plan.spec.fresh_workers:
             workers = start_workers(fresh, configs, runtime, plan.workload, progress)

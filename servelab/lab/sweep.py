@@ -17,7 +17,7 @@ import torch
 from servelab.engine.engine import Engine
 from servelab.engine.loader import DTYPES
 from servelab.lab.bench import bench_requests
-from servelab.hardware import measure_bandwidth_gbs
+from servelab.hardware import measure_bandwidth_gbs, sync
 from servelab.analysis.stats import interleaved_medians
 from servelab.analysis.roofline import (
     DecodeCost,
@@ -44,10 +44,10 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, *, size: int | 
     b = torch.randn(n, n, device=device).to(dtype)
     best = float("inf")
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         torch.nn.functional.linear(a, b)
-        _sync(device)
+        sync(device)
         if i:  # the first call pays for lazy initialisation
             best = min(best, time.perf_counter() - started)
     return 2 * n**3 / best
@@ -182,8 +182,3 @@ def _check_sweep(engines: list[Engine], num_new_tokens: int) -> None:
     if num_new_tokens < 2:
         raise ValueError(
             f"num_new_tokens must be at least 2 (one prefill token, then decode steps), got {num_new_tokens}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

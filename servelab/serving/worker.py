@@ -134,8 +134,10 @@ class ServingWorker:
             self._preempted(plan)
         plan, started = self._claim(plan)
         out = self.engine.runner.execute(plan)  # NOTE: read through the engine, which a test may wrap
-        if self.threads is not None:  # NOTE: the tokens the step computed weigh a team kept for its speed (threads.py)
-            self.meter.threads(self.threads.tick(len(plan.decode) + sum(n for _, n in plan.chunks)))
+        if self.threads is not None:
+            # NOTE: the decode rows' tokens weigh a team kept for its speed (threads.py); a prompt chunk's tokens cost
+            # far less each and would make its window look faster
+            self.meter.threads(self.threads.tick(len(plan.decode)))
         with self.held.lock:
             self.scheduler.update(plan)
         finished = [*out.finished, *self._publish(started, out, ended={c.request_id for c in out.finished})]

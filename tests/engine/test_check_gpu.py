@@ -109,10 +109,15 @@ def test_a_gpus_pool_is_its_free_memory_less_the_reserve_capped_by_max_kv_cache_
 
     config = make_config("tiny", decoding={"max_new_tokens": 64, "max_context_tokens": 4096})
     # on a GPU max_batch_tokens (16,384 by default) does not size the pool; nothing left still keeps one lone request
-    assert pool_blocks(config, block, 16, device_memory=(70 * GiB, 80 * GiB)) == 62 * GiB // block
-    assert pool_blocks(config, block, 16, device_memory=(GiB, 80 * GiB)) == 4096 // 16
+    assert pool_blocks(config, block, 16, device_memory=(70 * GiB, 80 * GiB, 10 * GiB)) == 62 * GiB // block
+    assert pool_blocks(config, block, 16, device_memory=(GiB, 80 * GiB, 10 * GiB)) == 4096 // 16
     capped = make_config("tiny", batching={"max_kv_cache_mib": 512})
-    assert pool_blocks(capped, block, 16, device_memory=(70 * GiB, 80 * GiB)) == 512 * 2**20 // block
+    assert pool_blocks(capped, block, 16, device_memory=(70 * GiB, 80 * GiB, 10 * GiB)) == 512 * 2**20 // block
+    # two processes sharing the GPU, 0.45 each: the second to size its pool (the first's weights already on it, its
+    # pool not yet) takes its share less its own weights, not the free memory the first will soon fill
+    shared = pool_blocks(config, block, 16, device_memory=(60 * GiB, 80 * GiB, 10 * GiB), memory_share=0.45)
+    assert shared == (36 * GiB - 10 * GiB) // block
+    assert memory_pool_blocks(GiB, block, cap_bytes=None, reserve_bytes=0, share_bytes=-GiB) == 0
     # a CPU's pool is the config's, as before
     assert pool_blocks(config, block, 16) == 16_384 // 16
     assert engine_module.device_memory(torch.device("cpu")) is None

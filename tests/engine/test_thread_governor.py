@@ -175,3 +175,17 @@ def test_a_served_team_with_one_core_taken_shrinks_and_stops_waiting_for_it(bund
         engine.cancel(engine.live_request_ids)
         torch.set_num_threads(before_threads)
         os.sched_setaffinity(0, before_affinity)
+
+
+def test_rates_from_before_an_idle_stretch_or_a_restart_are_not_compared() -> None:
+    """A probe that starts as one batch ends and runs in the next (the bench's batch of 1, then a batch of 16) is not
+    weighed against the other batch's rate: with nothing to compare, the wait share decides and the waiting probe is
+    dropped (against the batch of 1's rate it would look x5 faster and be kept)."""
+    host = Host()
+    governor = host.governor(2, probe_s=2.0)
+    host.run(1.0, 0.45, governor, speed={1: 20.0, 2: 20.0})  # a batch of 1 on a busy host: shrunk
+    while len(governor.changes) < 2:  # on until the probe begins
+        host.run(0.05, 0.45, governor, speed={1: 20.0, 2: 20.0})
+    governor.restart()
+    host.run(1.2, 0.45, governor, speed={1: 100.0, 2: 100.0})  # a batch of 16: the probe's window, then more
+    assert [c.threads for c in governor.changes] == [1, 2, 1]
