@@ -237,18 +237,19 @@ def test_a_comparison_run_until_settled_shows_how_each_interval_narrowed(open_ap
         engine.dispose()
 
 
-def test_several_candidates_are_ranked_with_each_pair_told_apart_or_not() -> None:
-    """The compare page's ranking section on hand-made run sets (tests/analysis/test_ranking.py's)."""
-    def page() -> None:
-        from dashboard.pages.compare import show_ranking
-        from servelab.analysis.verdict import compare
-        from tests.analysis.test_ranking import candidates
-        from tests.analysis.test_verdict import BASE, LIMITS
-
-        sets = candidates()
-        show_ranking(sets, [compare(BASE, c, LIMITS) for c in sets], LIMITS, None)
-
-    at = AppTest.from_function(page, default_timeout=60).run()
+def test_several_candidates_are_ranked_with_each_pair_told_apart_or_not(tmp_path) -> None:
+    """The compare page's ranking section on hand-made run sets (tests/analysis/test_ranking.py's), as a script of its
+    own. NOTE: not AppTest.from_function: it leaves this process's __main__ such that later subprocesses (the bench's
+    relay, the fault tests' forked workers) fail to start."""
+    script = tmp_path / "ranking_page.py"
+    script.write_text(
+        "from dashboard.pages.compare import show_ranking\n"
+        "from servelab.analysis.verdict import compare\n"
+        "from tests.analysis.test_ranking import candidates\n"
+        "from tests.analysis.test_verdict import BASE, LIMITS\n"
+        "sets = candidates()\n"
+        "show_ranking(sets, [compare(BASE, c, LIMITS) for c in sets], LIMITS, None)\n")
+    at = AppTest.from_file(str(script), default_timeout=60).run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.success[0].value.startswith("best: fast")
     ranked, pairs = (d.value for d in at.dataframe)
