@@ -23,6 +23,12 @@ while its windows stay that much faster than the smaller team was (a probe whose
 mark: a quota's throttling comes in bursts); a window that falls back below drops it. The mark lasts `max_probe_s`,
 then a waiting window drops the thread and the next probe measures again: rates an hour apart (another load, other
 batches) are not compared. Without work figures (ticks with none) the wait share alone decides.
+
+A quota's waits are also told apart at their source: while the cgroup that limits this process is throttled (its
+cpu.stat's throttled time, cgroup v2 or v1), every thread of the team waits at once, and a barrier waits for no one;
+that time times the team's size is taken out of the run delay before it is compared with `max_wait_share`, so a team
+within its quota is not shrunk for the quota's pauses (the default team is already no larger than the quota rounded
+up: settings.available_cores).
 Does not know models, requests or what a step does: the worker ticks it after each step.
 """
 
@@ -32,6 +38,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,6 +65,62 @@ def process_run_delay_s() -> float | None:
     return total / 1e9 if found else None
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_throttled_s(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> float | None:
+    """Seconds the nearest cgroup with a CPU quota above this process (its own or an ancestor) has been throttled
+    since it was made; None where none limits it or the kernel does not say. Resolved at each call: a process may be
+    moved to another cgroup (the busy-host bench does)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "" and (root / "cgroup.controllers").is_file():  # NOTE: v2 (unified)
+            base, limited, stat_key, unit = root, _v2_limited, "throttled_usec", 1e6
+        elif "cpu" in controllers.split(","):
+            base, limited, stat_key, unit = root / controllers, _v1_limited, "throttled_time", 1e9
+        else:
+            continue
+        group = base / path.lstrip("/")
+        for folder in (group, *group.parents):
+            if not folder.is_relative_to(base):
+                break
+            if limited(folder):
+                return _stat_value(folder / "cpu.stat", stat_key, unit)
+    return None
+
+
+def _v2_limited(folder: Path) -> bool:
+    try:
+        return (folder / "cpu.max").read_text().split()[0] != "max"
+    except (OSError, IndexError):
+        return False
+
+
+def _v1_limited(folder: Path) -> bool:
+    try:
+        return int((folder / "cpu.cfs_quota_us").read_text()) > 0
+    except (OSError, ValueError):
+        return False
+
+
+def _stat_value(path: Path, key: str, unit: float) -> float | None:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value) / unit
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class TeamChange:
     at_s: float
@@ -69,11 +132,14 @@ class ThreadGovernor:
     def __init__(self, max_threads: int, *, min_threads: int = 1, window_s: float = 0.5, max_wait_share: float = 0.2,
                  probe_s: float = 5.0, max_probe_s: float = 60.0, min_gain: float = 0.1,
                  read_delay: Callable[[], float | None] = process_run_delay_s, clock: Callable[[], float] = time.monotonic,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 read_throttled: Callable[[], float | None] = cgroup_throttled_s) -> None:
         self.max_threads, self.min_threads = max_threads, max(1, min(min_threads, max_threads))
         self.window_s, self.max_wait_share = window_s, max_wait_share
         self.probe_s, self.max_probe_s, self.min_gain = probe_s, max_probe_s, min_gain
         self._read_delay, self._clock, self._set_threads = read_delay, clock, set_threads
+        self._read_throttled = read_throttled
+        self._throttled_at: float | None = None  # the cgroup's throttled seconds when the window opened
         self.threads = max_threads
         self.changes: list[TeamChange] = []  # every change, for the worker's figures and the tests
         self._next_probe_s = probe_s
@@ -111,7 +177,7 @@ class ThreadGovernor:
         delay = self._read_delay()
         if delay is None:
             return self.threads
-        share = (delay - delay_s) / (now - started_s)
+        share = max(0.0, (delay - delay_s) - self.threads * self._throttled_since()) / (now - started_s)
         rate = self._work / (now - started_s) if self._work > 0 else None
         before, self._last_rate = self._last_rate, rate
         if share > self.max_wait_share and self.threads > self.min_threads:
@@ -139,11 +205,18 @@ class ThreadGovernor:
         self._window_start, self._work = (now, delay), 0.0  # NOTE: the next window opens where this one closed
         return self.threads
 
+    def _throttled_since(self) -> float:
+        """Seconds the quota held the whole team since the window opened (0 where no quota limits it); opens the
+        next window's count."""
+        before, self._throttled_at = self._throttled_at, self._read_throttled()
+        return 0.0 if before is None or self._throttled_at is None else max(0.0, self._throttled_at - before)
+
     def _begin(self, now: float) -> None:
         """A fresh window after an idle stretch or a restart: the rates measured before it are another load's (other
         rows, other batches) and are not compared with the windows after it."""
         delay = self._read_delay()
         self._window_start, self._work = (None if delay is None else (now, delay)), 0.0
+        self._throttled_at = self._read_throttled()
         self._last_rate = self._smaller_rate = None
 
     def _resize(self, threads: int, now: float, share: float) -> None:

@@ -20,19 +20,23 @@ class Host:
     """A fake clock and run-delay counter: each `run(s, wait_share)` advances both; with `speed` (tokens per second
     by team size) each step says the tokens it computed."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, quota: bool = False) -> None:
         self.now, self.delay, self.sizes = 0.0, 0.0, []
+        self.throttled: float | None = 0.0 if quota else None  # the limiting cgroup's throttled seconds (None: none)
 
     def run(self, seconds: float, wait_share: float, governor: ThreadGovernor, step_s: float = 0.05,
-            speed: dict[int, float] | None = None) -> None:
+            speed: dict[int, float] | None = None, throttled_share: float = 0.0) -> None:
+        """throttled_share: the part of the wall time the quota held the whole team (each of its threads waits it)."""
         for _ in range(round(seconds / step_s)):
             self.now += step_s
-            self.delay += step_s * wait_share
+            self.delay += step_s * (wait_share + throttled_share * governor.threads)
+            if self.throttled is not None:
+                self.throttled += step_s * throttled_share
             governor.tick(speed[governor.threads] * step_s if speed else 0.0)
 
     def governor(self, threads: int = 2, **kwargs) -> ThreadGovernor:
         return ThreadGovernor(threads, read_delay=lambda: self.delay, clock=lambda: self.now,
-                              set_threads=self.sizes.append, **kwargs)
+                              set_threads=self.sizes.append, read_throttled=lambda: self.throttled, **kwargs)
 
 
 def test_a_quiet_host_keeps_every_thread() -> None:
@@ -111,6 +115,48 @@ def test_the_team_grows_back_when_the_host_is_quiet_again() -> None:
     assert governor.threads == 1  # one thread a window while the host stays busy
     host.run(10.0, 0.01, governor)
     assert governor.threads == 3 and [c.threads for c in governor.changes] == [2, 1, 2, 3]
+
+
+def test_a_quotas_pauses_are_not_a_taken_core_but_a_busy_core_under_a_quota_still_is() -> None:
+    """A quota of 1.5 CPUs for 2 threads holds the whole team a quarter of the time (run delay 2 x 0.25 = 0.5 a
+    second): told by the cgroup's throttled time, the team keeps both threads; the same delays with no quota in
+    sight shrink it; and a busy core on top of the quota's pauses still does."""
+    quota = Host(quota=True)
+    governor = quota.governor(2)
+    quota.run(30.0, 0.0, governor, throttled_share=0.25)
+    assert governor.threads == 2 and quota.sizes == []
+    quota.run(2.0, 0.5, governor, throttled_share=0.25)  # a busy process takes a core as well
+    assert governor.threads == 1
+    unseen = Host()  # no cgroup to ask: the same waits read as a taken core
+    governor = unseen.governor(2)
+    unseen.run(2.0, 0.0, governor, throttled_share=0.25)
+    assert governor.threads == 1
+
+
+def test_the_throttled_time_is_read_from_the_nearest_cgroup_with_a_quota(tmp_path) -> None:
+    """cgroup v2: the process's own folder has no limit, its parent's cpu.max does (its cpu.stat is read); v1: the cpu
+    controller's folder with cfs_quota_us; none limited: None."""
+    from servelab.engine.threads import cgroup_throttled_s
+
+    v2 = tmp_path / "v2"
+    (v2 / "pod" / "worker").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpuset cpu memory\n")
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "cpu.max").write_text("150000 100000\n")
+    (v2 / "pod" / "cpu.stat").write_text("usage_usec 9\nnr_throttled 4\nthrottled_usec 2500000\n")
+    (v2 / "pod" / "worker" / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "worker" / "cpu.stat").write_text("throttled_usec 0\n")
+    own = tmp_path / "cgroup"
+    own.write_text("0::/pod/worker\n")
+    assert cgroup_throttled_s(own, v2) == 2.5
+    (v2 / "pod" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_throttled_s(own, v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "job").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "job" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu,cpuacct" / "job" / "cpu.stat").write_text("nr_periods 10\nnr_throttled 3\nthrottled_time 750000000\n")
+    own.write_text("4:memory:/job\n3:cpu,cpuacct:/job\n0::/\n")
+    assert cgroup_throttled_s(own, v1) == 0.75
 
 
 def test_without_schedstat_the_team_is_left_alone() -> None:
