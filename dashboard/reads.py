@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.embedded import resolve_urls
-from servelab.analysis.verdict import ComparisonRefused, Limits, RunSet, Verdict, compare
+from servelab.analysis.verdict import ComparisonRefused, Levels, Limits, RunSet, Verdict, compare
 from servelab.settings import Settings
 from servelab.lab import runsets
 from servelab.queue import streams
@@ -86,11 +86,20 @@ def verdict(baseline: tuple[str, ...], candidate: tuple[str, ...], limits_json: 
     limits = Limits.model_validate_json(limits_json)
     # NOTE: runs pair by round only when one stored comparison measured them together; groups of runs picked
     # here may come from several plans, whose round numbers say nothing about when the runs ran
-    together = stored_limits(baseline, candidate).source != "defaults"
+    stored = stored_limits(baseline, candidate)
+    together = stored.source != "defaults"
     try:
-        return compare(run_set(baseline), run_set(candidate), limits, paired_rounds=together)
+        return compare(run_set(baseline), run_set(candidate), limits, paired_rounds=together,
+                       levels=stored_levels(stored))
     except ComparisonRefused as exc:
         return str(exc)
+
+
+def stored_levels(stored: runsets.StoredLimits) -> Levels:
+    """The levels a stored comparison read its intervals at: a comparison run until settled spends its 5 % over its
+    looks (each read at 99.x %); the dashboard reads its runs at the same level, never at a fixed 95 %."""
+    recorded = (stored.sequential or {}).get("levels")
+    return Levels(**recorded) if recorded else Levels()
 
 
 def limits_json(limits: Limits) -> str:

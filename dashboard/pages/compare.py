@@ -19,10 +19,10 @@ import streamlit as st
 from dashboard import charts, hints, reads
 from servelab.analysis.metrics import latency_values
 from servelab.analysis.ranking import rank
-from servelab.analysis.stats import Estimate, mean_interval
+from servelab.analysis.stats import LEVEL, Estimate, mean_interval
 from servelab.analysis.report import NO_PRICE, is_priced, limit_rows
-from servelab.analysis.verdict import (COST_METRICS, GAIN_METRICS, THROUGHPUT_METRICS, GainGoal, LatencyLimit, Limits,
-                                      RunSet, Verdict)
+from servelab.analysis.verdict import (COST_METRICS, GAIN_METRICS, THROUGHPUT_METRICS, GainGoal, LatencyLimit, Levels,
+                                      Limits, RunSet, Verdict)
 from servelab.store.queries import RunListing
 
 GroupKey = tuple[str, str, str]  # (workload fingerprint, config name, config hash): the repeats of one config
@@ -112,7 +112,7 @@ DECISIONS = {"accept": (":material/check_circle:", st.success), "reject": (":mat
 OUTCOMES = {"pass": "pass", "fail": "FAIL", "unsure": "unsure"}
 
 
-def show_verdict(v: Verdict) -> None:
+def show_verdict(v: Verdict, levels: Levels = Levels()) -> None:
     icon, box = DECISIONS[v.decision]
     st.subheader(f"{icon} {v.decision.upper()}: {v.candidate} against {v.baseline}")
     box(v.reason)
@@ -122,11 +122,15 @@ def show_verdict(v: Verdict) -> None:
         st.warning(warning, icon=":material/warning:")
     st.dataframe(pd.DataFrame([{
         "result": OUTCOMES[c.outcome], "criterion": f"{c.kind}: {c.name}",
-        "measured": _fmt_measured(c.name, c.kind, c.measured.value), "95 % interval": _interval(c.measured),
+        "measured": _fmt_measured(c.name, c.kind, c.measured.value), "interval": _interval(c.measured),
         "limit": c.limit, "note": c.note} for c in v.criteria]), hide_index=True, width="stretch")
-    st.caption("A criterion passes when its limit holds at the unfavourable end of its 95 % interval, fails when "
+    st.caption("A criterion passes when its limit holds at the unfavourable end of its interval, fails when "
                "the limit fails even at the favourable end, and is unsure otherwise. Serving figures are per run, "
-               "paired by round, with a t interval over the runs.")
+               "paired by round, with a t interval over the runs. "
+               + ("Intervals are 95 %." if levels.is_fixed else
+                  "The runs were compared until settled: each interval is read at the level its looks spend 5 % "
+                  f"over (the runs' {100 * levels.runs:.2f} %, the passages' {100 * levels.passages:.2f} %), "
+                  "as the comparison read them, never at a fixed 95 % after looking several times."))
     st.caption(" · ".join(f"runs of {check}" for check in v.repeat_checks))
     with st.expander("every figure: baseline, candidate, ratio and its 95 % interval"):
         st.dataframe(pd.DataFrame([_figure_row(f) for f in v.figures]), hide_index=True, width="stretch")
@@ -134,9 +138,11 @@ def show_verdict(v: Verdict) -> None:
             st.caption(f"Cost: {NO_PRICE}.")
 
 
-def show_ranking(sets: list[RunSet], verdicts: list[Verdict], limits: Limits, rank_by: str | None) -> None:
-    """Several candidates: those that meet every limit, best first by the plan's figure, each pair's interval."""
-    ranking = rank(sets, verdicts, limits, rank_by=rank_by)
+def show_ranking(sets: list[RunSet], verdicts: list[Verdict], limits: Limits, rank_by: str | None,
+                 level: float = LEVEL) -> None:
+    """Several candidates: those that meet every limit, best first by the plan's figure, each pair's interval;
+    `level`: the serving criteria's (95 %, or a comparison's run until settled)."""
+    ranking = rank(sets, verdicts, limits, rank_by=rank_by, level=level)
     st.header("Ranking")
     (st.success if ranking.ranked else st.warning)(ranking.summary)
     rows = [{"place": i, "candidate": r.name, f"{ranking.metric} against the baseline":
@@ -147,8 +153,8 @@ def show_ranking(sets: list[RunSet], verdicts: list[Verdict], limits: Limits, ra
         st.dataframe(pd.DataFrame([{"pair": f"{p.better} / {p.worse}", "ratio": _ratio_text(p.ratio),
                                     "told apart": "yes" if p.told_apart else "no: the interval holds x1"}
                                    for p in ranking.pairs]), hide_index=True, width="stretch")
-        st.caption(f"Each pair compared directly, paired by round, at {100 * ranking.level:.2f} % (95 % shared "
-                   f"over the {len(ranking.pairs)} pairs); {'higher' if ranking.higher_is_better else 'lower'} "
+        st.caption(f"Each pair compared directly, paired by round, at {100 * ranking.level:.2f} % "
+                   f"({100 * level:.2f} % shared over the {len(ranking.pairs)} pairs); {'higher' if ranking.higher_is_better else 'lower'} "
                    f"{ranking.metric} ranks first.")
     for name, why in ranking.not_ranked:
         st.caption(f"Not ranked: {name} ({why})")
@@ -330,6 +336,8 @@ def main() -> None:
             hints.one_run(base_key[1], groups[base_key][0].workload_name)
         return
     limits = sidebar_limits(base_ids, [i for _, ids in candidates for i in ids])
+    stored = reads.stored_limits(tuple(base_ids), tuple(i for _, ids in candidates for i in ids))
+    levels = reads.stored_levels(stored)
     st.header("Verdict")
     verdicts: list[Verdict] = []
     for _, ids in candidates:
@@ -337,16 +345,15 @@ def main() -> None:
         if isinstance(v, str):
             st.error(f"Not compared: {v}", icon=":material/block:")
         else:
-            show_verdict(v)
+            show_verdict(v, levels)
             verdicts.append(v)
     judged = {v.candidate for v in verdicts}
     sets = [reads.run_set(tuple(base_ids))] + [s for s in (reads.run_set(tuple(ids)) for _, ids in candidates)
                                                 if s.name in judged]
     if len(sets) < 2:
         return
-    stored = reads.stored_limits(tuple(base_ids), tuple(i for _, ids in candidates for i in ids))
     if len(verdicts) > 1:
-        show_ranking(sets[1:], verdicts, limits, stored.rank_by)
+        show_ranking(sets[1:], verdicts, limits, stored.rank_by, levels.runs)
     show_narrowing(stored.sequential, [v.candidate for v in verdicts])
     st.header("Side by side")
     show_settings(sets, {r.id: r for r in listing})
