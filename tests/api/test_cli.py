@@ -145,7 +145,8 @@ def test_health_of_the_jobs_worker_and_beat_is_their_answer_to_a_celery_ping(mak
     host = socket.gethostname()
     prefix = stack.settings.key_prefix
     nodes = {"jobs-worker": f"jw-{prefix}@{host}", "beat": f"beat-{prefix}@{host}"}  # NOTE: names of this test's own
-    assert _health(env, "beat", "--node", nodes["beat"]).exit_code == 1, "no beat runs yet"
+    # NOTE: no "nothing answers yet" check here: the stopped jobs-worker's below is that path (a ping that times out
+    # costs WORKER_CHECK_TIMEOUT_S and a process start)
     stack.settings.state_dir.mkdir(parents=True, exist_ok=True)
     argvs = (["worker", "--pool=threads", "--concurrency=1", "--loglevel=WARNING", "-n", nodes["jobs-worker"]],
              ["beat", "--loglevel=WARNING", "--enable-remote-control", "-n", nodes["beat"]])
