@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from servelab.memory import DEFAULT_GPU_MEMORY_SHARE
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SERVELAB_", frozen=True, extra="ignore")
@@ -27,7 +29,7 @@ class Settings(BaseSettings):
         "cores `servelab up` keeps for the stack's own processes (api, jobs-worker, beat) when it splits the cores "
         "between gpu-workers; None: 1 where the workers leave one spare (measured on a 2-core host: the served "
         "worker on 1 core beside them beat 2 threads on both), 0: the workers take every core"))
-    gpu_memory_share: float = Field(default=0.9, gt=0, le=1, description=(
+    gpu_memory_share: float = Field(default=DEFAULT_GPU_MEMORY_SHARE, gt=0, le=1, description=(
         "the share of a GPU's memory this process may hold (weights, KV pool, working memory), as vLLM's "
         "gpu_memory_utilization: processes sharing one GPU must split it (0.45 each for two)"))
     num_threads: int | None = Field(default=None, ge=1, description="torch threads; None: the config's, else every "
@@ -110,14 +112,20 @@ def available_cores() -> int:
 
 def _cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs' worth of time the cgroup may use (cgroup v2 cpu.max, or v1's cfs quota / period), or None unlimited."""
+    return cgroup_quota(root) or cgroup_quota(root / "cpu")
+
+
+def cgroup_quota(folder: Path) -> float | None:
+    """CPUs' worth of time one cgroup folder's own limit allows (v2 cpu.max, else v1 cpu.cfs_quota_us / period), or
+    None where it sets none."""
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None

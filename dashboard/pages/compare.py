@@ -153,9 +153,10 @@ def show_ranking(sets: list[RunSet], verdicts: list[Verdict], limits: Limits, ra
         st.dataframe(pd.DataFrame([{"pair": f"{p.better} / {p.worse}", "ratio": _ratio_text(p.ratio),
                                     "told apart": "yes" if p.told_apart else "no: the interval holds x1"}
                                    for p in ranking.pairs]), hide_index=True, width="stretch")
+        first = "higher" if ranking.higher_is_better else "lower"
         st.caption(f"Each pair compared directly, paired by round, at {100 * ranking.level:.2f} % "
-                   f"({100 * level:.2f} % shared over the {len(ranking.pairs)} pairs); {'higher' if ranking.higher_is_better else 'lower'} "
-                   f"{ranking.metric} ranks first.")
+                   f"({100 * level:.2f} % shared over the {len(ranking.pairs)} pairs); {first} {ranking.metric} "
+                   "ranks first.")
     for name, why in ranking.not_ranked:
         st.caption(f"Not ranked: {name} ({why})")
 

@@ -43,6 +43,8 @@ from typing import Callable
 
 import torch
 
+from servelab.settings import cgroup_quota
+
 log = logging.getLogger(__name__)
 
 
@@ -82,32 +84,18 @@ def cgroup_throttled_s(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path
             continue
         _, controllers, path = parts
         if controllers == "" and (root / "cgroup.controllers").is_file():  # NOTE: v2 (unified)
-            base, limited, stat_key, unit = root, _v2_limited, "throttled_usec", 1e6
+            base, stat_key, unit = root, "throttled_usec", 1e6
         elif "cpu" in controllers.split(","):
-            base, limited, stat_key, unit = root / controllers, _v1_limited, "throttled_time", 1e9
+            base, stat_key, unit = root / controllers, "throttled_time", 1e9
         else:
             continue
         group = base / path.lstrip("/")
         for folder in (group, *group.parents):
             if not folder.is_relative_to(base):
                 break
-            if limited(folder):
+            if cgroup_quota(folder) is not None:
                 return _stat_value(folder / "cpu.stat", stat_key, unit)
     return None
-
-
-def _v2_limited(folder: Path) -> bool:
-    try:
-        return (folder / "cpu.max").read_text().split()[0] != "max"
-    except (OSError, IndexError):
-        return False
-
-
-def _v1_limited(folder: Path) -> bool:
-    try:
-        return int((folder / "cpu.cfs_quota_us").read_text()) > 0
-    except (OSError, ValueError):
-        return False
 
 
 def _stat_value(path: Path, key: str, unit: float) -> float | None:

@@ -154,6 +154,7 @@ def test_the_throttled_time_is_read_from_the_nearest_cgroup_with_a_quota(tmp_pat
     v1 = tmp_path / "v1"
     (v1 / "cpu,cpuacct" / "job").mkdir(parents=True)
     (v1 / "cpu,cpuacct" / "job" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu,cpuacct" / "job" / "cpu.cfs_period_us").write_text("100000\n")
     (v1 / "cpu,cpuacct" / "job" / "cpu.stat").write_text("nr_periods 10\nnr_throttled 3\nthrottled_time 750000000\n")
     own.write_text("4:memory:/job\n3:cpu,cpuacct:/job\n0::/\n")
     assert cgroup_throttled_s(own, v1) == 0.75
