@@ -136,6 +136,12 @@ class ServingConfig(_Frozen):
     num_threads: int | None = Field(default=None, ge=1, le=256)
     decoder: Literal["auto", "transformers"] = Field(
         default="auto", description="auto: servelab's decoder where it covers the model, else transformers'")
+    paged_attention: Literal["auto", "servelab", "flex", "torch"] = Field(
+        default="auto", description="how servelab's decoder reads the paged KV pool: servelab = its fused kernels (CPU, "
+                                    "fp32 / bf16); flex = PyTorch's FlexAttention, compiled, reading each decode row's "
+                                    "blocks in place (prompt chunks gather theirs); torch = each row's blocks gathered, "
+                                    "then torch's attention; auto = servelab's where it serves, else on CUDA whichever "
+                                    "of flex and torch a timed step at load finds faster, else torch")
     linear_kernel: Literal["auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch"] = Field(
         default="auto", description="matmul kernel of servelab's decoder on CPU; auto: measured on this CPU, "
                                     "the fastest at each batch size")

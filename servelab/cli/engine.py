@@ -262,6 +262,7 @@ def _print_gpu_check(check, tolerances: dict[str, float]) -> None:
         size = f"{s.num_parameters / 1e9:.2f} B" if s.num_parameters >= 1e8 else f"{s.num_parameters / 1e6:.1f} M"
         typer.echo(f"\n{s.shape}: {size} parameters, {s.dtype}, random weights; {s.kernel}; "
                    f"weights held {s.weight_bytes / 2**30:.2f} GiB, read per decode step {s.step_weight_bytes / 2**30:.2f} GiB")
+        typer.echo(f"  attention     {s.paged_attention}")
         for part in s.parts:
             _print_part(part, tolerances[s.dtype])
         if not s.decode:

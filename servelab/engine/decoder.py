@@ -33,6 +33,7 @@ from servelab.engine.families import (attention_scale, attention_softcap, family
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
+from servelab.engine import paged_attention as paged
 from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, Int8Linear, LinearKernel, LinearKernelError,
                                     RowDispatchLinear, ServelabInt4Linear, add_projection, choose_linear_kernel,
                                     int4_int_rows, int4_modules_reason, measured_shapes)
@@ -65,12 +66,13 @@ class Decoder(Protocol):
 
 def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
                   linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto", lm_head_weights: str = "auto",
-                  int4_activations: str = "int8") -> Decoder:
+                  int4_activations: str = "int8", paged_attention: str = "auto", kv_block_size: int = 16) -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
     int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
     it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU). int4_activations:
     servelab's int4 kernel at few rows on int8 activations (integer dot products) or 'float' ones (fp32 FMAs).
-    lm_head_weights 'int8': the output layer in int8 through servelab's kernel (refused where it cannot run)."""
+    lm_head_weights 'int8': the output layer in int8 through servelab's kernel (refused where it cannot run).
+    paged_attention: how the paged pool is read (paged_attention.choose)."""
     if lm_head_weights != "auto" and (reason := lm_head_reason(model, choice, device, cache_dir)) is not None:
         raise LinearKernelError(f"lm_head_weights {lm_head_weights!r} cannot run here: {reason}")
     int4_layers = [m for m in model.modules() if isinstance(getattr(m, "qweight", None), torch.Tensor)]
@@ -84,7 +86,11 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
                                       shapes=measured_shapes(dense) or ((64, 64),))
         return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4,
-                            int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None)
+                            int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None,
+                            paged_attention=paged_attention, kv_block_size=kv_block_size)
+    if paged_attention != "auto":
+        raise paged.PagedAttentionError(f"paged_attention {paged_attention!r} needs servelab's decoder, which does not "
+                                        f"cover this model: {unsupported_reason(model) or 'decoder: transformers'}")
     if int4_kernel == "servelab":
         raise LinearKernelError("awq.kernel 'servelab' needs servelab's decoder, which does not cover this model: "
                                 f"{unsupported_reason(model) or 'decoder: transformers'}")
@@ -364,7 +370,8 @@ class LlamaDecoder:
     name = "servelab"
 
     def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                 kernel: LinearKernel, int4: Int4Kernel | None = None, int8_head: BlockedKernel | None = None) -> None:
+                 kernel: LinearKernel, int4: Int4Kernel | None = None, int8_head: BlockedKernel | None = None,
+                 paged_attention: str = "auto", kv_block_size: int = 16) -> None:
         config = model.config
         self.kernel, self.int4 = kernel, int4
         self.num_heads = config.num_attention_heads
@@ -450,6 +457,18 @@ class LlamaDecoder:
             self.rotary[kind] = ((angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype))
         self.cos, self.sin = self.rotary.get("full_attention", next(iter(self.rotary.values())))
         self.fuses_every_layer = all(layer.fused for layer in self.layers)
+        # NOTE: how the paged pool is read: servelab's fused kernels (CPU), FlexAttention in place (decode rows; prompt
+        # chunks gather), or torch's gather; `auto` measures the last two on CUDA (paged_attention.choose)
+        self.paged_attention, self.paged_attention_reason = paged.choose(
+            paged_attention, fused_fits=self.decode_step_attention is not None, device=device,
+            flex_why_not=paged.flex_reason(cache_dtype=self.cache_dtype, dtype=dtype, head_dim=self.head_dim,
+                                           block_size=kv_block_size, device=device),
+            measure=lambda: paged.measure_decode_choices(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+                block_size=kv_block_size, dtype=dtype, device=device))
+        if self.paged_attention != "servelab":
+            self.decode_step_attention = self.prefill_step_attention = None
+        self._flex: dict[int, paged.FlexDecode] = {}  # by block size
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights in their layouts, embeddings, norms, rotary tables."""
@@ -473,8 +492,18 @@ class LlamaDecoder:
                              device=self.device, quantized=quantized)
 
     def new_paged_cache(self, *, num_blocks: int, block_size: int) -> PagedKVCache:
+        # NOTE: FlexAttention reads a token-major pool (a slot's heads together) in place; the fused kernels the other
         return PagedKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                            dtype=self.cache_dtype, device=self.device, num_blocks=num_blocks, block_size=block_size)
+                            dtype=self.cache_dtype, device=self.device, num_blocks=num_blocks, block_size=block_size,
+                            layout="NHD" if self.paged_attention == "flex" else "HND")
+
+    def flex(self, block_size: int) -> paged.FlexDecode:
+        """FlexAttention's decode over pools of this block size (its compiled kernels and buffers)."""
+        if block_size not in self._flex:
+            self._flex[block_size] = paged.FlexDecode(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+                block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.cos.shape[0])
+        return self._flex[block_size]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_block_bytes(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -579,7 +608,7 @@ class LlamaDecoder:
 
     def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """Decode rows and prefill chunks together, h (N, 1, C): the projections over every token at once; the
-        decode rows' attention through the fused kernel (or torch), each chunk's through the fused prefill kernel or
+        decode rows' attention through the fused kernel, FlexAttention or torch, each chunk's through the fused prefill kernel or
         SDPA over the columns its row holds (its cached prefix, earlier chunks, itself, causal). Where the stack
         serves (see _decode_stack) and the fused kernels take every row, every layer in one call."""
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -597,8 +626,10 @@ class LlamaDecoder:
             return out.view(N, 1, -1)
         rotary = {kind: (cos[batch.positions].view(N, 1, 1, D), sin[batch.positions].view(N, 1, 1, D))
                   for kind, (cos, sin) in self.rotary.items()}
-        decode_places = (batch.decode_places(bs) if Bd and (self.decode_step_attention is None
-                                                               or not self.fuses_every_layer) else None)
+        in_place = self.decode_step_attention is not None or self.paged_attention == "flex"
+        decode_places = batch.decode_places(bs) if Bd and not (in_place and self.fuses_every_layer) else None
+        flex = (self.flex(bs).prepare(batch.decode_lengths, batch.block_table[:Bd], cache.num_allocated_blocks)
+                if Bd and self.paged_attention == "flex" else None)
         for i, layer in enumerate(self.layers):
             qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D))
             cos, sin = rotary[layer.rotary]
@@ -607,6 +638,8 @@ class LlamaDecoder:
                 parts.append(self.decode_step_attention(qkv[:Bd], *self.rotary[layer.rotary], batch.positions[:Bd],
                                                         cache.keys[i], cache.values[i], batch.decode_lengths,
                                                         batch.block_table[:Bd], H, self.scale, *cache.scales(i)))
+            elif Bd and layer.fused and flex is not None:
+                parts.append(self._flex_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, flex))
             elif Bd:
                 parts.append(self._torch_decode(qkv[:Bd], cos[:Bd], sin[:Bd], cache, i, decode_places, layer, batch))
             for j, ((offset, start, num_tokens), place) in enumerate(zip(batch.chunks, places)):
@@ -663,6 +696,14 @@ class LlamaDecoder:
             key_positions = batch.decode_key_positions(cache.block_size, mask.shape[1])  # (B, S)
             mask = mask & (key_positions > batch.positions[:B, None] - spec.window)
         return self._attend(qk[:, :H].unsqueeze(2), keys, values, mask, spec).view(B, H * D)
+
+    def _flex_decode(self, x, cos, sin, cache: PagedKVCache, layer: int, step: paged.FlexStep) -> torch.Tensor:
+        """Decode rows through FlexAttention reading the pool in place: rotary and the new keys' writes in torch, then
+        one kernel call over every row's blocks."""
+        B, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk = _rotate(x[:, : H + H_kv].unsqueeze(1), cos.view(B, 1, 1, D), sin.view(B, 1, 1, D))[:, 0]  # (B, H + H_kv, D)
+        cache.write(layer, step.new_blocks, step.new_offsets, qk[:, H:], x[:, H + H_kv:])
+        return self.flex(cache.block_size).attend(step, qk[:, :H], cache.keys[layer], cache.values[layer])
 
     def forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         h = self._hidden(input_ids, attention_mask, position_ids, cache)

@@ -29,6 +29,7 @@ from servelab.engine.dense_runner import TransformersRunner
 from servelab.engine.kvcache import cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
+from servelab.engine.paged_attention import PagedAttentionError, flex_reason
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.runner import PagedRunner, Runner
 from servelab.engine.sampling import kernel_argmax
@@ -67,7 +68,9 @@ class Engine:
                                      dtype=loaded.dtype, device=self.device, linear_kernel=config.linear_kernel,
                                      cache_dir=cache_dir, int4_kernel=config.awq.kernel if config.awq else "auto",
                                      int4_activations=config.awq.activations if config.awq else "int8",
-                                     lm_head_weights=config.lm_head_weights)
+                                     lm_head_weights=config.lm_head_weights,
+                                     paged_attention=config.paged_attention,
+                                     kv_block_size=config.kv_cache.block_size)
         if isinstance(self.decoder, LlamaDecoder) and config.decoding.max_context_tokens > self.decoder.cos.shape[0]:
             # NOTE: refused here, not at the step a row reaches past the rotary tables (a batch's step would fail)
             raise ModelLoadError(
@@ -160,7 +163,10 @@ class Engine:
                 kernel = f"{kernel}, {blocked.bf16_note()}"
             linear = f"dense {str(self.loaded.dtype).removeprefix('torch.')}, {kernel}"
         head = ", int8 output layer" if self.config.lm_head_weights == "int8" else ""
-        return f"{self.decoder.name} decoder, {linear}{head}"
+        # NOTE: how the pool is read, where it is not a CPU's default (servelab's fused kernels)
+        attention = getattr(self.decoder, "paged_attention", "servelab")
+        shown = attention != "servelab" and (self.device.type != "cpu" or self.config.paged_attention != "auto")
+        return f"{self.decoder.name} decoder, {linear}{head}" + (f", {attention} paged attention" if shown else "")
 
     @property
     def decoder_reason(self) -> str | None:
@@ -349,7 +355,8 @@ def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:
     awq = config.awq.model_dump_json() if config.awq is not None else ""
     window = kv_window(config)
     return "|".join((config.model, config.weights, awq, str(dtype), config.kv_cache_dtype, config.decoder,
-                     config.linear_kernel, config.lm_head_weights, str(config.kv_cache.block_size),
+                     config.linear_kernel, config.paged_attention, config.lm_head_weights,
+                     str(config.kv_cache.block_size),
                      *((f"window {window[0]}+{window[1]}",) if window else ())))
 
 
@@ -383,6 +390,8 @@ def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
                   else load_blocked_kernel(settings.cache_dir).reason or None)
         if reason:
             raise LinearKernelError(f"{config.name}: lm_head_weights 'int8' cannot run here: {reason}")
+    if (reason := paged_attention_reason(config, device)) is not None:
+        raise PagedAttentionError(f"{config.name}: paged_attention {config.paged_attention!r} cannot serve here: {reason}")
     if config.decoder != "auto" or config.linear_kernel == "auto":
         return
     if config.weights == "awq-int4":
@@ -395,3 +404,20 @@ def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
         check_linear_kernel(config.linear_kernel, device=device, dtype=dtype, cache_dir=settings.cache_dir)
     except LinearKernelError as exc:
         raise LinearKernelError(f"{config.name}: {exc}") from None
+
+
+def paged_attention_reason(config: ServingConfig, device: torch.device) -> str | None:
+    """Why the config's paged_attention cannot serve on this device whatever the model, or None (what depends on the
+    model, a head size say, is refused when the decoder is built)."""
+    if config.paged_attention == "auto":
+        return None
+    if config.decoder != "auto":
+        return "it needs servelab's decoder (decoder: transformers)"
+    if config.paged_attention == "servelab" and device.type != "cpu":
+        return f"servelab's fused attention kernels are for CPUs (device {device})"
+    if config.paged_attention == "flex" and config.kv_cache_dtype == "int8":
+        return flex_reason(cache_dtype=torch.int8, dtype=torch.float32, head_dim=64, block_size=16, device=device)
+    if config.paged_attention == "flex":
+        return flex_reason(cache_dtype=torch.float32, dtype=torch.float32, head_dim=64,
+                           block_size=config.kv_cache.block_size, device=device)
+    return None

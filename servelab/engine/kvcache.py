@@ -190,19 +190,24 @@ class BatchKVCache(Protocol):
 
 
 class PagedKVCache:
-    """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D), in the
-    cache precision; which block holds which row's columns is the scheduler's pool's books (scheduler/blocks.py),
+    """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D) (layout 'HND', what
+    servelab's fused CPU kernels read) or (blocks, block_size, H_kv, D) ('NHD', token-major, what FlexAttention reads in
+    place: the pool is then one sequence of slots, each holding every kv head's key), in the cache precision; which block holds which row's columns is the scheduler's pool's books (scheduler/blocks.py),
     handed in as each plan's block tables. An int8 pool also holds key_scales and value_scales per layer (blocks,
     H_kv, block_size) fp32 (`quantize_heads`); a float pool's are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
-    a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU the whole pool is
-    allocated at the first reach, its size taken from the free memory). A block is written
+    a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU, and for FlexAttention,
+    whose compiled kernels are specialised to the pool's size, the whole pool is allocated at the first reach; a GPU's
+    size is taken from the free memory). A block is written
     before it is read (a row reads only its own columns).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int) -> None:
+                 device: torch.device, num_blocks: int, block_size: int, layout: str = "HND") -> None:
+        assert layout in ("HND", "NHD"), layout
+        assert layout == "HND" or dtype != torch.int8, "an int8 pool is laid out for servelab's fused kernels (HND)"
+        self.layout = layout
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.num_blocks, self._block_size = num_blocks, block_size  # the pool's size: how far the tensors may grow
@@ -251,11 +256,12 @@ class PagedKVCache:
         if needed <= have:
             return
         blocks = min(self.num_blocks, max(needed, have + have // 2))
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.layout == "NHD":
             # NOTE: a GPU's pool is sized to its free memory (engine.pool_blocks): growing by copying would need the old
             # and the new tensors at once, past what is free, so the whole pool is allocated at its first reach
             blocks = self.num_blocks
-        shape = (blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = ((blocks, self.num_kv_heads, self.block_size, self.head_dim) if self.layout == "HND"
+                 else (blocks, self.block_size, self.num_kv_heads, self.head_dim))
         # NOTE: zeros, not empty: no column is read before it is written, but a dump or a comparison of the pool
         # then never meets stale bits or NaN
         keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -285,12 +291,19 @@ class PagedKVCache:
             self.keys[layer][blocks, :, offsets], self.key_scales[layer][blocks, :, offsets] = k, ks
             self.values[layer][blocks, :, offsets], self.value_scales[layer][blocks, :, offsets] = v, vs
             return
+        if self.layout == "NHD":
+            self.keys[layer][blocks, offsets] = keys.to(self.dtype)
+            self.values[layer][blocks, offsets] = values.to(self.dtype)
+            return
         self.keys[layer][blocks, :, offsets] = keys.to(self.dtype)
         self.values[layer][blocks, :, offsets] = values.to(self.dtype)
 
     def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The columns at (blocks, offsets) (..., S) -> keys, values (..., H_kv, S, D) in the storage dtype (int8:
         dequantised to fp32, these columns only)."""
+        if self.layout == "NHD":
+            k, v = self.keys[layer][blocks, offsets], self.values[layer][blocks, offsets]  # (..., S, H_kv, D)
+            return k.transpose(-2, -3), v.transpose(-2, -3)
         k = self.keys[layer][blocks, :, offsets]  # (..., S, H_kv, D)
         v = self.values[layer][blocks, :, offsets]
         if self.quantized:
@@ -303,6 +316,10 @@ class PagedKVCache:
         gather of whole blocks (contiguous copies), then one transpose copy; columns past a row's end are masked
         by the caller."""
         B, nb = table.shape
+        if self.layout == "NHD":  # (B, nb, block_size, H_kv, D): a slot's heads are together, one transpose copy
+            k = self.keys[layer][table].reshape(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+            v = self.values[layer][table].reshape(B, nb * self.block_size, self.num_kv_heads, self.head_dim)
+            return k.transpose(1, 2), v.transpose(1, 2)
         k, v = self.keys[layer][table], self.values[layer][table]  # (B, nb, H_kv, block_size, D)
         if self.quantized:  # NOTE: the torch path (no fused kernel): these rows' blocks dequantised, for this layer
             k = dequantize_heads(k, self.key_scales[layer][table])

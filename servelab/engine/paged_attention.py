@@ -1,0 +1,237 @@
+"""Decode attention that reads the paged pool in place: PyTorch's FlexAttention, compiled (Triton kernels on CUDA, C++
+on a CPU), over a pool laid out token-major (blocks, block_size, H_kv, D), each decode row's block table handed to the
+kernel as its block mask's index list. Nothing is gathered: the kernel visits a row's blocks where they lie.
+
+A row's blocks but its last are whole ("full" blocks: no mask is evaluated in them); the last is read up to the new
+key's column (the mask's one rule). Rows are padded to a few sizes (powers of two, at least MIN_ROWS) so that the kernel
+is compiled once per size, and every tensor the kernel reads is a buffer of that size, updated in place each step:
+no recompilation from one step to the next, and a CUDA graph of the step can capture them as they are.
+
+`choose` picks the decode attention where the config leaves it to the machine (`paged_attention: auto`): servelab's
+fused kernels on a CPU where they fit, and on CUDA FlexAttention or torch's gather and attention, whichever a timed
+decode step at the model's shape finds faster. Does not know the model's layers (the decoder does), nor rows or plans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from servelab.engine.model_files import ModelLoadError
+
+MIN_ROWS = 4  # NOTE: the smallest padded batch: sizes 1-4 share one compiled kernel; 3 extra query rows cost nothing
+# that shows beside a layer's weights
+
+
+class PagedAttentionError(ModelLoadError):
+    """A paged attention asked for that cannot serve this model, cache or device (a config that cannot be served here):
+    the message says why."""
+
+
+def flex_reason(*, cache_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, block_size: int,
+                device: torch.device) -> str | None:
+    """Why FlexAttention cannot read this pool, or None."""
+    if cache_dtype == torch.int8:
+        return ("FlexAttention reads keys and values as they are stored, and an int8 KV cache needs its scales applied "
+                "first (torch's gather dequantises them: paged_attention torch)")
+    if cache_dtype != dtype:
+        return (f"FlexAttention takes queries and keys in one dtype: the cache holds {cache_dtype} and the model computes "
+                f"in {dtype} (set kv_cache_dtype: auto)")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"FlexAttention's kernels take a head size that is a power of two of at least 16 (this model's: {head_dim})"
+    if device.type == "cuda" and block_size % 16:
+        # NOTE: a block is the kernel's tile of keys, and a GPU's matrix instructions take at least 16 of them
+        return f"FlexAttention's GPU kernels read keys in tiles of 16 or more: kv_cache.block_size is {block_size}"
+    return None
+
+
+def padded_rows(num_rows: int) -> int:
+    """The batch a step of num_rows decode rows is computed at: the next power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, 1 << max(num_rows - 1, 0).bit_length())
+
+
+@dataclass
+class _Buffers:
+    """What the kernel reads for one padded batch, updated in place each step (the block mask holds them)."""
+
+    query: torch.Tensor  # (rows, H, 1, D) the decode rows' rotated queries, padded rows zero
+    fill: torch.Tensor  # (rows,) int64 the new key's offset in its block: the last block is read up to it
+    last_count: torch.Tensor  # (rows, 1, 1) int32, always 1: the last block, read through the mask
+    last_block: torch.Tensor  # (rows, 1, 1, width) int32, its first column the last block
+    full_count: torch.Tensor  # (rows, 1, 1) int32 the blocks before the last, read whole
+    full_blocks: torch.Tensor  # (rows, 1, 1, width) int32 the row's block table
+    mask: object  # torch.nn.attention.flex_attention.BlockMask over the buffers above
+
+
+@dataclass(frozen=True)
+class FlexStep:
+    """One step's decode rows, prepared once for every layer: where each new key goes (block, offset) (B,) each, and the
+    buffers of its padded batch."""
+
+    num_rows: int
+    new_blocks: torch.Tensor
+    new_offsets: torch.Tensor
+    buffers: _Buffers
+
+
+class FlexDecode:
+    """The decode rows' attention of one step over a token-major pool (PagedKVCache layout 'NHD'), one kernel call per
+    layer. width: the most blocks a row's table may list (the mask's index lists are this wide)."""
+
+    name = "flex"
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
+                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.block_size, self.dtype, self.device = scale, block_size, dtype, device
+        self.max_blocks = -(-max_positions // block_size)
+        # NOTE: one compiled kernel per padded batch (and pool size): the limit on recompilations is raised to hold them
+        _allow_recompiles(64)
+        self._flex = torch.compile(flex_attention, dynamic=False)
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+
+    def prepare(self, lengths: torch.Tensor, table: torch.Tensor, num_pool_blocks: int) -> FlexStep:
+        """lengths (B,) int64: the column each row's new key goes to (the columns it keeps before it); table (B, nb)
+        int32: its blocks, padded with block 0 -> the step every layer's call reads."""
+        B, nb = table.shape
+        buffers = self._buffers_for(padded_rows(B), num_pool_blocks)
+        if nb > buffers.full_blocks.shape[-1]:
+            raise PagedAttentionError(f"a row holds {nb} blocks, past the {buffers.full_blocks.shape[-1]} FlexAttention's "
+                                      "block mask was sized for")
+        last = (lengths // self.block_size).view(B, 1)
+        new_blocks = table.long().gather(1, last).view(B)
+        new_offsets = lengths % self.block_size
+        buffers.full_blocks[:B, 0, 0, :nb] = table
+        buffers.full_count[:B, 0, 0] = last.view(B)
+        buffers.last_block[:B, 0, 0, 0] = new_blocks
+        buffers.fill[:B] = new_offsets
+        buffers.full_count[B:] = 0  # NOTE: padded rows read column 0 of block 0 (their output is dropped)
+        buffers.fill[B:] = 0
+        buffers.last_block[B:, 0, 0, 0] = 0
+        return FlexStep(B, new_blocks, new_offsets, buffers)
+
+    def attend(self, step: FlexStep, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """queries (B, H, D) rotated; keys / values: one layer's pool (blocks, block_size, H_kv, D), the rows' new keys
+        already written -> (B, H x D)."""
+        B, H, D = step.num_rows, self.num_heads, self.head_dim
+        buffers = step.buffers
+        buffers.query[:B, :, 0] = queries
+        # NOTE: the pool seen as one sequence of slots, (1, H_kv, blocks x block_size, D): a view, strided by H_kv x D
+        k = keys.view(-1, self.num_kv_heads, D).transpose(0, 1).unsqueeze(0)
+        v = values.view(-1, self.num_kv_heads, D).transpose(0, 1).unsqueeze(0)
+        out = self._flex(buffers.query, k, v, block_mask=buffers.mask, scale=self.scale,
+                         enable_gqa=H != self.num_kv_heads)  # (rows, H, 1, D)
+        return out[:B, :, 0].reshape(B, H * D)
+
+    def _buffers_for(self, rows: int, num_pool_blocks: int) -> _Buffers:
+        key = (rows, num_pool_blocks)
+        if key not in self._buffers:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            # NOTE: a CPU's kernel wants the index lists as wide as the pool; CUDA's only as wide as a row's table
+            width = num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+            ints = dict(dtype=torch.int32, device=self.device)
+            fill = torch.zeros(rows, dtype=torch.long, device=self.device)
+            bs = self.block_size
+
+            def last_block_mask(b, h, q_idx, kv_idx):  # evaluated in the last block only: the columns up to the new key
+                return kv_idx % bs <= fill[b]
+
+            last_count, last_block = torch.ones((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
+            full_count, full_blocks = torch.zeros((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
+            mask = BlockMask.from_kv_blocks(last_count, last_block, full_count, full_blocks,
+                                            BLOCK_SIZE=(128, bs), mask_mod=last_block_mask,
+                                            seq_lengths=(1, num_pool_blocks * bs), compute_q_blocks=False)
+            query = torch.zeros((rows, self.num_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
+            self._buffers[key] = _Buffers(query, fill, last_count, last_block, full_count, full_blocks, mask)
+        return self._buffers[key]
+
+
+def _allow_recompiles(limit: int) -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
+def time_decode(attend: Callable[[], object], *, repeats: int = 20) -> float:
+    """Median seconds of one call, after two calls that compile and warm it (synchronised on CUDA)."""
+    from servelab.hardware import sync
+
+    for _ in range(2):
+        attend()
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        attend()
+        sync()
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_decode_choices(*, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
+                           dtype: torch.dtype, device: torch.device, num_rows: int = 32,
+                           columns: int = 1024) -> dict[str, float]:
+    """Seconds of one decode attention call for num_rows rows of `columns` keys each, per way to read a pool: FlexAttention
+    in place ('flex') and torch's gather then attention ('torch'), on one layer's pool of random keys."""
+    from torch.nn import functional as F
+
+    blocks_per_row = -(-columns // block_size)
+    num_blocks = num_rows * blocks_per_row + 1
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    pool = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=generator).to(device, dtype)
+    keys, values = pool[0], pool[1]
+    order = torch.randperm(num_blocks - 1, generator=generator)[:num_rows * blocks_per_row] + 1
+    table = order.view(num_rows, blocks_per_row).to(device=device, dtype=torch.int32)
+    lengths = torch.full((num_rows,), columns - 1, dtype=torch.long, device=device)
+    queries = torch.randn((num_rows, num_heads, head_dim), generator=generator).to(device, dtype)
+    flex = FlexDecode(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+                      block_size=block_size, dtype=dtype, device=device, max_positions=blocks_per_row * block_size)
+
+    def by_flex():
+        return flex.attend(flex.prepare(lengths, table, num_blocks), queries, keys, values)
+
+    def by_torch():  # what the decoder's torch path does: whole blocks gathered, a mask past each row's end
+        k = keys[table.long()].reshape(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = values[table.long()].reshape(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
+        mask = (torch.arange(k.shape[2], device=device)[None, :] <= lengths[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(queries[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=num_heads != num_kv_heads)
+
+    return {"flex": time_decode(by_flex), "torch": time_decode(by_torch)}
+
+
+def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not: str | None,
+           measure: Callable[[], dict[str, float]]) -> tuple[str, str]:
+    """The decode attention the config's `paged_attention` asks, and why: (name, reason). 'servelab': the fused CPU
+    kernels; 'flex'; 'torch'. Refused by name where the asked one cannot serve."""
+    if option == "servelab":
+        if not fused_fits:
+            raise PagedAttentionError("paged_attention 'servelab' cannot serve here: servelab's fused attention runs on "
+                                      f"a CPU, in fp32 or bf16, for head sizes a multiple of 16 (device {device})")
+        return "servelab", "asked"
+    if option == "flex":
+        if flex_why_not is not None:
+            raise PagedAttentionError(f"paged_attention 'flex' cannot serve here: {flex_why_not}")
+        return "flex", "asked"
+    if option == "torch":
+        return "torch", "asked"
+    if fused_fits:
+        return "servelab", "servelab's fused kernels serve this CPU"
+    if device.type != "cuda":
+        return "torch", f"no fused kernel for this model or dtype on {device}; FlexAttention is measured on CUDA only"
+    if flex_why_not is not None:
+        return "torch", flex_why_not
+    seconds = measure()
+    name = min(seconds, key=seconds.get)
+    figures = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
+    return name, f"measured at load, one layer's decode attention: {figures}"
+

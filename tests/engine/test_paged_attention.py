@@ -1,0 +1,165 @@
+"""How the paged pool is read (`paged_attention`): FlexAttention reading each decode row's blocks in place, compiled as
+it is on a GPU (here by inductor's CPU kernels), against a gather of the same columns; the engine decoding through it
+like the naive reference (rows joining and leaving in a pool so small they give blocks back, a cached prefix, prompts
+in chunks); the token-major pool's reads against the default layout's; the choice `auto` makes and the refusals by
+name. On CUDA the same engine check runs on the GPU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.engine import paged_attention as paged
+from servelab.engine.engine import Engine, check_configured_kernel
+from servelab.engine.kvcache import PagedKVCache
+from servelab.request import GenerationRequest, SamplingParams
+from servelab.settings import Settings
+from tests.engine.conftest import make_config
+from tests.engine.naive import naive_greedy
+from tests.engine.test_stepping import _request, _run_schedule
+
+
+def _gathered(pool_k, pool_v, tables: list[list[int]], lengths: list[int], queries, scale: float) -> torch.Tensor:
+    """Each row's columns 0..lengths[b] gathered from its blocks, then SDPA: (B, H x D)."""
+    bs, out = pool_k.shape[1], []
+    for b, (table, length) in enumerate(zip(tables, lengths)):
+        columns = torch.arange(length + 1)
+        blocks, offsets = torch.tensor(table)[columns // bs], columns % bs
+        k, v = pool_k[blocks, offsets].transpose(0, 1), pool_v[blocks, offsets].transpose(0, 1)  # (H_kv, S, D)
+        o = F.scaled_dot_product_attention(queries[b][None, :, None], k[None], v[None], scale=scale, enable_gqa=True)
+        out.append(o.reshape(-1))
+    return torch.stack(out)
+
+
+def test_flex_reads_each_rows_blocks_in_place_like_a_gather_of_its_columns() -> None:
+    """Rows of one block, of several, one sharing another's first block, one whose new key fills its last block, one
+    padded row (3 rows at a padded 4); then fewer rows in the same buffers (stale padding must not leak)."""
+    torch.manual_seed(0)
+    H, H_kv, D, bs, num_blocks = 4, 2, 16, 4, 24
+    pool_k, pool_v = torch.randn(num_blocks, bs, H_kv, D), torch.randn(num_blocks, bs, H_kv, D)
+    flex = paged.FlexDecode(num_heads=H, num_kv_heads=H_kv, head_dim=D, scale=D ** -0.5, block_size=bs,
+                            dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
+    for tables, lengths in (([[5], [7, 2, 11], [7, 3]], [2, 9, 7]), ([[9, 4], [1]], [7, 0])):
+        width = max(map(len, tables))
+        table = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int32)
+        queries = torch.randn(len(tables), H, D)
+        step = flex.prepare(torch.tensor(lengths), table, num_blocks)
+        assert step.buffers.query.shape[0] == paged.MIN_ROWS
+        assert step.new_blocks.tolist() == [t[n // bs] for t, n in zip(tables, lengths)]
+        assert step.new_offsets.tolist() == [n % bs for n in lengths]
+        got = flex.attend(step, queries, pool_k, pool_v)
+        torch.testing.assert_close(got, _gathered(pool_k, pool_v, tables, lengths, queries, D ** -0.5))
+
+
+def test_padded_rows_are_powers_of_two_from_the_smallest() -> None:
+    assert [paged.padded_rows(n) for n in (1, 3, 4, 5, 8, 9, 64, 65)] == [4, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_a_token_major_pool_reads_the_same_columns_as_the_default_layout() -> None:
+    torch.manual_seed(1)
+    pools = {layout: PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                                  device=torch.device("cpu"), num_blocks=6, block_size=4, layout=layout)
+             for layout in ("HND", "NHD")}
+    blocks, offsets = torch.tensor([3, 3, 1, 5, 0]), torch.tensor([0, 1, 2, 3, 0])
+    keys, values = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    for pool in pools.values():
+        pool.reach([[0, 1, 3, 5]])
+        pool.write(0, blocks, offsets, keys, values)
+    assert pools["NHD"].keys[0].shape == (6, 4, 2, 8) and pools["HND"].keys[0].shape == (6, 2, 4, 8)
+    for got, want in zip(pools["NHD"].read(0, blocks, offsets), pools["HND"].read(0, blocks, offsets)):
+        torch.testing.assert_close(got, want)
+    table = torch.tensor([[3, 1], [5, 0]])
+    for got, want in zip(pools["NHD"].read_blocks(0, table), pools["HND"].read_blocks(0, table)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(AssertionError, match="int8"):
+        PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.int8, device=torch.device("cpu"),
+                     num_blocks=6, block_size=4, layout="NHD")
+
+
+@pytest.fixture(scope="module")
+def flex_engine(tiny_folder: Path, settings: Settings) -> Engine:
+    """The tiny Llama read through FlexAttention, blocks of 4 tokens in a pool of 24 and prompts in chunks of 24."""
+    return Engine.from_config(make_config(
+        str(tiny_folder), paged_attention="flex", kv_cache={"block_size": 4, "prefix_caching": True},
+        batching={"max_batch_tokens": 96, "max_prefill_tokens": 24},
+        decoding={"max_new_tokens": 24, "max_context_tokens": 96}), settings)
+
+
+def _expected(engine: Engine, request: GenerationRequest) -> list[int]:
+    return naive_greedy(engine.model, engine.encode(request), request.params.max_new_tokens, engine.eos_token_ids)
+
+
+def test_flex_rows_joining_and_leaving_a_small_pool_decode_like_naive(flex_engine: Engine) -> None:
+    assert flex_engine.decoder.paged_attention == "flex" and flex_engine.decoder.decode_step_attention is None
+    rng = random.Random(7)
+    arrivals: dict[int, list[GenerationRequest]] = {}
+    for i in range(8):
+        arrivals.setdefault(rng.randint(0, 10), []).append(_request(rng, f"r{i}"))
+    done = _run_schedule(flex_engine, arrivals)
+    for request in (r for group in arrivals.values() for r in group):
+        assert list(done[request.request_id].token_ids) == _expected(flex_engine, request), request.request_id
+    assert flex_engine.num_live == 0 and flex_engine.scheduler.pool.num_used_blocks == 0
+
+
+def test_flex_serves_a_cached_prefix_and_a_prompt_in_chunks_like_naive(flex_engine: Engine) -> None:
+    system = "You answer in one word. Examples: sky is blue, grass is green, snow is white, coal is black. Now:"
+    first = GenerationRequest("a", prompt=f"{system} the sea is", params=SamplingParams(max_new_tokens=6))
+    second = GenerationRequest("b", prompt=f"{system} a lemon is", params=SamplingParams(max_new_tokens=6))
+    assert len(flex_engine.encode(first)) > 24  # more than one chunk
+    a = flex_engine.generate([first]).completions[0]
+    b = flex_engine.generate([second]).completions[0]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens >= 16
+    for request, completion in ((first, a), (second, b)):
+        assert list(completion.token_ids) == _expected(flex_engine, request)
+
+
+def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert paged.choose("auto", fused_fits=True, device=cpu, flex_why_not=None, measure=None)[0] == "servelab"
+    name, reason = paged.choose("auto", fused_fits=False, device=cuda, flex_why_not=None,
+                                measure=lambda: {"flex": 20e-6, "torch": 90e-6})
+    assert name == "flex" and "flex 20 us" in reason and "torch 90 us" in reason
+    assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not=None,
+                        measure=lambda: {"flex": 90e-6, "torch": 20e-6})[0] == "torch"
+    assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not="int8", measure=None) == ("torch", "int8")
+    assert paged.choose("auto", fused_fits=False, device=cpu, flex_why_not=None, measure=None)[0] == "torch"
+    with pytest.raises(paged.PagedAttentionError, match="'servelab' cannot serve here: .*CPU"):
+        paged.choose("servelab", fused_fits=False, device=cuda, flex_why_not=None, measure=None)
+    with pytest.raises(paged.PagedAttentionError, match="'flex' cannot serve here: int8"):
+        paged.choose("flex", fused_fits=True, device=cpu, flex_why_not="int8", measure=None)
+
+
+def test_what_flex_cannot_read_is_refused_by_name(tiny_folder: Path, settings: Settings) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    pool = dict(dtype=torch.float32, head_dim=64, block_size=16, device=cuda)
+    assert "scales" in paged.flex_reason(**{**pool, "cache_dtype": torch.int8})
+    assert "one dtype" in paged.flex_reason(**{**pool, "cache_dtype": torch.bfloat16})
+    assert "power of two" in paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "head_dim": 80})
+    assert "block_size is 8" in paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "block_size": 8})
+    assert paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "block_size": 8, "device": cpu}) is None
+    assert paged.flex_reason(**{**pool, "cache_dtype": torch.float32}) is None
+    with pytest.raises(paged.PagedAttentionError, match="paged_attention 'flex' cannot serve here: .*int8"):
+        check_configured_kernel(make_config(str(tiny_folder), paged_attention="flex", kv_cache_dtype="int8"), settings)
+    with pytest.raises(paged.PagedAttentionError, match="needs servelab's decoder"):
+        check_configured_kernel(make_config(str(tiny_folder), paged_attention="torch", decoder="transformers"),
+                                settings)
+    with pytest.raises(paged.PagedAttentionError, match="'flex' cannot serve here: .*one dtype"):
+        Engine.from_config(make_config(str(tiny_folder), paged_attention="flex", kv_cache_dtype="bf16"), settings)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["flex", "torch", "auto"])
+def test_each_paged_attention_on_cuda_decodes_like_naive(tiny_folder: Path, settings: Settings, attention: str) -> None:
+    engine = Engine.from_config(make_config(str(tiny_folder), device="cuda", paged_attention=attention,
+                                            kv_cache={"block_size": 16}), settings)
+    assert engine.decoder.paged_attention in ("flex", "torch") and engine.decoder.paged_attention_reason
+    rng = random.Random(3)
+    arrivals = {step: [_request(rng, f"r{step}-{i}") for i in range(2)] for step in (0, 2, 5)}
+    done = _run_schedule(engine, arrivals)
+    for request in (r for group in arrivals.values() for r in group):
+        assert list(done[request.request_id].token_ids) == _expected(engine, request), request.request_id
