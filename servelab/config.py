@@ -142,6 +142,10 @@ class ServingConfig(_Frozen):
                                     "blocks in place (prompt chunks gather theirs); torch = each row's blocks gathered, "
                                     "then torch's attention; auto = servelab's where it serves, else on CUDA whichever "
                                     "of flex and torch a timed step at load finds faster, else torch")
+    cuda_graph_rows: int = Field(
+        default=64, ge=0, le=1024, description="on CUDA with paged_attention flex: a step of only decode rows, up to "
+                                              "this many, is replayed from a CUDA graph captured at its padded size "
+                                              "(powers of two from 4); 0: every step launches its kernels")
     linear_kernel: Literal["auto", "servelab", "servelab-avx512", "servelab-avx2", "onednn", "torch"] = Field(
         default="auto", description="matmul kernel of servelab's decoder on CPU; auto: measured on this CPU, "
                                     "the fastest at each batch size")

@@ -573,10 +573,12 @@ class LlamaDecoder:
                              f"this model ({self.positions_reason}): set decoding.max_context_tokens to at most "
                              f"{self.cos.shape[0]}, or decoder: transformers")
 
-    def forward_paged(self, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+    def forward_paged(self, batch: PagedBatch, cache: PagedKVCache, *, positions_checked: bool = False) -> torch.Tensor:
         """One forward over the paged cache: the decode rows' tokens, then the prefill chunks', in one pass through
-        the weights -> logits (len(batch.logit_rows), V) of the tokens named there."""
-        self._check_positions(batch.positions)
+        the weights -> logits (len(batch.logit_rows), V) of the tokens named there. positions_checked: the caller
+        checked them on the host (a CUDA graph's step reads no value back)."""
+        if not positions_checked:
+            self._check_positions(batch.positions)
         h = self._embed(batch.input_ids).view(-1, 1, self.embed_dim)  # (N, 1, C)
         if not batch.chunks and self.decode_step_attention is not None and self.fuses_every_layer:
             h = self._decode_hidden(h, batch, cache)

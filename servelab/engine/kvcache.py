@@ -230,6 +230,13 @@ class PagedKVCache:
         return self._block_size
 
     @property
+    def scratch_block(self) -> int:
+        """A token-major pool's block past the pool's own, which no table names: a padded row of a decode step
+        (graphs.py) writes its key there and reads only it."""
+        assert self.layout == "NHD", "only a token-major pool has a scratch block"
+        return self.num_blocks
+
+    @property
     def num_allocated_blocks(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
 
@@ -259,7 +266,7 @@ class PagedKVCache:
         if self.device.type == "cuda" or self.layout == "NHD":
             # NOTE: a GPU's pool is sized to its free memory (engine.pool_blocks): growing by copying would need the old
             # and the new tensors at once, past what is free, so the whole pool is allocated at its first reach
-            blocks = self.num_blocks
+            blocks = self.num_blocks + (self.layout == "NHD")  # and a token-major pool's scratch block
         shape = ((blocks, self.num_kv_heads, self.block_size, self.head_dim) if self.layout == "HND"
                  else (blocks, self.block_size, self.num_kv_heads, self.head_dim))
         # NOTE: zeros, not empty: no column is read before it is written, but a dump or a comparison of the pool

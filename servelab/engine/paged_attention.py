@@ -90,8 +90,7 @@ class FlexDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.block_size, self.dtype, self.device = scale, block_size, dtype, device
         self.max_blocks = -(-max_positions // block_size)
-        # NOTE: one compiled kernel per padded batch (and pool size): the limit on recompilations is raised to hold them
-        _allow_recompiles(64)
+        _allow_recompiles(64)  # NOTE: one compiled kernel per padded batch and pool size
         self._flex = torch.compile(flex_attention, dynamic=False)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
@@ -128,13 +127,17 @@ class FlexDecode:
                          enable_gqa=H != self.num_kv_heads)  # (rows, H, 1, D)
         return out[:B, :, 0].reshape(B, H * D)
 
+    def width(self, num_pool_blocks: int) -> int:
+        """How many blocks the mask's index lists hold: a CPU's kernel wants them as wide as the pool, CUDA's only as
+        wide as the longest table a row may have."""
+        return num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+
     def _buffers_for(self, rows: int, num_pool_blocks: int) -> _Buffers:
         key = (rows, num_pool_blocks)
         if key not in self._buffers:
             from torch.nn.attention.flex_attention import BlockMask
 
-            # NOTE: a CPU's kernel wants the index lists as wide as the pool; CUDA's only as wide as a row's table
-            width = num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+            width = self.width(num_pool_blocks)
             ints = dict(dtype=torch.int32, device=self.device)
             fill = torch.zeros(rows, dtype=torch.long, device=self.device)
             bs = self.block_size
@@ -153,11 +156,15 @@ class FlexDecode:
 
 
 def _allow_recompiles(limit: int) -> None:
+    """Room for a compiled kernel per padded size and pool, and an error past it: beyond the limit dynamo would run
+    flex_attention eagerly, which reads every slot of the pool the mask function allows, and this mask function holds
+    only the last block's rule (the block lists say which blocks are the row's): a wrong result, never to be served."""
     import torch._dynamo
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), limit))
+    config.fail_on_recompile_limit_hit = True
 
 
 def time_decode(attend: Callable[[], object], *, repeats: int = 20) -> float:
@@ -230,7 +237,10 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         return "torch", f"no fused kernel for this model or dtype on {device}; FlexAttention is measured on CUDA only"
     if flex_why_not is not None:
         return "torch", flex_why_not
-    seconds = measure()
+    try:
+        seconds = measure()
+    except Exception as exc:  # noqa: BLE001 - NOTE: a compiler missing or failing (Triton, inductor): torch serves
+        return "torch", f"FlexAttention could not be compiled or run here: {str(exc).splitlines()[0][:200]}"
     name = min(seconds, key=seconds.get)
     figures = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
     return name, f"measured at load, one layer's decode attention: {figures}"

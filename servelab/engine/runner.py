@@ -18,6 +18,7 @@ import torch
 from servelab.engine import measure
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.decoding import Decodings
+from servelab.engine.graphs import DecodeGraphs
 from servelab.engine.kvcache import PagedKVCache
 from servelab.memory import MemoryBreakdown, ModelShape
 from servelab.outputs import BatchTimings, Completion, StepOutput
@@ -118,11 +119,15 @@ class Runner:
 
 class PagedRunner(Runner):
     """servelab's decoder over a paged pool: one forward per step holds the decode rows (one token each) and the
-    prompt chunks, reading and writing the blocks the plan's tables name."""
+    prompt chunks, reading and writing the blocks the plan's tables name. graph_rows: a step of only decode rows, up
+    to this many, read through FlexAttention, runs from buffers of a padded size (graphs.py), replayed from a CUDA graph
+    on CUDA; 0: never."""
 
-    def __init__(self, decoder, decodings: Decodings, *, block_size: int, num_blocks: int, **figures) -> None:
+    def __init__(self, decoder, decodings: Decodings, *, block_size: int, num_blocks: int, graph_rows: int = 0,
+                 **figures) -> None:
         super().__init__(decoder, decodings, **figures)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.graph_rows = block_size, num_blocks, graph_rows
+        self._graphs: weakref.WeakKeyDictionary[BlockManager, DecodeGraphs] = weakref.WeakKeyDictionary()
         # NOTE: one set of pool tensors per scheduler's pool (a worker's, or the engine's own for add / step), so two
         # schedulers driving this runner in turn never read each other's blocks as their cached prefixes
         self._caches: weakref.WeakKeyDictionary[BlockManager, PagedKVCache] = weakref.WeakKeyDictionary()
@@ -144,14 +149,43 @@ class PagedRunner(Runner):
         self.decodings.open(plan.rows, admitted=plan.admitted, started=started, started_at_s=started_at_s)
         cache = self.cache(plan.pool)
         cache.reach([r.block_table for r in plan.rows], expected=plan.num_expected_blocks)
-        batch, sampled = self._batch(plan, cache)
-        logits = self.decoder.forward_paged(batch, cache)
+        if (graphs := self._graphs_for(plan, cache)) is not None:
+            sampled, bs = list(plan.decode), self.block_size
+            logits = graphs.run([r.token_ids[r.num_computed_tokens] for r in sampled],
+                                [r.num_computed_tokens for r in sampled],
+                                [r.num_computed_tokens - r.num_evicted_blocks * bs for r in sampled],
+                                [r.block_table for r in sampled])
+        else:
+            batch, sampled = self._batch(plan, cache)
+            logits = self.decoder.forward_paged(batch, cache)
         meter.cache(plan.num_used_blocks * self.block_size, cache.allocated_bytes,
                     num_shared_blocks=plan.num_shared_blocks, block_size=self.block_size)
         out = self.decodings.sample(logits, sampled) if sampled else StepOutput((), ())
         meter.step((time.perf_counter() - started) * 1e3, num_sampled=len(sampled),
                    num_prefill_tokens=sum(n for _, n in plan.chunks), num_decode_tokens=len(plan.decode))
         return out
+
+    def graphs_summary(self) -> str:
+        """Which padded decode steps ran from CUDA graphs, and which could not be captured (and why)."""
+        if not self.graph_rows:
+            return "no CUDA graphs (off, or not CUDA with FlexAttention)"
+        captured = sorted({rows for g in self._graphs.values() for rows in g.captured})
+        failed = {rows: why for g in self._graphs.values() for rows, why in g.failed.items()}
+        text = (f"decode steps replayed from CUDA graphs at {', '.join(map(str, captured))} rows" if captured
+                else "no CUDA graph captured yet")
+        return text + "".join(f"; {rows} rows eager: {why}" for rows, why in sorted(failed.items()))
+
+    def _graphs_for(self, plan: SchedulerOutput, cache: PagedKVCache) -> DecodeGraphs | None:
+        """The padded steps of this pool, where this plan is one: only decode rows, few enough, FlexAttention serving
+        every layer; else None (an eager forward)."""
+        if (not self.graph_rows or plan.chunks or self.decoder.paged_attention != "flex"
+                or not self.decoder.fuses_every_layer):
+            return None
+        if plan.pool not in self._graphs:
+            self._graphs[plan.pool] = DecodeGraphs(self.decoder, cache, max_rows=self.graph_rows,
+                                                   capture=self.device.type == "cuda")
+        graphs = self._graphs[plan.pool]
+        return graphs if graphs.fits(len(plan.decode), [r.block_table for r in plan.decode]) else None
 
     def _batch(self, plan: SchedulerOutput, cache: PagedKVCache) -> tuple[PagedBatch, list[ScheduledRequest]]:
         """The plan as one forward's inputs: the decode rows' last tokens, then each chunk's tokens -> the batch and

@@ -36,11 +36,11 @@ def test_the_window_mask_is_sinks_and_the_blocks_behind_each_tokens_own() -> Non
 
 BUILDS = [*(pytest.param(f"servelab-{isa.name}", marks=pytest.mark.skipif(isa_reason(isa) is not None,
                                                                          reason=f"{isa_reason(isa)}"))
-            for isa in ISAS), "torch"]
+            for isa in ISAS), "torch", "flex"]
 
 
-def _window_config(folder: Path, linear_kernel: str, max_batch_tokens: int = 160, **kv):
-    return make_config(str(folder), linear_kernel=linear_kernel,
+def _window_config(folder: Path, linear_kernel: str, max_batch_tokens: int = 160, paged_attention: str = "auto", **kv):
+    return make_config(str(folder), linear_kernel=linear_kernel, paged_attention=paged_attention,
                        kv_cache={"block_size": BS, "eviction": "window", "sink_tokens": SINK * BS,
                                  "window_tokens": WINDOW * BS, **kv},
                        batching={"max_prefill_tokens": 8, "max_batch_tokens": max_batch_tokens},
@@ -49,13 +49,16 @@ def _window_config(folder: Path, linear_kernel: str, max_batch_tokens: int = 160
 
 @pytest.fixture(scope="module")
 def window_engines(tiny_folder: Path, settings: Settings) -> dict[str, Engine]:
-    """One tiny engine per runnable kernel build and one on torch's matmul (the torch decode path): blocks of 4, a
+    """One tiny engine per runnable kernel build, one on torch's matmul (the torch decode path) and one reading the pool
+    through FlexAttention, its decode-only steps from padded buffers (graphs.py, eager on a CPU): blocks of 4, a
     4-token sink and an 8-token window, prefill chunks of 8 tokens."""
     engines = {}
     for build in ("servelab-avx512", "servelab-avx2", "torch"):
         isa = next((i for i in ISAS if build.endswith(i.name)), None)
         if isa is None or isa_reason(isa) is None:
             engines[build] = Engine.from_config(_window_config(tiny_folder, build), settings)
+    engines["flex"] = Engine.from_config(_window_config(tiny_folder, "torch", paged_attention="flex"), settings)
+    engines["flex"].runner.graph_rows = 8
     return engines
 
 
@@ -79,7 +82,7 @@ def _expected(engine: Engine, request: GenerationRequest) -> list[int]:
 def test_window_decoding_equals_a_naive_reference_with_the_same_mask(window_engines, plain_engine: Engine,
                                                                      build: str) -> None:
     engine = window_engines[build]
-    assert (engine.decoder.decode_step_attention is None) == (build == "torch")
+    assert (engine.decoder.decode_step_attention is None) == (build in ("torch", "flex"))
     rng = random.Random(7)
     arrivals: dict[int, list[GenerationRequest]] = {}
     for i in range(4):  # prompts up to 60 tokens: longer than sink + window, prefilled in chunks that evict
@@ -94,6 +97,8 @@ def test_window_decoding_equals_a_naive_reference_with_the_same_mask(window_engi
     everything = plain_engine.generate(requests).completions  # the same rows keeping every column
     assert sum(c.token_ids != done[c.request_id].token_ids for c in everything) >= 2  # the window changed them
     assert engine.num_live == 0 and engine.scheduler.pool.num_used_blocks == 0
+    if build == "flex":  # NOTE: its decode-only steps ran from the padded buffers, rows past each table's start evicted
+        assert engine.runner._graphs and next(iter(engine.runner._graphs.values()))._sizes
 
 
 def test_rows_the_pool_gives_back_mid_decode_are_prefilled_again_under_the_window(tiny_folder: Path,

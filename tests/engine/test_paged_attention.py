@@ -69,7 +69,9 @@ def test_a_token_major_pool_reads_the_same_columns_as_the_default_layout() -> No
     for pool in pools.values():
         pool.reach([[0, 1, 3, 5]])
         pool.write(0, blocks, offsets, keys, values)
-    assert pools["NHD"].keys[0].shape == (6, 4, 2, 8) and pools["HND"].keys[0].shape == (6, 2, 4, 8)
+    # NOTE: a token-major pool is allocated whole at its first reach, with its scratch block past the pool's own
+    assert pools["NHD"].keys[0].shape == (7, 4, 2, 8) and pools["NHD"].scratch_block == 6
+    assert pools["HND"].keys[0].shape == (6, 2, 4, 8)
     for got, want in zip(pools["NHD"].read(0, blocks, offsets), pools["HND"].read(0, blocks, offsets)):
         torch.testing.assert_close(got, want)
     table = torch.tensor([[3, 1], [5, 0]])
@@ -117,6 +119,27 @@ def test_flex_serves_a_cached_prefix_and_a_prompt_in_chunks_like_naive(flex_engi
         assert list(completion.token_ids) == _expected(flex_engine, request)
 
 
+def test_decode_steps_from_padded_buffers_decode_like_naive_and_pad_only_the_scratch_block(flex_engine: Engine) -> None:
+    """The steps a CUDA graph replays, run eagerly here from the same buffers: padded rows write the scratch block
+    and nothing else."""
+    runner = flex_engine.runner
+    runner.graph_rows = 8
+    try:
+        rng = random.Random(11)
+        arrivals = {step: [_request(rng, f"g{step}-{i}") for i in range(n)] for step, n in ((0, 3), (2, 2), (6, 1))}
+        done = _run_schedule(flex_engine, arrivals)
+        graphs = next(iter(runner._graphs.values()))
+        assert graphs._sizes and set(graphs._sizes) <= {4, 8} and graphs.captured == [] and not graphs.failed
+        for request in (r for group in arrivals.values() for r in group):
+            assert list(done[request.request_id].token_ids) == _expected(flex_engine, request), request.request_id
+        cache = runner.cache(flex_engine.scheduler.pool)
+        scratch = cache.scratch_block
+        assert scratch == flex_engine.scheduler.pool.num_blocks and cache.num_allocated_blocks == scratch + 1
+        assert cache.keys[0][scratch, 0].abs().sum() > 0 and cache.keys[0][scratch, 1:].abs().sum() == 0
+    finally:
+        runner.graph_rows = 0
+
+
 def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert paged.choose("auto", fused_fits=True, device=cpu, flex_why_not=None, measure=None)[0] == "servelab"
@@ -126,6 +149,12 @@ def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
     assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not=None,
                         measure=lambda: {"flex": 90e-6, "torch": 20e-6})[0] == "torch"
     assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not="int8", measure=None) == ("torch", "int8")
+
+    def no_compiler():
+        raise RuntimeError("Cannot find a working triton installation\nmore")
+
+    assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not=None, measure=no_compiler) == (
+        "torch", "FlexAttention could not be compiled or run here: Cannot find a working triton installation")
     assert paged.choose("auto", fused_fits=False, device=cpu, flex_why_not=None, measure=None)[0] == "torch"
     with pytest.raises(paged.PagedAttentionError, match="'servelab' cannot serve here: .*CPU"):
         paged.choose("servelab", fused_fits=False, device=cuda, flex_why_not=None, measure=None)
@@ -163,3 +192,6 @@ def test_each_paged_attention_on_cuda_decodes_like_naive(tiny_folder: Path, sett
     done = _run_schedule(engine, arrivals)
     for request in (r for group in arrivals.values() for r in group):
         assert list(done[request.request_id].token_ids) == _expected(engine, request), request.request_id
+    if engine.decoder.paged_attention == "flex":  # its decode-only steps replayed from captured graphs
+        assert "replayed from CUDA graphs at 4" in engine.runner.graphs_summary() and "eager" not in \
+            engine.runner.graphs_summary()
