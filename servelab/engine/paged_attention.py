@@ -14,6 +14,7 @@ decode step at the model's shape finds faster. Does not know the model's layers 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from servelab.engine.model_files import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 MIN_ROWS = 4  # NOTE: the smallest padded batch: sizes 1-4 share one compiled kernel; 3 extra query rows cost nothing
 # that shows beside a layer's weights
@@ -243,5 +246,6 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         return "torch", f"FlexAttention could not be compiled or run here: {str(exc).splitlines()[0][:200]}"
     name = min(seconds, key=seconds.get)
     figures = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
+    log.info("paged attention on %s: %s (one layer's decode attention: %s)", device, name, figures)
     return name, f"measured at load, one layer's decode attention: {figures}"
 
