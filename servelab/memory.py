@@ -1,5 +1,5 @@
-"""Memory arithmetic: KV-cache bytes from the model shape, the breakdown reported with a batch, and the paged pool a
-device's free memory holds.
+"""Memory arithmetic: KV-cache bytes from the model shape, the breakdown reported with a batch, and the paged pool's
+blocks (a config's, or what a device's free memory holds).
 
 Pure: imports no torch, so the batcher (which budgets KV tokens) and the dashboard can use it.
 Does not measure anything; servelab/engine/measure.py reads real tensors and the process.
@@ -8,6 +8,10 @@ Does not measure anything; servelab/engine/measure.py reads real tensors and the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from servelab.config import ServingConfig
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
 
@@ -70,3 +74,39 @@ def memory_pool_blocks(free_bytes: int, block_bytes: int, *, cap_bytes: int | No
     if cap_bytes is not None:
         room = min(room, cap_bytes)
     return room // block_bytes
+
+
+def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int, *,
+                device_memory: tuple[int, int, int] | None = None,
+                memory_share: float = DEFAULT_GPU_MEMORY_SHARE) -> int:
+    """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; on a GPU (device_memory: its
+    free and total bytes and this process's own, once the weights are on it) what its free memory holds less a
+    reserve, within this process's share of the device (memory_share of its total, less what it holds already) and
+    capped by max_kv_cache_mib (`memory_pool_blocks`); never fewer than one request of max_context_tokens needs (a lone
+    request is always served).
+
+    NOTE: processes that share one GPU (several gpu-workers, a plan's baseline and candidates at once) must split it
+    with SERVELAB_GPU_MEMORY_SHARE: each sizes its pool from its share, so two starting at once cannot both take the
+    free memory; the lab and `servelab up` do not set it for them yet."""
+    batching = config.batching
+    cap = batching.max_kv_cache_mib * 2**20 if batching.max_kv_cache_mib is not None else None
+    if device_memory is not None:
+        # NOTE: max_batch_tokens does not size a GPU's pool (its default, 16,384 tokens, is a CPU's figure): the memory
+        # left after the weights does, as vLLM's gpu_memory_utilization does
+        free, total, own = device_memory
+        blocks = memory_pool_blocks(free, block_bytes, cap_bytes=cap, reserve_bytes=device_reserve_bytes(total),
+                                    share_bytes=int(memory_share * total) - own)
+    else:
+        blocks = -(-batching.max_batch_tokens // block_size)
+        if cap is not None:
+            blocks = min(blocks, cap // block_bytes)
+    lone = -(-config.decoding.max_context_tokens // block_size)
+    if (window := kv_window(config)) is not None:  # a windowed row holds no more than its sinks, window and a chunk
+        lone = min(lone, window[0] + window[1] + 2 + -(-batching.max_prefill_tokens // block_size))
+    return max(blocks, lone)
+
+
+def kv_window(config: ServingConfig) -> tuple[int, int] | None:
+    """(sink blocks, window blocks) a row keeps under kv_cache.eviction: window; None: every block."""
+    kv = config.kv_cache
+    return (kv.sink_blocks, kv.window_blocks) if kv.eviction == "window" else None

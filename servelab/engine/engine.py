@@ -29,11 +29,11 @@ from servelab.engine.dense_runner import TransformersRunner
 from servelab.engine.kvcache import cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
-from servelab.engine.paged_attention import PagedAttentionError, flex_reason
+from servelab.engine.paged_attention import PagedAttentionError, config_reason
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.runner import PagedRunner, Runner
 from servelab.engine.sampling import kernel_argmax
-from servelab.memory import DEFAULT_GPU_MEMORY_SHARE, MemoryBreakdown, device_reserve_bytes, memory_pool_blocks
+from servelab.memory import DEFAULT_GPU_MEMORY_SHARE, MemoryBreakdown, kv_window, pool_blocks
 from servelab.outputs import BatchResult, BatchTimings, Completion, StepOutput, failed
 from servelab.resident import return_freed_memory
 from servelab.request import GenerationRequest, RequestError, check_prompt_length
@@ -310,36 +310,6 @@ class Engine:
         return self.runner.take_stats()
 
 
-def pool_blocks(config: ServingConfig, block_bytes: int, block_size: int, *,
-                device_memory: tuple[int, int, int] | None = None,
-                memory_share: float = DEFAULT_GPU_MEMORY_SHARE) -> int:
-    """The paged cache's blocks: max_kv_cache_mib of them, else max_batch_tokens' worth; on a GPU (device_memory: its
-    free and total bytes and this process's own, once the weights are on it) what its free memory holds less a
-    reserve, within this process's share of the device (memory_share of its total, less what it holds already) and
-    capped by max_kv_cache_mib (`memory_pool_blocks`); never fewer than one request of max_context_tokens needs (a lone
-    request is always served).
-
-    NOTE: processes that share one GPU (several gpu-workers, a plan's baseline and candidates at once) must split it
-    with SERVELAB_GPU_MEMORY_SHARE: each sizes its pool from its share, so two starting at once cannot both take the
-    free memory; the lab and `servelab up` do not set it for them yet."""
-    batching = config.batching
-    cap = batching.max_kv_cache_mib * 2**20 if batching.max_kv_cache_mib is not None else None
-    if device_memory is not None:
-        # NOTE: max_batch_tokens does not size a GPU's pool (its default, 16,384 tokens, is a CPU's figure): the memory
-        # left after the weights does, as vLLM's gpu_memory_utilization does
-        free, total, own = device_memory
-        blocks = memory_pool_blocks(free, block_bytes, cap_bytes=cap, reserve_bytes=device_reserve_bytes(total),
-                                    share_bytes=int(memory_share * total) - own)
-    else:
-        blocks = -(-batching.max_batch_tokens // block_size)
-        if cap is not None:
-            blocks = min(blocks, cap // block_bytes)
-    lone = -(-config.decoding.max_context_tokens // block_size)
-    if (window := kv_window(config)) is not None:  # a windowed row holds no more than its sinks, window and a chunk
-        lone = min(lone, window[0] + window[1] + 2 + -(-batching.max_prefill_tokens // block_size))
-    return max(blocks, lone)
-
-
 def device_memory(device: torch.device) -> tuple[int, int, int] | None:
     """(free, total, this process's) bytes of a CUDA device, what torch's allocator caches unused counted free; None
     elsewhere (a CPU's pool is sized by the config alone)."""
@@ -360,12 +330,6 @@ def cache_namespace(config: ServingConfig, dtype: torch.dtype) -> str:
                      config.linear_kernel, config.paged_attention, config.lm_head_weights,
                      str(config.kv_cache.block_size),
                      *((f"window {window[0]}+{window[1]}",) if window else ())))
-
-
-def kv_window(config: ServingConfig) -> tuple[int, int] | None:
-    """(sink blocks, window blocks) a row keeps under kv_cache.eviction: window; None: every block."""
-    kv = config.kv_cache
-    return (kv.sink_blocks, kv.window_blocks) if kv.eviction == "window" else None
 
 
 def _eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -392,7 +356,7 @@ def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
                   else load_blocked_kernel(settings.cache_dir).reason or None)
         if reason:
             raise LinearKernelError(f"{config.name}: lm_head_weights 'int8' cannot run here: {reason}")
-    if (reason := paged_attention_reason(config, device)) is not None:
+    if (reason := config_reason(config, device)) is not None:
         raise PagedAttentionError(f"{config.name}: paged_attention {config.paged_attention!r} cannot serve here: {reason}")
     if config.decoder != "auto" or config.linear_kernel == "auto":
         return
@@ -406,20 +370,3 @@ def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
         check_linear_kernel(config.linear_kernel, device=device, dtype=dtype, cache_dir=settings.cache_dir)
     except LinearKernelError as exc:
         raise LinearKernelError(f"{config.name}: {exc}") from None
-
-
-def paged_attention_reason(config: ServingConfig, device: torch.device) -> str | None:
-    """Why the config's paged_attention cannot serve on this device whatever the model, or None (what depends on the
-    model, a head size say, is refused when the decoder is built)."""
-    if config.paged_attention == "auto":
-        return None
-    if config.decoder != "auto":
-        return "it needs servelab's decoder (decoder: transformers)"
-    if config.paged_attention == "servelab" and device.type != "cpu":
-        return f"servelab's fused attention kernels are for CPUs (device {device})"
-    if config.paged_attention == "flex" and config.kv_cache_dtype == "int8":
-        return flex_reason(cache_dtype=torch.int8, dtype=torch.float32, head_dim=64, block_size=16, device=device)
-    if config.paged_attention == "flex":
-        return flex_reason(cache_dtype=torch.float32, dtype=torch.float32, head_dim=64,
-                           block_size=config.kv_cache.block_size, device=device)
-    return None

@@ -191,16 +191,15 @@ class BatchKVCache(Protocol):
 
 class PagedKVCache:
     """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D) (layout 'HND', what
-    servelab's fused CPU kernels read) or (blocks, block_size, H_kv, D) ('NHD', token-major, what FlexAttention reads in
-    place: the pool is then one sequence of slots, each holding every kv head's key), in the cache precision; which block holds which row's columns is the scheduler's pool's books (scheduler/blocks.py),
-    handed in as each plan's block tables. An int8 pool also holds key_scales and value_scales per layer (blocks,
+    servelab's fused CPU kernels read) or (blocks, block_size, H_kv, D) ('NHD', token-major: one sequence of slots, each
+    holding every kv head's key, what FlexAttention reads in place), in the cache precision; which block holds which
+    row's columns is the scheduler's pool's books (scheduler/blocks.py), handed in as each plan's block tables. An int8 pool also holds key_scales and value_scales per layer (blocks,
     H_kv, block_size) fp32 (`quantize_heads`); a float pool's are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
-    a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU, and for FlexAttention,
-    whose compiled kernels are specialised to the pool's size, the whole pool is allocated at the first reach; a GPU's
-    size is taken from the free memory). A block is written
-    before it is read (a row reads only its own columns).
+    a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU, sized from its free
+    memory, and token-major, for kernels compiled for the pool's size, the whole pool is allocated at the first reach).
+    A block is written before it is read (a row reads only its own columns).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -264,7 +263,7 @@ class PagedKVCache:
             return
         blocks = min(self.num_blocks, max(needed, have + have // 2))
         if self.device.type == "cuda" or self.layout == "NHD":
-            # NOTE: a GPU's pool is sized to its free memory (engine.pool_blocks): growing by copying would need the old
+            # NOTE: a GPU's pool is sized to its free memory (memory.pool_blocks): growing by copying would need the old
             # and the new tensors at once, past what is free, so the whole pool is allocated at its first reach
             blocks = self.num_blocks + (self.layout == "NHD")  # and a token-major pool's scratch block
         shape = ((blocks, self.num_kv_heads, self.block_size, self.head_dim) if self.layout == "HND"
@@ -293,29 +292,26 @@ class PagedKVCache:
               values: torch.Tensor) -> None:
         """keys, values (T, H_kv, D) into the columns at (blocks, offsets) (T,) each (int8: quantised per token and
         kv head)."""
+        at = self._at(blocks, offsets)
         if self.quantized:
             (k, ks), (v, vs) = quantize_heads(keys), quantize_heads(values)
-            self.keys[layer][blocks, :, offsets], self.key_scales[layer][blocks, :, offsets] = k, ks
-            self.values[layer][blocks, :, offsets], self.value_scales[layer][blocks, :, offsets] = v, vs
+            self.keys[layer][at], self.key_scales[layer][at] = k, ks
+            self.values[layer][at], self.value_scales[layer][at] = v, vs
             return
-        if self.layout == "NHD":
-            self.keys[layer][blocks, offsets] = keys.to(self.dtype)
-            self.values[layer][blocks, offsets] = values.to(self.dtype)
-            return
-        self.keys[layer][blocks, :, offsets] = keys.to(self.dtype)
-        self.values[layer][blocks, :, offsets] = values.to(self.dtype)
+        self.keys[layer][at] = keys.to(self.dtype)
+        self.values[layer][at] = values.to(self.dtype)
+
+    def _at(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple:
+        """The index of the columns at (blocks, offsets) in a layer's tensors: their (..., S, H_kv, D) entries."""
+        return (blocks, offsets) if self.layout == "NHD" else (blocks, slice(None), offsets)
 
     def read(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The columns at (blocks, offsets) (..., S) -> keys, values (..., H_kv, S, D) in the storage dtype (int8:
         dequantised to fp32, these columns only)."""
-        if self.layout == "NHD":
-            k, v = self.keys[layer][blocks, offsets], self.values[layer][blocks, offsets]  # (..., S, H_kv, D)
-            return k.transpose(-2, -3), v.transpose(-2, -3)
-        k = self.keys[layer][blocks, :, offsets]  # (..., S, H_kv, D)
-        v = self.values[layer][blocks, :, offsets]
+        at = self._at(blocks, offsets)
+        k, v = self.keys[layer][at], self.values[layer][at]  # (..., S, H_kv, D)
         if self.quantized:
-            k = dequantize_heads(k, self.key_scales[layer][blocks, :, offsets])
-            v = dequantize_heads(v, self.value_scales[layer][blocks, :, offsets])
+            k, v = dequantize_heads(k, self.key_scales[layer][at]), dequantize_heads(v, self.value_scales[layer][at])
         return k.transpose(-2, -3), v.transpose(-2, -3)
 
     def read_blocks(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from servelab.engine.model_files import ModelLoadError
+
+if TYPE_CHECKING:
+    from servelab.config import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -249,3 +253,19 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
     log.info("paged attention on %s: %s (one layer's decode attention: %s)", device, name, figures)
     return name, f"measured at load, one layer's decode attention: {figures}"
 
+
+def config_reason(config: ServingConfig, device: torch.device) -> str | None:
+    """Why the config's paged_attention cannot serve on this device whatever the model, or None (what depends on the
+    model, a head size say, is refused when the decoder is built)."""
+    if config.paged_attention == "auto":
+        return None
+    if config.decoder != "auto":
+        return "it needs servelab's decoder (decoder: transformers)"
+    if config.paged_attention == "servelab" and device.type != "cpu":
+        return f"servelab's fused attention kernels are for CPUs (device {device})"
+    if config.paged_attention == "flex" and config.kv_cache_dtype == "int8":
+        return flex_reason(cache_dtype=torch.int8, dtype=torch.float32, head_dim=64, block_size=16, device=device)
+    if config.paged_attention == "flex":
+        return flex_reason(cache_dtype=torch.float32, dtype=torch.float32, head_dim=64,
+                           block_size=config.kv_cache.block_size, device=device)
+    return None

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from servelab.cli import app
 from servelab.engine import engine as engine_module
-from servelab.engine.engine import Engine, pool_blocks
+from servelab.engine.engine import Engine
+from servelab.memory import pool_blocks
 from servelab.memory import device_reserve_bytes, memory_pool_blocks
 from servelab.lab import check_gpu, gpu_models
 from servelab.settings import Settings
