@@ -96,7 +96,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 size.logits = self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
             size.graph = graph
-        except RuntimeError as exc:  # NOTE: a kernel that cannot be captured: this size runs eagerly, said once
+        except Exception as exc:  # noqa: BLE001 - NOTE: a kernel that cannot be captured (CUDA's errors, Triton's own
+            # exceptions): this size runs eagerly, said once
             self.failed[rows] = str(exc).splitlines()[0][:300]
             size.graph, size.logits = None, None
             log.warning("decode steps of %d rows run without a CUDA graph: %s", rows, self.failed[rows])
