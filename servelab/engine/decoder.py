@@ -66,7 +66,8 @@ class Decoder(Protocol):
 
 def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
                   linear_kernel: str, cache_dir: Path, int4_kernel: str = "auto", lm_head_weights: str = "auto",
-                  int4_activations: str = "int8", paged_attention: str = "auto", kv_block_size: int = 16) -> Decoder:
+                  int4_activations: str = "int8", paged_attention: str = "auto", kv_block_size: int = 16,
+                  max_context_tokens: int | None = None) -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
     int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
     it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU). int4_activations:
@@ -87,7 +88,8 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
                                       shapes=measured_shapes(dense) or ((64, 64),))
         return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4,
                             int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None,
-                            paged_attention=paged_attention, kv_block_size=kv_block_size)
+                            paged_attention=paged_attention, kv_block_size=kv_block_size,
+                            max_context_tokens=max_context_tokens)
     if paged_attention != "auto":
         raise paged.PagedAttentionError(f"paged_attention {paged_attention!r} needs servelab's decoder, which does not "
                                         f"cover this model: {unsupported_reason(model) or 'decoder: transformers'}")
@@ -371,7 +373,7 @@ class LlamaDecoder:
 
     def __init__(self, model, *, kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
                  kernel: LinearKernel, int4: Int4Kernel | None = None, int8_head: BlockedKernel | None = None,
-                 paged_attention: str = "auto", kv_block_size: int = 16) -> None:
+                 paged_attention: str = "auto", kv_block_size: int = 16, max_context_tokens: int | None = None) -> None:
         config = model.config
         self.kernel, self.int4 = kernel, int4
         self.num_heads = config.num_attention_heads
@@ -462,13 +464,16 @@ class LlamaDecoder:
         self.paged_attention, self.paged_attention_reason = paged.choose(
             paged_attention, fused_fits=self.decode_step_attention is not None, device=device,
             flex_why_not=paged.flex_reason(cache_dtype=self.cache_dtype, dtype=dtype, head_dim=self.head_dim,
-                                           block_size=kv_block_size, device=device),
+                                           block_size=kv_block_size, device=device,
+                                           group=self.num_heads // self.num_kv_heads),
             measure=lambda: paged.measure_decode_choices(
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
                 block_size=kv_block_size, dtype=dtype, device=device))
         if self.paged_attention != "servelab":
             self.decode_step_attention = self.prefill_step_attention = None
         self._flex: dict[int, paged.FlexDecode] = {}  # by block size
+        # NOTE: the longest row FlexAttention's index lists must hold (the config's context, within the rotary tables)
+        self.max_context = min(max_context_tokens or self.cos.shape[0], self.cos.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights in their layouts, embeddings, norms, rotary tables."""
@@ -502,7 +507,7 @@ class LlamaDecoder:
         if block_size not in self._flex:
             self._flex[block_size] = paged.FlexDecode(
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
-                block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.cos.shape[0])
+                block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
         return self._flex[block_size]
 
     def kv_bytes_per_block(self, block_size: int) -> int:

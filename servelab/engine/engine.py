@@ -70,7 +70,8 @@ class Engine:
                                      int4_activations=config.awq.activations if config.awq else "int8",
                                      lm_head_weights=config.lm_head_weights,
                                      paged_attention=config.paged_attention,
-                                     kv_block_size=config.kv_cache.block_size)
+                                     kv_block_size=config.kv_cache.block_size,
+                                     max_context_tokens=config.decoding.max_context_tokens)
         if isinstance(self.decoder, LlamaDecoder) and config.decoding.max_context_tokens > self.decoder.cos.shape[0]:
             # NOTE: refused here, not at the step a row reaches past the rotary tables (a batch's step would fail)
             raise ModelLoadError(

@@ -19,7 +19,7 @@ import torch
 
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.kvcache import PagedKVCache
-from servelab.engine.paged_attention import padded_rows
+from servelab.engine.paged_attention import first_line, padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +82,17 @@ class DecodeGraphs:
 
     def _capture(self, rows: int, size: _Size) -> None:
         """Capture the step at this size: two eager steps first on a side stream (FlexAttention compiles, the
-        allocator settles), every row padded (they touch only the scratch block)."""
+        allocator settles; their errors are the step's own, raised), every row padded (they touch only the scratch
+        block)."""
+        device = self.cache.device
+        serving = torch.cuda.current_stream(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(serving)
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
+        serving.wait_stream(stream)
         try:
-            stream = torch.cuda.Stream(self.cache.device)
-            stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
-            torch.cuda.current_stream(self.cache.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -98,7 +101,8 @@ class DecodeGraphs:
             size.graph = graph
         except Exception as exc:  # noqa: BLE001 - NOTE: a kernel that cannot be captured (CUDA's errors, Triton's own
             # exceptions): this size runs eagerly, said once
-            self.failed[rows] = str(exc).splitlines()[0][:300]
+            torch.cuda.set_stream(serving)  # NOTE: a capture that failed at its end leaves its own stream current
+            self.failed[rows] = first_line(exc)
             size.graph, size.logits = None, None
             log.warning("decode steps of %d rows run without a CUDA graph: %s", rows, self.failed[rows])
 

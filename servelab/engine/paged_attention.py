@@ -2,10 +2,12 @@
 on a CPU), over a pool laid out token-major (blocks, block_size, H_kv, D), each decode row's block table handed to the
 kernel as its block mask's index list. Nothing is gathered: the kernel visits a row's blocks where they lie.
 
-A row's blocks but its last are whole ("full" blocks: no mask is evaluated in them); the last is read up to the new
-key's column (the mask's one rule). Rows are padded to a few sizes (powers of two, at least MIN_ROWS) so that the kernel
-is compiled once per size, and every tensor the kernel reads is a buffer of that size, updated in place each step:
-no recompilation from one step to the next, and a CUDA graph of the step can capture them as they are.
+A row's table is the mask's list of blocks to visit; the mask's one rule reads the row's last block up to the new key's
+column and every other block whole (the kernel splits a row's blocks between its thread blocks: lists of "full" blocks
+would have it split the whole pool instead, CUDA's flex-decoding template tiling full blocks over every key). Rows are
+padded to a few sizes (powers of two, at least MIN_ROWS) so that the kernel is compiled once per size, and every tensor
+the kernel reads is a buffer of that size, updated in place each step: no recompilation from one step to the next,
+and a CUDA graph of the step can capture them as they are.
 
 `choose` picks the decode attention where the config leaves it to the machine (`paged_attention: auto`): servelab's
 fused kernels on a CPU where they fit, and on CUDA FlexAttention or torch's gather and attention, whichever a timed
@@ -39,7 +41,7 @@ class PagedAttentionError(ModelLoadError):
 
 
 def flex_reason(*, cache_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, block_size: int,
-                device: torch.device) -> str | None:
+                device: torch.device, group: int = 1) -> str | None:
     """Why FlexAttention cannot read this pool, or None."""
     if cache_dtype == torch.int8:
         return ("FlexAttention reads keys and values as they are stored, and an int8 KV cache needs its scales applied "
@@ -49,6 +51,11 @@ def flex_reason(*, cache_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, 
                 f"in {dtype} (set kv_cache_dtype: auto)")
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"FlexAttention's kernels take a head size that is a power of two of at least 16 (this model's: {head_dim})"
+    if device.type == "cuda" and group & (group - 1):
+        # NOTE: torch's flex-decoding kernel takes a power-of-two group (_use_flex_decoding); its other kernel reads keys
+        # in tiles of 64 or more, wider than a block of 16
+        return (f"FlexAttention's decode kernel on CUDA takes a power-of-two number of query heads per kv head (this "
+                f"model's: {group})")
     if device.type == "cuda" and block_size % 16:
         # NOTE: a block is the kernel's tile of keys, and a GPU's matrix instructions take at least 16 of them
         return f"FlexAttention's GPU kernels read keys in tiles of 16 or more: kv_cache.block_size is {block_size}"
@@ -66,10 +73,9 @@ class _Buffers:
 
     query: torch.Tensor  # (rows, H, 1, D) the decode rows' rotated queries, padded rows zero
     fill: torch.Tensor  # (rows,) int64 the new key's offset in its block: the last block is read up to it
-    last_count: torch.Tensor  # (rows, 1, 1) int32, always 1: the last block, read through the mask
-    last_block: torch.Tensor  # (rows, 1, 1, width) int32, its first column the last block
-    full_count: torch.Tensor  # (rows, 1, 1) int32 the blocks before the last, read whole
-    full_blocks: torch.Tensor  # (rows, 1, 1, width) int32 the row's block table
+    last_block: torch.Tensor  # (rows,) int64 the block the new key goes to
+    count: torch.Tensor  # (rows, 1, 1) int32 the blocks the row reads (its last included)
+    blocks: torch.Tensor  # (rows, 1, 1, width) int32 the row's block table
     mask: object  # torch.nn.attention.flex_attention.BlockMask over the buffers above
 
 
@@ -106,19 +112,18 @@ class FlexDecode:
         int32: its blocks, padded with block 0 -> the step every layer's call reads."""
         B, nb = table.shape
         buffers = self._buffers_for(padded_rows(B), num_pool_blocks)
-        if nb > buffers.full_blocks.shape[-1]:
-            raise PagedAttentionError(f"a row holds {nb} blocks, past the {buffers.full_blocks.shape[-1]} FlexAttention's "
+        if nb > buffers.blocks.shape[-1]:
+            raise PagedAttentionError(f"a row holds {nb} blocks, past the {buffers.blocks.shape[-1]} FlexAttention's "
                                       "block mask was sized for")
         last = (lengths // self.block_size).view(B, 1)
         new_blocks = table.long().gather(1, last).view(B)
         new_offsets = lengths % self.block_size
-        buffers.full_blocks[:B, 0, 0, :nb] = table
-        buffers.full_count[:B, 0, 0] = last.view(B)
-        buffers.last_block[:B, 0, 0, 0] = new_blocks
+        buffers.blocks[:B, 0, 0, :nb] = table
+        buffers.count[:B, 0, 0] = last.view(B) + 1
+        buffers.last_block[:B] = new_blocks
         buffers.fill[:B] = new_offsets
-        buffers.full_count[B:] = 0  # NOTE: padded rows read column 0 of block 0 (their output is dropped)
-        buffers.fill[B:] = 0
-        buffers.last_block[B:, 0, 0, 0] = 0
+        # NOTE: padded rows read column 0 of block 0 (their output is dropped)
+        buffers.count[B:], buffers.blocks[B:, 0, 0, 0], buffers.last_block[B:], buffers.fill[B:] = 1, 0, 0, 0
         return FlexStep(B, new_blocks, new_offsets, buffers)
 
     def attend(self, step: FlexStep, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -130,8 +135,12 @@ class FlexDecode:
         # NOTE: the pool seen as one sequence of slots, (1, H_kv, blocks x block_size, D): a view, strided by H_kv x D
         k = keys.view(-1, self.num_kv_heads, D).transpose(0, 1).unsqueeze(0)
         v = values.view(-1, self.num_kv_heads, D).transpose(0, 1).unsqueeze(0)
-        out = self._flex(buffers.query, k, v, block_mask=buffers.mask, scale=self.scale,
-                         enable_gqa=H != self.num_kv_heads)  # (rows, H, 1, D)
+        # NOTE: past dynamo's recompile limit it would run flex_attention eagerly, which takes the mask function as the
+        # whole truth (it ignores the block lists) while this one holds only the last block's rule: a wrong result.
+        # So an error there, for this call only
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            out = self._flex(buffers.query, k, v, block_mask=buffers.mask, scale=self.scale,
+                             enable_gqa=H != self.num_kv_heads)  # (rows, H, 1, D)
         return out[:B, :, 0].reshape(B, H * D)
 
     def width(self, num_pool_blocks: int) -> int:
@@ -147,34 +156,30 @@ class FlexDecode:
             width = self.width(num_pool_blocks)
             ints = dict(dtype=torch.int32, device=self.device)
             fill = torch.zeros(rows, dtype=torch.long, device=self.device)
+            last_block = torch.zeros(rows, dtype=torch.long, device=self.device)
             bs = self.block_size
 
-            def last_block_mask(b, h, q_idx, kv_idx):  # evaluated in the last block only: the columns up to the new key
-                return kv_idx % bs <= fill[b]
+            def row_mask(b, h, q_idx, kv_idx):  # in the blocks the row lists: all but the last whole, it up to the key
+                return (kv_idx // bs != last_block[b]) | (kv_idx % bs <= fill[b])
 
-            last_count, last_block = torch.ones((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
-            full_count, full_blocks = torch.zeros((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
-            mask = BlockMask.from_kv_blocks(last_count, last_block, full_count, full_blocks,
-                                            BLOCK_SIZE=(128, bs), mask_mod=last_block_mask,
+            count, blocks = torch.ones((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
+            mask = BlockMask.from_kv_blocks(count, blocks, BLOCK_SIZE=(128, bs), mask_mod=row_mask,
                                             seq_lengths=(1, num_pool_blocks * bs), compute_q_blocks=False)
             query = torch.zeros((rows, self.num_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
-            self._buffers[key] = _Buffers(query, fill, last_count, last_block, full_count, full_blocks, mask)
+            self._buffers[key] = _Buffers(query, fill, last_block, count, blocks, mask)
         return self._buffers[key]
 
 
 def _allow_recompiles(limit: int) -> None:
-    """Room for a compiled kernel per padded size and pool, and an error past it: beyond the limit dynamo would run
-    flex_attention eagerly, which reads every slot of the pool the mask function allows, and this mask function holds
-    only the last block's rule (the block lists say which blocks are the row's): a wrong result, never to be served."""
+    """Room for a compiled kernel per padded size and pool size (dynamo's limit is per function, process-wide)."""
     import torch._dynamo
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), limit))
-    config.fail_on_recompile_limit_hit = True
 
 
-def time_decode(attend: Callable[[], object], *, repeats: int = 20) -> float:
+def time_decode(attend: Callable[[], object], device: torch.device, *, repeats: int = 20) -> float:
     """Median seconds of one call, after two calls that compile and warm it (synchronised on CUDA)."""
     from servelab.hardware import sync
 
@@ -182,10 +187,10 @@ def time_decode(attend: Callable[[], object], *, repeats: int = 20) -> float:
         attend()
     times = []
     for _ in range(repeats):
-        sync()
+        sync(device)
         started = time.perf_counter()
         attend()
-        sync()
+        sync(device)
         times.append(time.perf_counter() - started)
     times.sort()
     return times[len(times) // 2]
@@ -220,7 +225,8 @@ def measure_decode_choices(*, num_heads: int, num_kv_heads: int, head_dim: int, 
         return F.scaled_dot_product_attention(queries[:, :, None], k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=num_heads != num_kv_heads)
 
-    return {"flex": time_decode(by_flex), "torch": time_decode(by_torch)}
+    with torch.inference_mode():  # NOTE: as a serving step calls it (grad mode compiles another kernel)
+        return {"flex": time_decode(by_flex, device), "torch": time_decode(by_torch, device)}
 
 
 def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not: str | None,
@@ -235,6 +241,13 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
     if option == "flex":
         if flex_why_not is not None:
             raise PagedAttentionError(f"paged_attention 'flex' cannot serve here: {flex_why_not}")
+        if device.type == "cuda":  # NOTE: compiled and timed at load, so a kernel that cannot compile is refused here
+            try:
+                seconds = measure()
+            except Exception as exc:  # noqa: BLE001 - Triton's and inductor's errors are of many kinds
+                raise PagedAttentionError("paged_attention 'flex' cannot serve here: FlexAttention could not be "
+                                          f"compiled or run: {first_line(exc)}") from None
+            return "flex", f"asked; {_figures(seconds)}"
         return "flex", "asked"
     if option == "torch":
         return "torch", "asked"
@@ -247,11 +260,14 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
     try:
         seconds = measure()
     except Exception as exc:  # noqa: BLE001 - NOTE: a compiler missing or failing (Triton, inductor): torch serves
-        return "torch", f"FlexAttention could not be compiled or run here: {str(exc).splitlines()[0][:200]}"
+        return "torch", f"FlexAttention could not be compiled or run here: {first_line(exc)}"
     name = min(seconds, key=seconds.get)
-    figures = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
-    log.info("paged attention on %s: %s (one layer's decode attention: %s)", device, name, figures)
-    return name, f"measured at load, one layer's decode attention: {figures}"
+    log.info("paged attention on %s: %s (%s)", device, name, _figures(seconds))
+    return name, f"measured at load, {_figures(seconds)}"
+
+
+def _figures(seconds: dict[str, float]) -> str:
+    return "one layer's decode attention: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
 
 
 def config_reason(config: ServingConfig, device: torch.device) -> str | None:
@@ -269,3 +285,8 @@ def config_reason(config: ServingConfig, device: torch.device) -> str | None:
         return flex_reason(cache_dtype=torch.float32, dtype=torch.float32, head_dim=64,
                            block_size=config.kv_cache.block_size, device=device)
     return None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (its type's name where it has no message), at most 200 characters."""
+    return ((str(exc).splitlines() or [""])[0] or type(exc).__name__)[:200]

@@ -35,6 +35,7 @@ def _gathered(pool_k, pool_v, tables: list[list[int]], lengths: list[int], queri
     return torch.stack(out)
 
 
+@torch.inference_mode()  # NOTE: as a serving step runs (grad mode compiles another kernel)
 def test_flex_reads_each_rows_blocks_in_place_like_a_gather_of_its_columns() -> None:
     """Rows of one block, of several, one sharing another's first block, one whose new key fills its last block, one
     padded row (3 rows at a padded 4); then fewer rows in the same buffers (stale padding must not leak)."""
@@ -142,6 +143,14 @@ def test_decode_steps_from_padded_buffers_decode_like_naive_and_pad_only_the_scr
         runner.graph_rows = 0
 
 
+def test_the_load_time_measurement_times_both_ways_on_this_cpu() -> None:
+    """What `auto` runs on CUDA at load, run here at a tiny shape (it must run, not only be chosen from)."""
+    # NOTE: 4 rows of 10 blocks of 4 and a spare block: the pool size every flex kernel here is compiled for
+    seconds = paged.measure_decode_choices(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=4,
+                                           dtype=torch.float32, device=torch.device("cpu"), num_rows=4, columns=40)
+    assert set(seconds) == {"flex", "torch"} and all(0 < t < 1 for t in seconds.values())
+
+
 def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert paged.choose("auto", fused_fits=True, device=cpu, flex_why_not=None, measure=None)[0] == "servelab"
@@ -157,6 +166,13 @@ def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
 
     assert paged.choose("auto", fused_fits=False, device=cuda, flex_why_not=None, measure=no_compiler) == (
         "torch", "FlexAttention could not be compiled or run here: Cannot find a working triton installation")
+    # NOTE: asked for on CUDA, it is compiled and timed at load: a kernel that cannot compile is refused there
+    with pytest.raises(paged.PagedAttentionError, match="'flex' cannot serve here: .*compiled or run: AssertionError"):
+        paged.choose("flex", fused_fits=False, device=cuda, flex_why_not=None,
+                     measure=lambda: (_ for _ in ()).throw(AssertionError()))
+    name, reason = paged.choose("flex", fused_fits=False, device=cuda, flex_why_not=None,
+                                measure=lambda: {"flex": 30e-6, "torch": 20e-6})
+    assert name == "flex" and reason.startswith("asked") and "torch 20 us" in reason
     assert paged.choose("auto", fused_fits=False, device=cpu, flex_why_not=None, measure=None)[0] == "torch"
     with pytest.raises(paged.PagedAttentionError, match="'servelab' cannot serve here: .*CPU"):
         paged.choose("servelab", fused_fits=False, device=cuda, flex_why_not=None, measure=None)
@@ -171,6 +187,8 @@ def test_what_flex_cannot_read_is_refused_by_name(tiny_folder: Path, settings: S
     assert "one dtype" in paged.flex_reason(**{**pool, "cache_dtype": torch.bfloat16})
     assert "power of two" in paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "head_dim": 80})
     assert "block_size is 8" in paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "block_size": 8})
+    assert "(this model's: 3)" in paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "group": 3})
+    assert paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "group": 3, "device": cpu}) is None
     assert paged.flex_reason(**{**pool, "cache_dtype": torch.float32, "block_size": 8, "device": cpu}) is None
     assert paged.flex_reason(**{**pool, "cache_dtype": torch.float32}) is None
     with pytest.raises(paged.PagedAttentionError, match="paged_attention 'flex' cannot serve here: .*int8"):
