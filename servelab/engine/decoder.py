@@ -466,9 +466,7 @@ class LlamaDecoder:
             flex_why_not=paged.flex_reason(cache_dtype=self.cache_dtype, dtype=dtype, head_dim=self.head_dim,
                                            block_size=kv_block_size, device=device,
                                            group=self.num_heads // self.num_kv_heads),
-            measure=lambda: paged.measure_decode_choices(
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
-                block_size=kv_block_size, dtype=dtype, device=device))
+            measure=lambda: self.measure_paged_attention(kv_block_size))
         if self.paged_attention != "servelab":
             self.decode_step_attention = self.prefill_step_attention = None
         self._flex: dict[int, paged.FlexDecode] = {}  # by block size
@@ -497,7 +495,8 @@ class LlamaDecoder:
                              device=self.device, quantized=quantized)
 
     def new_paged_cache(self, *, num_blocks: int, block_size: int) -> PagedKVCache:
-        # NOTE: FlexAttention reads a token-major pool (a slot's heads together) in place; the fused kernels the other
+        # NOTE: FlexAttention reads a token-major pool (a slot's heads together) in place; the fused kernels and torch's
+        # gathers read the default layout
         return PagedKVCache(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=self.cache_dtype, device=self.device, num_blocks=num_blocks, block_size=block_size,
                             layout="NHD" if self.paged_attention == "flex" else "HND")
@@ -509,6 +508,14 @@ class LlamaDecoder:
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
                 block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
         return self._flex[block_size]
+
+    def measure_paged_attention(self, block_size: int, **size) -> dict[str, float]:
+        """Seconds of one layer's decode attention read by FlexAttention and by torch's path (this decoder's own
+        attention), at this model's heads (paged_attention.measure_decode_choices; size: num_rows, columns)."""
+        return paged.measure_decode_choices(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+            block_size=block_size, dtype=self.dtype, device=self.device,
+            torch_attention=lambda q, keys, values, mask: self._attend(q, keys, values, mask, self.layers[0]), **size)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return kv_block_bytes(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -615,8 +622,8 @@ class LlamaDecoder:
 
     def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """Decode rows and prefill chunks together, h (N, 1, C): the projections over every token at once; the
-        decode rows' attention through the fused kernel, FlexAttention or torch, each chunk's through the fused prefill kernel or
-        SDPA over the columns its row holds (its cached prefix, earlier chunks, itself, causal). Where the stack
+        decode rows' attention through the fused kernel, FlexAttention or torch, each chunk's through the fused prefill
+        kernel or SDPA over the columns its row holds (its cached prefix, earlier chunks, itself, causal). Where the stack
         serves (see _decode_stack) and the fused kernels take every row, every layer in one call."""
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         Bd = batch.num_decode

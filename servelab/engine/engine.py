@@ -114,10 +114,10 @@ class Engine:
             self.kv_pool_blocks = pool_blocks(
                 config, self.decoder.kv_bytes_per_block(block_size), block_size, device_memory=device_memory(self.device),
                 memory_share=settings.gpu_memory_share if settings is not None else DEFAULT_GPU_MEMORY_SHARE)
-            graphs = self.device.type == "cuda" and self.decoder.paged_attention == "flex"
+            # NOTE: the runner replays graphs only of steps FlexAttention serves (PagedRunner._graphs_for)
             self.runner = PagedRunner(self.decoder, self.decodings, block_size=block_size,
                                       num_blocks=self.kv_pool_blocks,
-                                      graph_rows=config.cuda_graph_rows if graphs else 0, **figures)
+                                      graph_rows=config.cuda_graph_rows if self.device.type == "cuda" else 0, **figures)
         else:
             self.runner = TransformersRunner(self.decoder, self.decodings, pad_token_id=self.pad_token_id,
                                              max_batch_size=config.batching.max_batch_size, **figures)

@@ -193,8 +193,9 @@ class PagedKVCache:
     """servelab's running batch: the pool's keys and values, per layer (blocks, H_kv, block_size, D) (layout 'HND', what
     servelab's fused CPU kernels read) or (blocks, block_size, H_kv, D) ('NHD', token-major: one sequence of slots, each
     holding every kv head's key, what FlexAttention reads in place), in the cache precision; which block holds which
-    row's columns is the scheduler's pool's books (scheduler/blocks.py), handed in as each plan's block tables. An int8 pool also holds key_scales and value_scales per layer (blocks,
-    H_kv, block_size) fp32 (`quantize_heads`); a float pool's are empty lists.
+    row's columns is the scheduler's pool's books (scheduler/blocks.py), handed in as each plan's block tables. An int8
+    pool also holds key_scales and value_scales per layer (blocks, H_kv, block_size) fp32 (`quantize_heads`); a float
+    pool's are empty lists.
 
     The tensors reach as far into the pool as the highest block handed out, grown by half again (copied) when
     a block past them is taken: memory follows what the rows hold, up to the pool's size (on a GPU, sized from its free

@@ -197,33 +197,43 @@ def time_decode(attend: Callable[[], object], device: torch.device, *, repeats: 
 
 
 def measure_decode_choices(*, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
-                           dtype: torch.dtype, device: torch.device, num_rows: int = 32,
-                           columns: int = 1024) -> dict[str, float]:
+                           dtype: torch.dtype, device: torch.device, torch_attention: Callable[..., torch.Tensor],
+                           num_rows: int = 32, columns: int = 1024) -> dict[str, float]:
     """Seconds of one decode attention call for num_rows rows of `columns` keys each, per way to read a pool: FlexAttention
-    in place ('flex') and torch's gather then attention ('torch'), on one layer's pool of random keys."""
-    from torch.nn import functional as F
+    in place ('flex') from a token-major pool, and ('torch') the decoder's torch path: its pool's whole blocks gathered
+    (PagedKVCache.read_blocks), then torch_attention(q (B, H, 1, D), keys, values, mask (B, S) bool), the decoder's own
+    (LlamaDecoder._attend).
+    The same random keys in both pools."""
+    from servelab.engine.kvcache import PagedKVCache
 
     blocks_per_row = -(-columns // block_size)
     num_blocks = num_rows * blocks_per_row + 1
     generator = torch.Generator(device="cpu").manual_seed(0)
-    pool = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=generator).to(device, dtype)
-    keys, values = pool[0], pool[1]
+    pools = {layout: PagedKVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                                  device=device, num_blocks=num_blocks, block_size=block_size, layout=layout)
+             for layout in ("NHD", "HND")}
+    for pool in pools.values():
+        pool.reach([[num_blocks - 1]])
+    for name in ("keys", "values"):
+        random = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=generator).to(device, dtype)
+        getattr(pools["NHD"], name)[0][:num_blocks] = random
+        getattr(pools["HND"], name)[0][:] = random.transpose(1, 2)
     order = torch.randperm(num_blocks - 1, generator=generator)[:num_rows * blocks_per_row] + 1
     table = order.view(num_rows, blocks_per_row).to(device=device, dtype=torch.int32)
     lengths = torch.full((num_rows,), columns - 1, dtype=torch.long, device=device)
     queries = torch.randn((num_rows, num_heads, head_dim), generator=generator).to(device, dtype)
     flex = FlexDecode(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
                       block_size=block_size, dtype=dtype, device=device, max_positions=blocks_per_row * block_size)
+    flat = pools["NHD"]
+    mask = torch.arange(blocks_per_row * block_size, device=device)[None, :] <= lengths[:, None]
 
     def by_flex():
-        return flex.attend(flex.prepare(lengths, table, num_blocks), queries, keys, values)
+        step = flex.prepare(lengths, table, flat.num_allocated_blocks)
+        return flex.attend(step, queries, flat.keys[0], flat.values[0])
 
-    def by_torch():  # what the decoder's torch path does: whole blocks gathered, a mask past each row's end
-        k = keys[table.long()].reshape(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = values[table.long()].reshape(num_rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-        mask = (torch.arange(k.shape[2], device=device)[None, :] <= lengths[:, None])[:, None, None, :]
-        return F.scaled_dot_product_attention(queries[:, :, None], k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=num_heads != num_kv_heads)
+    def by_torch():
+        keys, values = pools["HND"].read_blocks(0, table.long())
+        return torch_attention(queries[:, :, None], keys, values, mask)
 
     with torch.inference_mode():  # NOTE: as a serving step calls it (grad mode compiles another kernel)
         return {"flex": time_decode(by_flex, device), "torch": time_decode(by_torch, device)}
@@ -242,11 +252,10 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         if flex_why_not is not None:
             raise PagedAttentionError(f"paged_attention 'flex' cannot serve here: {flex_why_not}")
         if device.type == "cuda":  # NOTE: compiled and timed at load, so a kernel that cannot compile is refused here
-            try:
-                seconds = measure()
-            except Exception as exc:  # noqa: BLE001 - Triton's and inductor's errors are of many kinds
+            seconds, error = _measured(measure)
+            if seconds is None:
                 raise PagedAttentionError("paged_attention 'flex' cannot serve here: FlexAttention could not be "
-                                          f"compiled or run: {first_line(exc)}") from None
+                                          f"compiled or run: {error}")
             return "flex", f"asked; {_figures(seconds)}"
         return "flex", "asked"
     if option == "torch":
@@ -257,13 +266,20 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         return "torch", f"no fused kernel for this model or dtype on {device}; FlexAttention is measured on CUDA only"
     if flex_why_not is not None:
         return "torch", flex_why_not
-    try:
-        seconds = measure()
-    except Exception as exc:  # noqa: BLE001 - NOTE: a compiler missing or failing (Triton, inductor): torch serves
-        return "torch", f"FlexAttention could not be compiled or run here: {first_line(exc)}"
+    seconds, error = _measured(measure)
+    if seconds is None:  # NOTE: a compiler missing or failing (Triton, inductor): torch serves
+        return "torch", f"FlexAttention could not be compiled or run here: {error}"
     name = min(seconds, key=seconds.get)
     log.info("paged attention on %s: %s (%s)", device, name, _figures(seconds))
     return name, f"measured at load, {_figures(seconds)}"
+
+
+def _measured(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float] | None, str]:
+    """The measurement's seconds, or None and its error's first line (FlexAttention failing to compile, say)."""
+    try:
+        return measure(), ""
+    except Exception as exc:  # noqa: BLE001 - Triton's and inductor's errors are of many kinds
+        return None, first_line(exc)
 
 
 def _figures(seconds: dict[str, float]) -> str:

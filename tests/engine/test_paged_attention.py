@@ -143,11 +143,11 @@ def test_decode_steps_from_padded_buffers_decode_like_naive_and_pad_only_the_scr
         runner.graph_rows = 0
 
 
-def test_the_load_time_measurement_times_both_ways_on_this_cpu() -> None:
-    """What `auto` runs on CUDA at load, run here at a tiny shape (it must run, not only be chosen from)."""
+def test_the_load_time_measurement_times_both_ways_on_this_cpu(flex_engine: Engine) -> None:
+    """What `auto` runs on CUDA at load, run here at a tiny shape (it must run, not only be chosen from), torch's side
+    through the decoder's own attention."""
     # NOTE: 4 rows of 10 blocks of 4 and a spare block: the pool size every flex kernel here is compiled for
-    seconds = paged.measure_decode_choices(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, block_size=4,
-                                           dtype=torch.float32, device=torch.device("cpu"), num_rows=4, columns=40)
+    seconds = flex_engine.decoder.measure_paged_attention(4, num_rows=4, columns=40)
     assert set(seconds) == {"flex", "torch"} and all(0 < t < 1 for t in seconds.values())
 
 
