@@ -164,6 +164,13 @@ def new_key_prefix() -> str:
     return f"servelab-test-{uuid.uuid4().hex[:12]}"
 
 
+def delete_keys(client: redis.Redis, key_prefix: str) -> None:
+    """Delete every key under the prefix (what the test's servers, workers and queues wrote)."""
+    keys = list(client.scan_iter(match=f"{key_prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
 @contextmanager
 def redis_for(key_prefix: str) -> Iterator[redis.Redis]:
     """A client whose connections carry the key prefix as their name (a worker's teardown finds its reads by it);
@@ -173,9 +180,7 @@ def redis_for(key_prefix: str) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        keys = list(client.scan_iter(match=f"{key_prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
+        delete_keys(client, key_prefix)
         client.close()
 
 
@@ -191,9 +196,13 @@ def settings_for(database_url: URL, key_prefix: str, state_dir: Path) -> Setting
 
 
 @pytest.fixture
-def key_prefix() -> str:
-    """A Redis key prefix of this test's own; every key under it is deleted afterwards."""
-    return new_key_prefix()
+def key_prefix() -> Iterator[str]:
+    """A Redis key prefix of this test's own; every key under it is deleted afterwards (a test's servers and workers
+    write under it without a client of the test's)."""
+    prefix = new_key_prefix()
+    yield prefix
+    with redis.Redis.from_url(REDIS_URL) as client:
+        delete_keys(client, prefix)
 
 
 @pytest.fixture

@@ -32,7 +32,8 @@ from servelab.store import requests as request_store
 from servelab.store.db import session_scope
 from servelab.store.migrate import upgrade
 from servelab.store.models import RunRow, ComparisonRow, StreamKind
-from tests.conftest import ADMIN_URL, REDIS_URL, REPO, create_test_database, drop_test_database
+from tests.conftest import (ADMIN_URL, REDIS_URL, REPO, create_test_database, delete_keys, drop_test_database,
+                            new_key_prefix)
 from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401
 
 APP = REPO / "dashboard" / "app.py"
@@ -75,7 +76,7 @@ def _url_text(url: URL) -> str:
 def seeded(tmp_path_factory, tiny_folder) -> Iterator[Seeded]:  # noqa: F811
     folder = tmp_path_factory.mktemp("dashboard-seed")
     url = create_test_database()
-    prefix = f"servelab-test-{uuid.uuid4().hex[:12]}"
+    prefix = new_key_prefix()
     service = Settings(redis_url=REDIS_URL, database_url=_url_text(url), key_prefix=prefix,
                        state_dir=folder / "state", cache_dir=REPO / ".cache")
     runtime = connect(service)
@@ -109,11 +110,8 @@ def seeded(tmp_path_factory, tiny_folder) -> Iterator[Seeded]:  # noqa: F811
                  f"fp32-{suffix}", f"bf16-{suffix}", reason, _url_text(one_run))
     drop_test_database(one_run)
     drop_test_database(url)
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with redis.Redis.from_url(REDIS_URL) as client:
+        delete_keys(client, prefix)
 
 
 def seed_job(runtime, *, config_name: str, reason: str) -> None:
