@@ -19,7 +19,7 @@ import torch
 
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.kvcache import PagedKVCache
-from servelab.engine.paged_attention import first_line, padded_rows
+from servelab.engine.paged_attention import MIN_ROWS, first_line, padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,22 @@ class DecodeGraphs:
             size.graph.replay()
             return size.logits[:B]
         return self.decoder.forward_paged(batch, self.cache, positions_checked=True)[:B]
+
+    def prepare(self, max_rows: int) -> list[int]:
+        """Build every padded size a step of up to max_rows rows takes (within this object's max_rows) before serving,
+        so that no step waits on a compile or a capture: on CUDA each is captured (its warm-up steps compile
+        FlexAttention), else one eager step of padded rows runs (they write only the scratch block) -> the sizes."""
+        self.cache.reach([], expected=self.cache.num_blocks)  # NOTE: a token-major pool is allocated whole, at once
+        sizes = []
+        rows, largest = MIN_ROWS, min(self.max_rows, padded_rows(max_rows))
+        while rows <= largest:
+            fresh = rows not in self._sizes
+            size = self._size(rows)
+            if fresh and not self.capture:
+                self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
+            sizes.append(rows)
+            rows *= 2
+        return sizes
 
     def _size(self, rows: int) -> _Size:
         if rows not in self._sizes:

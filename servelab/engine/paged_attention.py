@@ -163,7 +163,12 @@ class FlexDecode:
                 return (kv_idx // bs != last_block[b]) | (kv_idx % bs <= fill[b])
 
             count, blocks = torch.ones((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints)
-            mask = BlockMask.from_kv_blocks(count, blocks, BLOCK_SIZE=(128, bs), mask_mod=row_mask,
+            # NOTE: every listed block goes through the mask (none is "full"); a CPU's kernel is given an empty list of
+            # full blocks all the same: inductor's C++ decoding template (a pool of 512 slots a row or more) reads
+            # that list unconditionally and does not compile without it
+            full = ((torch.zeros((rows, 1, 1), **ints), torch.zeros((rows, 1, 1, width), **ints))
+                    if self.device.type == "cpu" else (None, None))
+            mask = BlockMask.from_kv_blocks(count, blocks, *full, BLOCK_SIZE=(128, bs), mask_mod=row_mask,
                                             seq_lengths=(1, num_pool_blocks * bs), compute_q_blocks=False)
             query = torch.zeros((rows, self.num_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
             self._buffers[key] = _Buffers(query, fill, last_block, count, blocks, mask)

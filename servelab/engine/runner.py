@@ -9,6 +9,7 @@ blocks they use and who leaves are the plan's (servelab.scheduler). Does not kno
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from servelab.outputs import BatchTimings, Completion, StepOutput
 from servelab.scheduler.blocks import BlockManager
 from servelab.scheduler.scheduler import SchedulerOutput
 from servelab.scheduler.state import ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +88,9 @@ class Runner:
     def execute(self, plan: SchedulerOutput) -> StepOutput:
         raise NotImplementedError
 
+    def prepare(self, pool: BlockManager | None, max_rows: int) -> None:
+        """Before a scheduler of this pool serves up to max_rows rows at once: whatever is built once (nothing here)."""
+
     def cancel(self, rows: list[ScheduledRequest]) -> list[Completion]:
         """Rows that leave for good before they finish (their client left): their completions, `cancelled`."""
         return self.decodings.cancel(rows)
@@ -128,6 +134,7 @@ class PagedRunner(Runner):
         super().__init__(decoder, decodings, **figures)
         self.block_size, self.num_blocks, self.graph_rows = block_size, num_blocks, graph_rows
         self._graphs: weakref.WeakKeyDictionary[BlockManager, DecodeGraphs] = weakref.WeakKeyDictionary()
+        self.prepared: tuple[list[int], float] | None = None  # the sizes prepare built, and its seconds
         # NOTE: one set of pool tensors per scheduler's pool (a worker's, or the engine's own for add / step), so two
         # schedulers driving this runner in turn never read each other's blocks as their cached prefixes
         self._caches: weakref.WeakKeyDictionary[BlockManager, PagedKVCache] = weakref.WeakKeyDictionary()
@@ -165,6 +172,18 @@ class PagedRunner(Runner):
                    num_prefill_tokens=sum(n for _, n in plan.chunks), num_decode_tokens=len(plan.decode))
         return out
 
+    @torch.inference_mode()
+    def prepare(self, pool: BlockManager | None, max_rows: int) -> None:
+        """Before a scheduler of this pool serves: capture the decode steps of up to max_rows rows that will replay
+        from CUDA graphs (each padded size's FlexAttention compiled then, not in the middle of serving); a no-op where
+        no step replays a graph (the CPU, torch's attention)."""
+        if pool is None or not self._replays():
+            return
+        started = time.perf_counter()
+        sizes = self._graphs_of(pool, self.cache(pool)).prepare(max_rows)
+        self.prepared = (sizes, time.perf_counter() - started)
+        log.info("decode steps of %s rows prepared in %.1f s", ", ".join(map(str, sizes)), self.prepared[1])
+
     def graphs_summary(self) -> str:
         """Which padded decode steps ran from CUDA graphs, and which could not be captured (and why)."""
         if not self.graph_rows:
@@ -173,19 +192,27 @@ class PagedRunner(Runner):
         failed = {rows: why for g in self._graphs.values() for rows, why in g.failed.items()}
         text = (f"decode steps replayed from CUDA graphs at {', '.join(map(str, captured))} rows" if captured
                 else "no CUDA graph captured yet")
+        if self.prepared is not None and captured:
+            text += f" ({', '.join(map(str, self.prepared[0]))} captured before serving, in {self.prepared[1]:.1f} s)"
         return text + "".join(f"; {rows} rows eager: {why}" for rows, why in sorted(failed.items()))
 
     def _graphs_for(self, plan: SchedulerOutput, cache: PagedKVCache) -> DecodeGraphs | None:
         """The padded steps of this pool, where this plan is one: only decode rows, few enough, FlexAttention serving
         every layer; else None (an eager forward)."""
-        if (not self.graph_rows or plan.chunks or self.decoder.paged_attention != "flex"
-                or not self.decoder.fuses_every_layer):
+        if plan.chunks or not self._replays():
             return None
-        if plan.pool not in self._graphs:
-            self._graphs[plan.pool] = DecodeGraphs(self.decoder, cache, max_rows=self.graph_rows,
-                                                   capture=self.device.type == "cuda")
-        graphs = self._graphs[plan.pool]
+        graphs = self._graphs_of(plan.pool, cache)
         return graphs if graphs.fits(len(plan.decode), [r.block_table for r in plan.decode]) else None
+
+    def _replays(self) -> bool:
+        """Whether decode-only steps run from padded buffers (graphs on, FlexAttention serving every layer)."""
+        return bool(self.graph_rows) and self.decoder.paged_attention == "flex" and self.decoder.fuses_every_layer
+
+    def _graphs_of(self, pool: BlockManager, cache: PagedKVCache) -> DecodeGraphs:
+        if pool not in self._graphs:
+            self._graphs[pool] = DecodeGraphs(self.decoder, cache, max_rows=self.graph_rows,
+                                              capture=self.device.type == "cuda")
+        return self._graphs[pool]
 
     def _batch(self, plan: SchedulerOutput, cache: PagedKVCache) -> tuple[PagedBatch, list[ScheduledRequest]]:
         """The plan as one forward's inputs: the decode rows' last tokens, then each chunk's tokens -> the batch and

@@ -82,6 +82,8 @@ class ServingWorker:
         pool = engine.new_kv_pool()  # NOTE: this worker's scheduler owns the pool its runner's blocks are read from
         self.policy = policy = replace(policy, paged=pool is not None)
         self.scheduler = Scheduler(policy, pool)
+        # NOTE: before the first read: on CUDA each padded decode size's graph is captured now, not mid-serving
+        engine.runner.prepare(pool, policy.max_batch_size)
         self.streamed = streamed  # which streams' rows publish their text as it is made
         self._unpublished = StepEvents()  # events a Redis error kept from their step: they go first next step
         self.publish_s = 0.0  # time spent publishing steps (what streaming costs the decode loop)

@@ -35,17 +35,13 @@ def _gathered(pool_k, pool_v, tables: list[list[int]], lengths: list[int], queri
     return torch.stack(out)
 
 
-@torch.inference_mode()  # NOTE: as a serving step runs (grad mode compiles another kernel)
-def test_flex_reads_each_rows_blocks_in_place_like_a_gather_of_its_columns() -> None:
-    """Rows of one block, of several, one sharing another's first block, one whose new key fills its last block, one
-    padded row (3 rows at a padded 4); then fewer rows in the same buffers (stale padding must not leak)."""
+def _flex_against_a_gather(bs: int, num_blocks: int, cases) -> None:
     torch.manual_seed(0)
-    # NOTE: the tiny Llama's heads and the engines' pool below (40 blocks and the scratch block): one compiled kernel
-    H, H_kv, D, bs, num_blocks = 4, 2, 16, 4, 41
+    H, H_kv, D = 4, 2, 16  # NOTE: the tiny Llama's heads
     pool_k, pool_v = torch.randn(num_blocks, bs, H_kv, D), torch.randn(num_blocks, bs, H_kv, D)
     flex = paged.FlexDecode(num_heads=H, num_kv_heads=H_kv, head_dim=D, scale=D ** -0.5, block_size=bs,
-                            dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
-    for tables, lengths in (([[5], [7, 2, 11], [7, 3]], [2, 9, 7]), ([[9, 4], [1]], [7, 0])):
+                            dtype=torch.float32, device=torch.device("cpu"), max_positions=num_blocks * bs)
+    for tables, lengths in cases:
         width = max(map(len, tables))
         table = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int32)
         queries = torch.randn(len(tables), H, D)
@@ -55,6 +51,22 @@ def test_flex_reads_each_rows_blocks_in_place_like_a_gather_of_its_columns() -> 
         assert step.new_offsets.tolist() == [n % bs for n in lengths]
         got = flex.attend(step, queries, pool_k, pool_v)
         torch.testing.assert_close(got, _gathered(pool_k, pool_v, tables, lengths, queries, D ** -0.5))
+
+
+@torch.inference_mode()  # NOTE: as a serving step runs (grad mode compiles another kernel)
+def test_flex_reads_each_rows_blocks_in_place_like_a_gather_of_its_columns() -> None:
+    """Rows of one block, of several, one sharing another's first block, one whose new key fills its last block, one
+    padded row (3 rows at a padded 4); then fewer rows in the same buffers (stale padding must not leak). The engines'
+    pool below (40 blocks of 4 and the scratch block): one compiled kernel."""
+    _flex_against_a_gather(4, 41, [([[5], [7, 2, 11], [7, 3]], [2, 9, 7]), ([[9, 4], [1]], [7, 0])])
+
+
+@torch.inference_mode()
+def test_flex_reads_a_pool_of_512_slots_a_row_or_more_like_a_gather() -> None:
+    """A pool past 512 slots for each padded row: inductor's C++ kernel is then its decoding template (the kernel every
+    CPU pool of a default config compiles to), which would not compile without a list of full blocks."""
+    rows = [[3, 17, 101, 64, 9, 88, 120, 42, 5, 77, 31], [12], [56, 2, 90]]
+    _flex_against_a_gather(16, 129, [(rows, [165, 0, 47]), ([rows[2], [127, 128]], [32, 20])])
 
 
 def test_padded_rows_are_powers_of_two_from_the_smallest() -> None:
@@ -143,6 +155,30 @@ def test_decode_steps_from_padded_buffers_decode_like_naive_and_pad_only_the_scr
         runner.graph_rows = 0
 
 
+def test_prepare_builds_each_padded_size_a_worker_can_take_before_it_serves(flex_engine: Engine) -> None:
+    """What a worker does before its first read (on CUDA: every graph captured): here each size's eager step, padded
+    rows only, so they write the scratch block and nothing else; then a step of that size reuses the size built."""
+    runner = flex_engine.runner
+    flex_engine.reset()  # NOTE: a fresh pool, every block zero
+    pool = flex_engine.scheduler.pool
+    runner.prepare(pool, 64)
+    assert runner.prepared is None and pool not in runner._graphs  # graphs off: nothing to build
+    runner.graph_rows = 4  # NOTE: sizes past 4 rows would compile FlexAttention again, at ~10 s each on a CPU
+    try:
+        runner.prepare(pool, 3)
+        graphs = runner._graphs[pool]
+        assert list(graphs._sizes) == [4] and runner.prepared[0] == [4]
+        cache = runner.cache(pool)
+        assert cache.keys[0][cache.scratch_block].abs().sum() > 0
+        assert cache.keys[0][:cache.scratch_block].abs().sum() == 0 and cache.values[0][:cache.scratch_block].abs().sum() == 0
+        built = graphs._sizes[4]
+        request = GenerationRequest("p", prompt="the sea is", params=SamplingParams(max_new_tokens=4))
+        done = _run_schedule(flex_engine, {0: [request]})
+        assert graphs._sizes[4] is built and list(done["p"].token_ids) == _expected(flex_engine, request)
+    finally:
+        runner.graph_rows, runner.prepared = 0, None
+
+
 def test_the_load_time_measurement_times_both_ways_on_this_cpu(flex_engine: Engine) -> None:
     """What `auto` runs on CUDA at load, run here at a tiny shape (it must run, not only be chosen from), torch's side
     through the decoder's own attention."""
@@ -215,3 +251,8 @@ def test_each_paged_attention_on_cuda_decodes_like_naive(tiny_folder: Path, sett
     if engine.decoder.paged_attention == "flex":  # its decode-only steps replayed from captured graphs
         assert "replayed from CUDA graphs at 4" in engine.runner.graphs_summary() and "eager" not in \
             engine.runner.graphs_summary()
+        engine.reset()
+        engine.runner.prepare(engine.scheduler.pool, 8)  # as a worker does before its first read
+        assert engine.runner.prepared[0] == [4, 8] and "4, 8 captured before serving" in engine.runner.graphs_summary()
+        again = _run_schedule(engine, {0: [arrivals[0][0]]})
+        assert list(again[arrivals[0][0].request_id].token_ids) == _expected(engine, arrivals[0][0])
