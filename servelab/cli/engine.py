@@ -218,6 +218,9 @@ def check_gpu(
     served: Annotated[bool, typer.Option(help="run the served path (a worker, requests through the queue)")] = True,
     speed: Annotated[bool, typer.Option(help="time decode and prefill, measure the bandwidth, fill the KV pool "
                                              "(--no-speed: tokens only)")] = True,
+    paged_attention: Annotated[str, typer.Option(help="how the engines read the KV pool: auto (on CUDA the faster of "
+                                                       "flex and torch, timed at load), flex or torch (each path "
+                                                       "checked on its own), servelab (CPU only)")] = "auto",
     as_json: Annotated[Path | None, typer.Option("--json", help="also write every figure to this file")] = None,
 ) -> None:
     """Check a CUDA host in minutes, with no weights to carry: Llama-3.2-1B and Llama-3.1-8B shapes with random
@@ -238,13 +241,15 @@ def check_gpu(
     dtype = dtype or ("fp32" if dry_run else "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
         fail(f"--dtype {dtype}: choose bf16, fp16 or fp32")
+    if paged_attention not in ("auto", "flex", "torch", "servelab"):
+        fail(f"--paged-attention {paged_attention}: choose auto, flex, torch or servelab")
 
     from servelab.lab.check_gpu import CheckCannotRun, run_check
 
     try:
         check = run_check(shapes=names, dtype_name=dtype, dry_run=dry_run, tokenizer_path=tokenizer,
                           settings=settings(), awq_kernel=awq_kernel, awq=awq, served=served, speed=speed,
-                          progress=progress)
+                          paged_attention=paged_attention, progress=progress)
     except CheckCannotRun as exc:
         fail(str(exc))
     _print_gpu_check(check, TOLERANCES)

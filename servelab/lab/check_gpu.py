@@ -34,6 +34,7 @@ import torch
 from servelab.analysis.token_match import TokenComparison, compare_tokens
 from servelab.config import BUNDLED_PREFIX, ServingConfig
 from servelab.engine.engine import Engine, device_memory
+from servelab.engine.paged_attention import config_reason
 from servelab.engine.loader import DTYPES
 from servelab.lab.check_model import reference_greedy
 from servelab.lab.gpu_models import (SHAPES, LlamaShape, dense_twin, dequantised_reference, loaded_model, random_llama,
@@ -229,9 +230,11 @@ def tokenizer_folder(path: str | None, settings: Settings) -> str:
 
 
 def engine_config(name: str, *, weights: str, device: torch.device, max_context: int, dry_run: bool,
-                  prefill_budget: int, awq_group: int | None = None, awq_kernel: str = "auto") -> ServingConfig:
+                  prefill_budget: int, awq_group: int | None = None, awq_kernel: str = "auto",
+                  paged_attention: str = "auto") -> ServingConfig:
     data = {
         "name": name, "model": "check-gpu-random-weights", "weights": weights, "device": str(device),
+        "paged_attention": paged_attention,
         "decoding": {"max_new_tokens": min(512, max_context // 2), "max_context_tokens": max_context},
         "batching": {"max_prefill_tokens": prefill_budget},
         "kv_cache": {"prefix_caching": True},
@@ -445,7 +448,8 @@ def measure_capacity(engine: Engine, sizes: Sizes, rng: random.Random) -> tuple[
 
 
 def check_shape(shape: LlamaShape, *, tokenizer, folder: str, dtype_name: str, device: torch.device, sizes: Sizes,
-                dry_run: bool, settings: Settings, progress: Progress, speed: bool = True) -> tuple[ShapeCheck, Engine]:
+                dry_run: bool, settings: Settings, progress: Progress, speed: bool = True,
+                paged_attention: str = "auto") -> tuple[ShapeCheck, Engine]:
     """Every dense part on one shape (speed: the timings and the capacity run too) -> its figures, and the engine (the
     served path reuses it)."""
     started = time.perf_counter()
@@ -456,7 +460,8 @@ def check_shape(shape: LlamaShape, *, tokenizer, folder: str, dtype_name: str, d
     model = random_llama(shape, tokenizer, dtype=dtype, device=device)
     max_context = min(shape.max_positions, 2048)
     config = engine_config(f"check-gpu-{shape.name.split()[0].lower()}", weights=dtype_name, device=device,
-                           max_context=max_context, dry_run=dry_run, prefill_budget=max(sizes.prefill_tokens, 256))
+                           max_context=max_context, dry_run=dry_run, prefill_budget=max(sizes.prefill_tokens, 256),
+                           paged_attention=paged_attention)
     # NOTE: no settings: the engine keeps transformers' weights beside its own layouts, so the reference and
     # generate run on the very tensors the engine was built from (a serving engine empties them)
     memory = device_memory(device)
@@ -521,7 +526,8 @@ def awq_reason() -> str | None:
 
 
 def check_awq(shape: LlamaShape, *, tokenizer, dtype_name: str, device: torch.device, sizes: Sizes, dry_run: bool,
-              settings: Settings, awq_kernel: str, progress: Progress) -> tuple[PartCheck, str]:
+              settings: Settings, awq_kernel: str, progress: Progress,
+              paged_attention: str = "auto") -> tuple[PartCheck, str]:
     """RTN int4 of a random model, served through servelab's AWQ loader and decoder, against its dequantised
     weights -> (the part, what served it)."""
     from servelab.engine.awq import load_awq_model
@@ -537,7 +543,8 @@ def check_awq(shape: LlamaShape, *, tokenizer, dtype_name: str, device: torch.de
         free_engine(None)
         config = engine_config("check-gpu-int4", weights="awq-int4", device=device,
                                max_context=min(shape.max_positions, 2048), dry_run=dry_run,
-                               prefill_budget=256, awq_group=group, awq_kernel=awq_kernel)
+                               prefill_budget=256, awq_group=group, awq_kernel=awq_kernel,
+                               paged_attention=paged_attention)
         config = config.model_copy(update={"model": folder})
         loaded = load_awq_model(config, settings)
         engine = Engine(loaded, config, cache_dir=settings.cache_dir)
@@ -657,23 +664,30 @@ def resolve_check_device(dry_run: bool) -> torch.device:
 
 def run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokenizer_path: str | None, settings: Settings,
               awq_kernel: str | None = None, awq: bool = True, served: bool = True, speed: bool = True,
-              sizes: Sizes | None = None, progress: Progress = lambda message: None) -> GpuCheck:
-    """Every part, each shape in turn (dry run: the tiny shape on the CPU) -> the figures."""
+              sizes: Sizes | None = None, paged_attention: str = "auto",
+              progress: Progress = lambda message: None) -> GpuCheck:
+    """Every part, each shape in turn (dry run: the tiny shape on the CPU), its pool read as paged_attention says (auto:
+    the engine's choice) -> the figures."""
     device = resolve_check_device(dry_run)
+    probe = ServingConfig.from_dict({"name": "check-gpu", "model": "check-gpu-random-weights", "device": str(device),
+                                     "paged_attention": paged_attention})
+    if (reason := config_reason(probe, device)) is not None:
+        raise CheckCannotRun(f"--paged-attention {paged_attention} cannot serve on {device}: {reason}")
     threads = torch.get_num_threads()
     if device.type == "cpu":  # NOTE: as a worker's: SERVELAB_NUM_THREADS, else every core this process may run on
         torch.set_num_threads(settings.num_threads or available_cores())
     try:
         return _run_check(shapes=shapes, dtype_name=dtype_name, dry_run=dry_run, tokenizer_path=tokenizer_path,
                           settings=settings, awq_kernel=awq_kernel, awq=awq, served=served, speed=speed,
-                          sizes=sizes or (Sizes.dry_run() if dry_run else Sizes()), device=device, progress=progress)
+                          sizes=sizes or (Sizes.dry_run() if dry_run else Sizes()), device=device,
+                          paged_attention=paged_attention, progress=progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokenizer_path: str | None,
                settings: Settings, awq_kernel: str | None, awq: bool, served: bool, speed: bool, sizes: Sizes,
-               device: torch.device, progress: Progress) -> GpuCheck:
+               device: torch.device, paged_attention: str, progress: Progress) -> GpuCheck:
     import transformers
     from transformers import AutoTokenizer
 
@@ -691,7 +705,7 @@ def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokeniz
         try:
             shape_check, engine = check_shape(shape, tokenizer=tokenizer, folder=folder, dtype_name=dtype_name,
                                               device=device, sizes=sizes, dry_run=dry_run, settings=settings,
-                                              progress=progress, speed=speed)
+                                              progress=progress, speed=speed, paged_attention=paged_attention)
         except (RuntimeError, ValueError) as exc:  # NOTE: out of memory, a kernel that fails: the next part goes on
             check.problems.append(f"{shape.name}: {type(exc).__name__}: {exc}")
             continue
@@ -721,7 +735,8 @@ def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokeniz
             try:
                 check.awq, check.awq_reason = check_awq(shape, tokenizer=tokenizer, dtype_name=dtype_name,
                                                         device=device, sizes=sizes, dry_run=dry_run, settings=settings,
-                                                        awq_kernel=kernel, progress=progress)
+                                                        awq_kernel=kernel, progress=progress,
+                                                        paged_attention=paged_attention)
             except Exception as exc:  # noqa: BLE001 - NOTE: gptqmodel's kernels fail in many ways: reported, not raised
                 check.awq_reason = f"could not run: {type(exc).__name__}: {exc}"
                 check.problems.append(f"AWQ int4 with kernel {kernel!r}: {exc}")

@@ -103,6 +103,17 @@ def test_without_cuda_the_check_asks_for_the_dry_run_and_exits_2(monkeypatch) ->
     assert runner.invoke(app, ["check-gpu", "--shapes", "70b"]).exit_code == 2
 
 
+def test_a_paged_attention_the_device_cannot_serve_is_refused_before_any_model_is_made(monkeypatch) -> None:
+    bad = runner.invoke(app, ["check-gpu", "--dry-run", "--paged-attention", "paged"])
+    assert bad.exit_code == 2 and "--paged-attention paged: choose auto, flex, torch or servelab" in bad.stderr
+    monkeypatch.setattr(check_gpu, "resolve_check_device", lambda dry_run: torch.device("cuda"))
+    monkeypatch.setattr(check_gpu, "tokenizer_folder", lambda *args: pytest.fail("a model was about to be made"))
+    result = runner.invoke(app, ["check-gpu", "--paged-attention", "servelab"])
+    assert result.exit_code == 2, result.output
+    assert "--paged-attention servelab cannot serve on cuda: servelab's fused attention kernels are for CPUs" in \
+        result.stderr
+
+
 def test_a_gpus_pool_is_its_free_memory_less_the_reserve_capped_by_max_kv_cache_mib() -> None:
     block = 2 * 16 * 8 * 64 * 2 * 16  # Llama-3.2-1B's bf16 block of 16 tokens: 512 KiB
     assert device_reserve_bytes(80 * GiB) == 8 * GiB and device_reserve_bytes(8 * GiB) == 2 * GiB
