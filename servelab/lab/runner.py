@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy import select
 
@@ -53,6 +54,12 @@ class RunOutcome:
     kernel: str
 
 
+def spawn_worker(config_path: Path, env: dict[str, str], log: BinaryIO) -> subprocess.Popen:
+    """`python -m worker.gpu CONFIG` with this environment, its output (stdout and stderr) into the log."""
+    return subprocess.Popen([sys.executable, "-m", "worker.gpu", str(config_path)], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
 class WorkerProcess:
     """A `python -m worker.gpu CONFIG` process pointed at this runtime's Redis, Postgres and key prefix."""
 
@@ -78,8 +85,7 @@ class WorkerProcess:
         # process's stdout (the lab commands' data, --json) or to the console a user reads the verdict on
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "worker.gpu", str(self.config_path.resolve())],
-                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = spawn_worker(self.config_path.resolve(), env, log)
 
     def wait_registered(self) -> None:
         """Until the worker has loaded its model and registered (its hardware row), or a RunError."""

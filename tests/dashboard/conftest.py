@@ -32,8 +32,10 @@ from servelab.store import requests as request_store
 from servelab.store.db import session_scope
 from servelab.store.migrate import upgrade
 from servelab.store.models import RunRow, ComparisonRow, StreamKind
+from servelab.lab import runner as lab_runner
 from tests.conftest import (ADMIN_URL, REDIS_URL, REPO, create_test_database, delete_keys, drop_test_database,
                             new_key_prefix)
+from tests.forked_worker import fork_lab_worker
 from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401
 
 APP = REPO / "dashboard" / "app.py"
@@ -81,21 +83,25 @@ def seeded(tmp_path_factory, tiny_folder) -> Iterator[Seeded]:  # noqa: F811
                        state_dir=folder / "state", cache_dir=REPO / ".cache")
     runtime = connect(service)
     try:
-        suffix = uuid.uuid4().hex[:6]
-        base = tiny_config(folder, tiny_folder, f"fp32-{suffix}", "fp32")
-        half = tiny_config(folder, tiny_folder, f"bf16-{suffix}", "bf16")
-        plan_path = folder / "plan.yaml"
-        plan_path.write_text(
-            f"name: dash-precision\nworkload: {workload_file(folder, 'burst', 6)}\nbaseline: {base}\n"
-            f"candidates: [{half}]\nrepeats: 2\nquality: {{lambada_samples: 8}}\n"
-            "fresh_workers: false\n"  # NOTE: one worker per config for both rounds: the pages read runs, not workers
-            "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
-            "  gains: [{metric: weight_bytes, max_ratio: 0.75}]\n")
-        comparison_id = run_plan(load_plan(plan_path), runtime).comparison_id
-        half_config = ServingConfig.from_yaml(half)
-        with start_worker(half_config, half, runtime) as worker:
-            other = run_workload(workload=load_workload(workload_file(folder, "other", 4)), config=half_config,
-                                 worker=worker)
+        # NOTE: the workers forked while the seed runs (tests/conftest.py forked_workers)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lab_runner, "spawn_worker", fork_lab_worker)
+            suffix = uuid.uuid4().hex[:6]
+            base = tiny_config(folder, tiny_folder, f"fp32-{suffix}", "fp32")
+            half = tiny_config(folder, tiny_folder, f"bf16-{suffix}", "bf16")
+            plan_path = folder / "plan.yaml"
+            plan_path.write_text(
+                f"name: dash-precision\nworkload: {workload_file(folder, 'burst', 6)}\nbaseline: {base}\n"
+                f"candidates: [{half}]\nrepeats: 2\nquality: {{lambada_samples: 8}}\n"
+                # NOTE: one worker per config for both rounds: the pages read runs, not workers
+                "fresh_workers: false\n"
+                "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
+                "  gains: [{metric: weight_bytes, max_ratio: 0.75}]\n")
+            comparison_id = run_plan(load_plan(plan_path), runtime).comparison_id
+            half_config = ServingConfig.from_yaml(half)
+            with start_worker(half_config, half, runtime) as worker:
+                other = run_workload(workload=load_workload(workload_file(folder, "other", 4)), config=half_config,
+                                     worker=worker)
         reason = "seeded: the prompt is longer than max_context_tokens"
         seed_job(runtime, config_name=f"fp32-{suffix}", reason=reason)
         with session_scope(runtime.sessions) as session:

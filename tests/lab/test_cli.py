@@ -12,8 +12,8 @@ from servelab.cli import app
 from tests.lab.test_runs import tiny_config, workload_file
 
 
-def test_run_json_is_the_stored_run_s_id_and_summary(tmp_path: Path, tiny_folder: Path, service_settings,
-                                                     redis_client) -> None:
+def test_run_json_is_the_stored_run_s_id_and_summary(forked_workers, tmp_path: Path, tiny_folder: Path,
+                                                     service_settings, redis_client) -> None:
     config = tiny_config(tmp_path, tiny_folder, f"tiny-{uuid.uuid4().hex[:6]}")
     env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
            "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}

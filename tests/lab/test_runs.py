@@ -82,8 +82,8 @@ def test_a_run_stores_its_config_hardware_and_every_request_it_sent(tmp_path, ti
     assert summary["peak_rows"] == max(int(k) for k in summary["batch_size_counts"])
 
 
-def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tmp_path, tiny_folder, runtime,
-                                                                             service_settings) -> None:
+def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(forked_workers, tmp_path, tiny_folder,
+                                                                             runtime, service_settings) -> None:
     suffix = uuid.uuid4().hex[:6]
     base = tiny_config(tmp_path, tiny_folder, f"b1-{suffix}", batch=1)
     batched = tiny_config(tmp_path, tiny_folder, f"b4-{suffix}", batch=4)
@@ -129,7 +129,8 @@ def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(tm
     assert len({r.worker_name for r in every}) == 4  # a fresh worker process per config and round
 
 
-def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_spent(tmp_path, tiny_folder, runtime,
+def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_spent(forked_workers, tmp_path,
+                                                                                    tiny_folder, runtime,
                                                                                     service_settings) -> None:
     """Two copies of one bf16 config (they differ in name only) and an fp32 candidate. Deterministic on purpose: the
     copy's weights are exactly x1 the baseline's (settled at the first look) and fp32's x2 (its goal out of reach:

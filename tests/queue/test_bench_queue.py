@@ -38,7 +38,7 @@ def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder
 
 
 def test_bench_workers_shares_one_burst_between_worker_processes_and_runs_each_request_once(
-        tmp_path: Path, tiny_folder: Path, service_settings) -> None:
+        forked_workers, tmp_path: Path, tiny_folder: Path, service_settings) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 2\n  max_wait_ms: 20\n"
                       "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")

@@ -22,7 +22,7 @@ from servelab.request import SamplingParams
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import RequestRow, RequestStatus
 from tests.queue.exactly_once import assert_each_ran_to_one_end, deliveries, read_ledger, reference_token_ids
-from tests.queue.forked_worker import ForkedWorker
+from tests.forked_worker import ForkedWorker
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_new_tokens=5)
@@ -48,9 +48,10 @@ class WorkerProcesses:
         self.procs: list[ForkedWorker] = []
 
     def start(self, name: str) -> ForkedWorker:
-        # NOTE: forked from a process that has imported the worker's code already (tests/queue/forked_worker.py):
+        # NOTE: forked from a process that has imported the worker's code already (tests/forked_worker.py):
         # a fresh interpreter spends most of a worker's start importing torch, and these tests start many
-        proc = ForkedWorker(str(self.config), env={**self.env, "SERVELAB_WORKER_NAME": name}, cwd=str(REPO))
+        proc = ForkedWorker(str(self.config), env={**self.env, "SERVELAB_WORKER_NAME": name}, cwd=str(REPO),
+                            faulty=True)
         self.procs.append(proc)
         return proc
 
