@@ -93,6 +93,8 @@ def health(
                                                          "(default: SERVELAB_WORKER_LIVE_S)")] = None,
     node: Annotated[str | None, typer.Option(help="jobs-worker / beat: the Celery node name "
                                                   "(default: celery@HOST / celerybeat@HOST)")] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="api / dashboard / jobs-worker / beat: seconds to wait for "
+                                                         "the answer (the GET, Celery's ping)")] = WORKER_CHECK_TIMEOUT_S,
 ) -> None:
     """Check one service of this host, as a container health check does: exit 0 healthy, 1 not.
 
@@ -101,17 +103,17 @@ def health(
     """
     checks = {Service.api: _http, Service.dashboard: _http, Service.worker: _worker,
               Service.jobs_worker: _celery, Service.beat: _celery}
-    healthy, message = checks[service](service, url=url, max_age_s=max_age_s, node=node)
+    healthy, message = checks[service](service, url=url, max_age_s=max_age_s, node=node, timeout_s=timeout)
     typer.echo(f"{service.value}: {message}", err=not healthy)
     raise typer.Exit(0 if healthy else 1)
 
 
-def _http(service: Service, *, url: str | None, **_) -> tuple[bool, str]:
+def _http(service: Service, *, url: str | None, timeout_s: float, **_) -> tuple[bool, str]:
     import httpx
 
     target = url or DEFAULT_URLS[service]
     try:
-        code = httpx.get(target, timeout=WORKER_CHECK_TIMEOUT_S).status_code
+        code = httpx.get(target, timeout=timeout_s).status_code
     except httpx.HTTPError as exc:
         return False, f"{target} does not answer ({type(exc).__name__})"
     return code == 200, f"{target} answered {code}"
@@ -136,7 +138,7 @@ def _worker(service: Service, *, max_age_s: float | None, **_) -> tuple[bool, st
     return verdict, f"{newest.name} beat {newest.seconds_since_heartbeat:.0f} s ago (limit {limit:.0f} s)"
 
 
-def _celery(service: Service, *, node: str | None, **_) -> tuple[bool, str]:
+def _celery(service: Service, *, node: str | None, timeout_s: float, **_) -> tuple[bool, str]:
     import subprocess
     import sys
 
@@ -145,10 +147,10 @@ def _celery(service: Service, *, node: str | None, **_) -> tuple[bool, str]:
     # Celery to this deployment's broker and key prefix as the services themselves do.
     try:
         result = subprocess.run([sys.executable, "-m", "worker.jobs", "inspect", "ping", "--destination", name,
-                                 "--timeout", str(WORKER_CHECK_TIMEOUT_S)], capture_output=True, text=True,
-                                timeout=60)
+                                 "--timeout", str(timeout_s)], capture_output=True, text=True,
+                                timeout=60 + timeout_s)
     except subprocess.TimeoutExpired:
-        return False, f"{name}: the ping did not return within 60 s"
+        return False, f"{name}: the ping did not return within {60 + timeout_s:.0f} s"
     if result.returncode == 0:
         return True, f"{name} answers"
     lines = (result.stderr or result.stdout).strip().splitlines()

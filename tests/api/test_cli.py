@@ -146,7 +146,7 @@ def test_health_of_the_jobs_worker_and_beat_is_their_answer_to_a_celery_ping(mak
     prefix = stack.settings.key_prefix
     nodes = {"jobs-worker": f"jw-{prefix}@{host}", "beat": f"beat-{prefix}@{host}"}  # NOTE: names of this test's own
     # NOTE: no "nothing answers yet" check here: the stopped jobs-worker's below is that path (a ping that times out
-    # costs WORKER_CHECK_TIMEOUT_S and a process start)
+    # costs its --timeout and a process start)
     stack.settings.state_dir.mkdir(parents=True, exist_ok=True)
     argvs = (["worker", "--pool=threads", "--concurrency=1", "--loglevel=WARNING", "-n", nodes["jobs-worker"]],
              ["beat", "--loglevel=WARNING", "--enable-remote-control", "-n", nodes["beat"]])
@@ -155,7 +155,7 @@ def test_health_of_the_jobs_worker_and_beat_is_their_answer_to_a_celery_ping(mak
     try:
         for service, node in nodes.items():
             deadline = time.monotonic() + 180
-            while (result := _health(env, service, "--node", node)).exit_code != 0:
+            while (result := _health(env, service, "--node", node, "--timeout", "1")).exit_code != 0:
                 assert time.monotonic() < deadline, f"{service} never answered: {result.output}"
             assert "answers" in result.stdout
     finally:
@@ -163,5 +163,5 @@ def test_health_of_the_jobs_worker_and_beat_is_their_answer_to_a_celery_ping(mak
             process.terminate()
         for process in processes:
             process.wait(timeout=30)
-    stopped = _health(env, "jobs-worker", "--node", nodes["jobs-worker"])
+    stopped = _health(env, "jobs-worker", "--node", nodes["jobs-worker"], "--timeout", "1")
     assert stopped.exit_code == 1 and "does not answer" in stopped.stderr, stopped.output
