@@ -15,7 +15,8 @@ def _env(service_settings) -> dict[str, str]:
             "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
 
 
-def test_bench_queue_prints_both_paths_and_the_ratio(tmp_path: Path, tiny_folder: Path, service_settings) -> None:
+def test_bench_queue_prints_both_paths_and_the_ratio(forked_workers, tmp_path: Path, tiny_folder: Path,
+                                                     service_settings) -> None:
     config, baseline = tmp_path / "tiny.yaml", tmp_path / "tiny-transformers.yaml"
     body = (f"model: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n  max_wait_ms: 50\n"
             "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
@@ -78,7 +79,7 @@ def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Pa
     assert bad.exit_code != 0 and "fifo is not a policy" in bad.output
 
 
-def test_bench_stream_prints_streamed_against_unstreamed_tokens_per_s(tmp_path: Path, tiny_folder: Path,
+def test_bench_stream_prints_streamed_against_unstreamed_tokens_per_s(forked_workers, tmp_path: Path, tiny_folder: Path,
                                                                      service_settings) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n"
