@@ -217,13 +217,22 @@ def service_settings(database_url: URL, engine: Engine, key_prefix: str, tmp_pat
     return settings_for(database_url, key_prefix, tmp_path / "state")
 
 
-@pytest.fixture
-def forked_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lab's worker processes (runs, plans, `bench workers`) forked from a fork server that has imported
-    worker.gpu once (tests/forked_worker.py) instead of started as fresh interpreters: the same worker and main, its
-    output in the same log, about 7 s less each on a 2-core machine."""
+@contextmanager
+def lab_workers_forked() -> Iterator[None]:
+    """While inside, the lab's worker processes (runs, plans, the benches' private workers) are forked from a fork
+    server that has imported worker.gpu once (tests/forked_worker.py) instead of started as fresh interpreters: the
+    same worker and main, its output in the same log, about 7 s less each on a 2-core machine."""
     from servelab.lab import runner
     from tests.forked_worker import fork_lab_worker
 
-    monkeypatch.setattr(runner, "spawn_worker", fork_lab_worker)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "spawn_worker", fork_lab_worker)
+        yield
+
+
+@pytest.fixture
+def forked_workers() -> Iterator[None]:
+    """The test's lab workers forked (lab_workers_forked)."""
+    with lab_workers_forked():
+        yield
 

@@ -59,7 +59,7 @@ def _serve(config: str, env: dict[str, str], cwd: str, stdout: int, stderr: int,
 
 
 class ForkedWorker:
-    """What the tests use of subprocess.Popen: pid, poll(), wait(), send_signal(), kill(), returncode."""
+    """What the tests use of subprocess.Popen: pid, poll(), wait(), send_signal(), terminate(), kill(), returncode."""
 
     def __init__(self, config: str, *, env: dict[str, str], cwd: str, faulty: bool = False,
                  output: int | None = None) -> None:
@@ -94,5 +94,7 @@ class ForkedWorker:
 
 
 def fork_lab_worker(config_path: Path, env: dict[str, str], log: BinaryIO) -> ForkedWorker:
-    """servelab.lab.runner.spawn_worker's stand-in: the same worker, forked (REPO as its working directory)."""
-    return ForkedWorker(str(config_path), env=env, cwd=str(Path(__file__).resolve().parents[1]), output=log.fileno())
+    """servelab.lab.runner.spawn_worker's stand-in: the same worker, forked, in the same working directory."""
+    from servelab.lab.runner import REPO  # NOTE: here, not at the top: every forked child imports this module
+
+    return ForkedWorker(str(config_path), env=env, cwd=str(REPO), output=log.fileno())

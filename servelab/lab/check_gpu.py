@@ -669,8 +669,8 @@ def run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokenize
     """Every part, each shape in turn (dry run: the tiny shape on the CPU), its pool read as paged_attention says (auto:
     the engine's choice) -> the figures."""
     device = resolve_check_device(dry_run)
-    probe = ServingConfig.from_dict({"name": "check-gpu", "model": "check-gpu-random-weights", "device": str(device),
-                                     "paged_attention": paged_attention})
+    probe = engine_config("check-gpu", weights=dtype_name, device=device, max_context=2048, dry_run=dry_run,
+                          prefill_budget=256, paged_attention=paged_attention)  # NOTE: what the config alone decides
     if (reason := config_reason(probe, device)) is not None:
         raise CheckCannotRun(f"--paged-attention {paged_attention} cannot serve on {device}: {reason}")
     threads = torch.get_num_threads()

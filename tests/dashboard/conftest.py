@@ -32,10 +32,8 @@ from servelab.store import requests as request_store
 from servelab.store.db import session_scope
 from servelab.store.migrate import upgrade
 from servelab.store.models import RunRow, ComparisonRow, StreamKind
-from servelab.lab import runner as lab_runner
 from tests.conftest import (ADMIN_URL, REDIS_URL, REPO, create_test_database, delete_keys, drop_test_database,
-                            new_key_prefix)
-from tests.forked_worker import fork_lab_worker
+                            lab_workers_forked, new_key_prefix)
 from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401
 
 APP = REPO / "dashboard" / "app.py"
@@ -83,9 +81,7 @@ def seeded(tmp_path_factory, tiny_folder) -> Iterator[Seeded]:  # noqa: F811
                        state_dir=folder / "state", cache_dir=REPO / ".cache")
     runtime = connect(service)
     try:
-        # NOTE: the workers forked while the seed runs (tests/conftest.py forked_workers)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(lab_runner, "spawn_worker", fork_lab_worker)
+        with lab_workers_forked():  # NOTE: while the seed runs
             suffix = uuid.uuid4().hex[:6]
             base = tiny_config(folder, tiny_folder, f"fp32-{suffix}", "fp32")
             half = tiny_config(folder, tiny_folder, f"bf16-{suffix}", "bf16")
