@@ -195,6 +195,15 @@ def settings_for(database_url: URL, key_prefix: str, state_dir: Path) -> Setting
     )
 
 
+def service_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment the CLI (and the workers it starts) reads for these settings: the tests' Redis and
+    PostgreSQL, the key prefix, the cache and the state folder (the workers' logs land in the test's own folder, not
+    the repository's .state)."""
+    return {"SERVELAB_REDIS_URL": settings.redis_url, "SERVELAB_DATABASE_URL": settings.database_url,
+            "SERVELAB_KEY_PREFIX": settings.key_prefix, "SERVELAB_CACHE_DIR": str(settings.cache_dir),
+            "SERVELAB_STATE_DIR": str(settings.state_dir), **extra}
+
+
 @pytest.fixture
 def key_prefix() -> Iterator[str]:
     """A Redis key prefix of this test's own; every key under it is deleted afterwards (a test's servers and workers

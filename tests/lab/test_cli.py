@@ -9,14 +9,14 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from servelab.cli import app
+from tests.conftest import service_env
 from tests.lab.test_runs import tiny_config, workload_file
 
 
 def test_run_json_is_the_stored_run_s_id_and_summary(forked_workers, tmp_path: Path, tiny_folder: Path,
                                                      service_settings, redis_client) -> None:
     config = tiny_config(tmp_path, tiny_folder, f"tiny-{uuid.uuid4().hex[:6]}")
-    env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["run", "--config", str(config), "--workload", str(workload_file(tmp_path)),
                                       "--json"], env=env)
     assert result.exit_code == 0, result.output

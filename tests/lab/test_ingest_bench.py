@@ -10,12 +10,11 @@ from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
 from servelab.cli import app
-from tests.conftest import ADMIN_URL, REDIS_URL, REPO
+from tests.conftest import ADMIN_URL, REDIS_URL, REPO, service_env
 
 
 def test_bench_ingest_prints_every_phase_and_leaves_nothing_behind(service_settings) -> None:
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix}
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["bench", "ingest", "--config", str(REPO / "configs" / "fp32.yaml"), "--lines",
                                       "400", "--slice", "150", "--bad-every", "9"], env=env)
     assert result.exit_code == 0, result.output

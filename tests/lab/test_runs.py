@@ -20,6 +20,7 @@ from servelab.analysis.workload import load_workload
 from servelab.runtime import connect
 from servelab.store.db import session_scope
 from servelab.store.models import ComparisonRow, RequestRow, ResultRow, RunRequestRow, RunRow, StreamKind
+from tests.conftest import service_env
 from tests.engine.kernel_labels import auto_kernel_label
 
 
@@ -95,8 +96,7 @@ def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(fo
         "quality: {lambada_samples: 8}\n"
         "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
         "  gains: [{metric: output_tokens_per_s, min_ratio: 1000}]\n")
-    env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["compare", str(plan_path), "--json"], env=env)
     assert result.exit_code == 1, result.output  # a reject: a CI job can gate on it
     printed = json.loads(result.stdout)
@@ -146,9 +146,7 @@ def test_a_plan_run_until_settled_adds_rounds_and_passages_until_its_budget_is_s
         "fresh_workers: false\nquality: {lambada_samples: 8}\nsequential: {min_rounds: 2, passage_step: 4}\n"
         "limits:\n  max_accuracy_drop: 0\n  gain_rule: all\n"
         "  gains: [{metric: weight_bytes, max_ratio: 1.0}, {metric: cost_per_request, max_ratio: 1.0}]\n")
-    env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir),
-           "SERVELAB_PRICE_PER_HOUR": "0"}
+    env = service_env(service_settings, SERVELAB_PRICE_PER_HOUR="0")
     refused = CliRunner().invoke(app, ["compare", str(plan_path), "--max-passages", "2"], env=env)
     assert refused.exit_code == 2 and "passage_step (4) must be at most max_passages (2)" in refused.output
     result = CliRunner().invoke(app, ["compare", str(plan_path), "--until-settled", "--max-rounds", "3",

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from servelab.cli import app
 from servelab.engine.engine import Engine
 from servelab.lab.sweep import decode_cost, measure_peak_flops, run_sweep, sweep_report
+from tests.conftest import service_env
 from tests.engine.conftest import make_config
 
 runner = CliRunner()
@@ -120,8 +121,7 @@ def test_sweep_command_stores_the_report_for_the_dashboard(tmp_path: Path, tiny_
     from servelab.store.db import make_engine, session_factory, session_scope
     from servelab.store.models import SweepRow
 
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix}
+    env = service_env(service_settings)
     result = runner.invoke(app, ["sweep", "--configs", str(tiny_config(tmp_path, tiny_folder, "kept")),
                                  "--batch-sizes", "1", "--prompt-tokens", "8", "--new-tokens", "3", "--rounds", "1",
                                  "--threads", "1"], env=env)

@@ -7,12 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from servelab.cli import app
-
-
-def _env(service_settings) -> dict[str, str]:
-    """What the CLI reads: the tests' Redis, PostgreSQL, key prefix and cache."""
-    return {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-            "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_CACHE_DIR": str(service_settings.cache_dir)}
+from tests.conftest import service_env
 
 
 def test_bench_queue_prints_both_paths_and_the_ratio(forked_workers, tmp_path: Path, tiny_folder: Path,
@@ -22,7 +17,7 @@ def test_bench_queue_prints_both_paths_and_the_ratio(forked_workers, tmp_path: P
             "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
     config.write_text(f"name: tiny\n{body}")
     baseline.write_text(f"name: tiny-transformers\ndecoder: transformers\n{body}")
-    env = _env(service_settings)
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["bench", "queue", "--config", str(baseline), "--config", str(config), "--requests", "6",
                                       "--prompt-tokens", "8", "--new-tokens", "3", "--rounds", "1"], env=env)
     assert result.exit_code == 0, result.output
@@ -45,7 +40,7 @@ def test_bench_workers_shares_one_burst_between_worker_processes_and_runs_each_r
                       "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
     result = CliRunner().invoke(app, ["bench", "workers", "--config", str(config), "--workers", "1,2", "--requests", "8",
                                       "--prompt-tokens", "6", "--new-tokens", "12", "--rounds", "1"],
-                                env=_env(service_settings))
+                                env=service_env(service_settings))
     assert result.exit_code == 0, result.output
     rows = {int(line.split()[0]): line.split() for line in result.stdout.splitlines()
             if line.split() and line.split()[0] in ("1", "2") and line.split()[1] == "1"}
@@ -63,7 +58,7 @@ def test_bench_hol_prints_each_policy_alone_and_during_the_bulk_job(tmp_path: Pa
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 2\n"
                       "  max_wait_ms: 10\ndecoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
-    env = _env(service_settings)
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["bench", "hol", "--config", str(config), "--bulk", "4", "--bulk-prompt-tokens",
                                       "8", "--bulk-tokens", "16", "--calls", "2", "--call-tokens", "2", "--interval",
                                       "0.05"], env=env)
@@ -84,7 +79,7 @@ def test_bench_stream_prints_streamed_against_unstreamed_tokens_per_s(forked_wor
     config = tmp_path / "tiny.yaml"
     config.write_text(f"name: tiny\nmodel: {tiny_folder}\ndevice: cpu\nbatching:\n  max_batch_size: 4\n"
                       "decoding:\n  max_new_tokens: 16\n  max_context_tokens: 128\n")
-    env = _env(service_settings)
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["bench", "stream", "--config", str(config), "--rows", "4", "--prompt-tokens",
                                       "8", "--new-tokens", "12", "--rounds", "2"], env=env)
     assert result.exit_code == 0, result.output
