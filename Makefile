@@ -12,6 +12,10 @@ EXTRAS := engine,dashboard,test,local
 PIP_VERSION := 26.3
 
 CLIENTS := .cache/clients
+# The suite runs in this many pytest processes (pytest-xdist), one file's tests in one of them: a run on its own
+# keeps one of two cores busy on average (each test's engines and workers run one thread, and much of a test is
+# waiting on processes it started), so two share a 2-core machine's cores.
+TEST_PROCESSES ?= 2
 
 GPU_WHEELS ?= dist/gpu-wheels
 GPU_PYTHON ?= python3
@@ -81,10 +85,11 @@ clients-lock:
 	done
 	rm -rf .lock-venv
 
-# The two clients' venvs install side by side (each is mostly downloads and unpacking).
+# The two clients' venvs install side by side (each is mostly downloads and unpacking); then the suite, in
+# TEST_PROCESSES processes (`make test TEST_PROCESSES=0` runs it in this one).
 test: $(STAMP)
 	$(MAKE) -j2 clients
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n $(TEST_PROCESSES) --durations=25
 
 # The engine's speed steps side by side (docs/performance.md, "The engine's speed work, step by step"); the peer engines: bench/peers/README.md.
 bench: $(STAMP)

@@ -80,6 +80,21 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["SERVELAB_TEST_REDIS_URL"], os.environ["SERVELAB_TEST_DATABASE_ADMIN_URL"] = REDIS_URL, ADMIN_URL
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test` runs the suite in two pytest processes (pytest-xdist's `-n`): each file's tests run in one of
+    them, so a module's stack (tests/jobs, tests/api) starts once, and tests/dashboard's files all in one, so its
+    session's seeded runs are made once. A process that finishes its files takes the next; files keep their order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/dashboard" if path.startswith("tests/dashboard/") else path
+
+    return ByFile(config, log)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     started = ", ".join(_started_embedded)
     return (f"test servers: embedded, started for this run: {started}" if started
