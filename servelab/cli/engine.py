@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 
@@ -241,8 +241,9 @@ def check_gpu(
     dtype = dtype or ("fp32" if dry_run else "bf16")
     if dtype not in ("bf16", "fp16", "fp32"):
         fail(f"--dtype {dtype}: choose bf16, fp16 or fp32")
-    if paged_attention not in ("auto", "flex", "torch", "servelab"):
-        fail(f"--paged-attention {paged_attention}: choose auto, flex, torch or servelab")
+    readers = get_args(ServingConfig.model_fields["paged_attention"].annotation)  # the config's own choices
+    if paged_attention not in readers:
+        fail(f"--paged-attention {paged_attention}: choose {', '.join(readers[:-1])} or {readers[-1]}")
 
     from servelab.lab.check_gpu import CheckCannotRun, run_check
 

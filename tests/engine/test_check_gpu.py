@@ -105,7 +105,7 @@ def test_without_cuda_the_check_asks_for_the_dry_run_and_exits_2(monkeypatch) ->
 
 def test_a_paged_attention_the_device_cannot_serve_is_refused_before_any_model_is_made(monkeypatch) -> None:
     bad = runner.invoke(app, ["check-gpu", "--dry-run", "--paged-attention", "paged"])
-    assert bad.exit_code == 2 and "--paged-attention paged: choose auto, flex, torch or servelab" in bad.stderr
+    assert bad.exit_code == 2 and "--paged-attention paged: choose auto, servelab, flex or torch" in bad.stderr
     monkeypatch.setattr(check_gpu, "resolve_check_device", lambda dry_run: torch.device("cuda"))
     monkeypatch.setattr(check_gpu, "tokenizer_folder", lambda *args: pytest.fail("a model was about to be made"))
     result = runner.invoke(app, ["check-gpu", "--paged-attention", "servelab"])
