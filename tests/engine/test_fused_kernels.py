@@ -16,11 +16,10 @@ from servelab.engine.decoder import LlamaDecoder, _rotate, build_decoder
 from servelab.engine.kernels import ISAS, isa_reason, load_blocked_kernel
 from servelab.engine.kvcache import dequantize_heads, quantize_heads
 from servelab.engine.decoder import PagedBatch
-from servelab.engine.linear import linear_kernel_reason
 from servelab.engine.engine import Engine
 from tests.engine.conftest import (amx_path, assert_prompt_steps_equal_the_layer_loop, assert_stack_equals_the_layer_loop,
                                    make_config)
-from tests.engine.test_decoder import KERNELS, runnable
+from tests.engine.test_decoder import KERNELS, runnable, skip_unless_runnable
 
 CPU = torch.device("cpu")
 BUILDS = [pytest.param(isa.name, marks=pytest.mark.skipif(isa_reason(isa) is not None, reason=f"{isa_reason(isa)}"))
@@ -264,8 +263,7 @@ def _running_batch_logits(decoder: LlamaDecoder, rows: list[list[int]], num_step
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", [runnable(k) for k in KERNELS])
 def test_running_batch_step_equals_transformers(tiny_folder, kernel: str, dtype: torch.dtype, settings) -> None:
-    if (reason := linear_kernel_reason(kernel, device=CPU, dtype=dtype, cache_dir=settings.cache_dir)) is not None:
-        pytest.skip(f"{kernel}: {reason}")
+    skip_unless_runnable(kernel, dtype, settings.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=dtype).eval()
     decoder = build_decoder(model, choice="auto", kv_cache_dtype="auto", dtype=dtype, device=CPU,
                             linear_kernel=kernel, cache_dir=settings.cache_dir)
