@@ -8,6 +8,7 @@ run (the one-run empty state) and an empty migrated database. Every database and
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,17 @@ from tests.conftest import (ADMIN_URL, REDIS_URL, REPO, create_test_database, de
 from tests.engine.conftest import bundled_folder, settings, tiny_engine, tiny_folder  # noqa: F401
 
 APP = REPO / "dashboard" / "app.py"
+
+
+@pytest.fixture(autouse=True)
+def main_module_kept() -> Iterator[None]:
+    """The test process's __main__ put back after each test: Streamlit's AppTest runs a page as __main__ and leaves it
+    there, and every process multiprocessing spawns afterwards runs the main module first, so each of `bench
+    stream`'s relays ran the last page (with its imports and queries) before starting: 14.7 s of its 21.5 s in a run
+    after tests/dashboard/test_pages.py (cProfile), 7 s without."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
 
 
 @dataclass(frozen=True)
