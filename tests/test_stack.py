@@ -21,6 +21,7 @@ from servelab.cli import app
 from servelab.settings import Settings
 from servelab.cores import CoreSplitError, format_cores, split_cores, worker_cores
 from servelab.stack import StackError, StackProcess, _start_ticks, _write_stack, is_running, read_stack, start_stack, stop_stack
+from tests.conftest import service_env
 from tests.engine.conftest import bundled_folder, settings, tiny_folder  # noqa: F401 (fixtures)
 
 NAMES = ["api", "jobs-worker", "beat", "gpu-worker-tiny"]
@@ -32,10 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stack_env(service_settings, state_dir: Path) -> dict[str, str]:
-    return {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-            "SERVELAB_KEY_PREFIX": service_settings.key_prefix,
-            "SERVELAB_CELERY_PREFIX": f"{service_settings.key_prefix}:c", "SERVELAB_STATE_DIR": str(state_dir)}
+def stack_env(service_settings) -> dict[str, str]:
+    """The test's environment (service_env: its state folder is tmp_path/state) with Celery's keys under its prefix."""
+    return service_env(service_settings, SERVELAB_CELERY_PREFIX=f"{service_settings.key_prefix}:c")
 
 
 def tiny_config(tmp_path: Path, tiny_folder: Path) -> Path:
@@ -48,7 +48,7 @@ def test_the_stack_starts_answers_and_stops_what_it_started(tmp_path: Path, tiny
                                                             service_settings, redis_client) -> None:
     config = tiny_config(tmp_path, tiny_folder)
     settings = Settings(state_dir=tmp_path / "state", key_prefix=service_settings.key_prefix)
-    env = stack_env(service_settings, tmp_path / "state")
+    env = stack_env(service_settings)
     port = free_port()
     try:
         started = start_stack(settings, env=env, config_paths=[config], api_port=port)
@@ -90,7 +90,7 @@ def _wait_for_live_worker(env: dict[str, str], service: str, *, timeout_s: float
 def test_up_after_the_gpu_worker_was_killed_starts_it_again_and_status_says_so(
         tmp_path: Path, tiny_folder: Path, service_settings, redis_client) -> None:
     config = tiny_config(tmp_path, tiny_folder)
-    env = stack_env(service_settings, tmp_path / "state")
+    env = stack_env(service_settings)
     up = ["up", "--configs", str(config), "--port", str(free_port())]
     runner = CliRunner()
     try:
@@ -222,7 +222,7 @@ def test_up_share_measures_a_worker_alone_and_beside_a_busy_one(tmp_path: Path, 
         configs.append(tmp_path / f"{name}.yaml")
         configs[-1].write_text(f"name: {name}\nmodel: {tiny_folder}\ndevice: cpu\n")
     settings = Settings(state_dir=tmp_path / "state", key_prefix=service_settings.key_prefix)
-    env = {**stack_env(service_settings, tmp_path / "state"), "SERVELAB_CONFIGS_DIR": str(tmp_path)}
+    env = {**stack_env(service_settings), "SERVELAB_CONFIGS_DIR": str(tmp_path)}
     port = free_port()
     try:
         start_stack(settings, env=env, config_paths=configs, api_port=port,

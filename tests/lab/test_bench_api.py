@@ -4,7 +4,6 @@ nothing behind: no bench tenant's rows or keys, no Redis keys of its prefix, no 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from sqlalchemy import create_engine, func, select, text
 from typer.testing import CliRunner
@@ -12,13 +11,12 @@ from typer.testing import CliRunner
 from servelab.cli import app
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import ApiKeyRow, RequestRow
-from tests.conftest import ADMIN_URL, REPO
+from tests.conftest import ADMIN_URL, REPO, service_env
 
 
-def test_bench_api_prints_a_row_per_api_and_removes_what_it_made(tmp_path: Path, service_settings, engine,
+def test_bench_api_prints_a_row_per_api_and_removes_what_it_made(service_settings, engine,
                                                                   redis_client) -> None:
-    env = {"SERVELAB_DATABASE_URL": service_settings.database_url, "SERVELAB_REDIS_URL": service_settings.redis_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_STATE_DIR": str(tmp_path / "state")}
+    env = service_env(service_settings)
     result = CliRunner().invoke(app, ["bench", "api", "--baseline", str(REPO), "--processes", "1", "--requests", "40",
                                       "--warmup", "5", "--clients", "4", "--load-processes", "1"], env=env)
     assert result.exit_code == 0, result.output

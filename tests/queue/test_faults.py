@@ -22,6 +22,7 @@ from servelab.request import SamplingParams
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import RequestRow, RequestStatus
 from tests.queue.exactly_once import assert_each_ran_to_one_end, deliveries, read_ledger, reference_token_ids
+from tests.conftest import service_env
 from tests.forked_worker import ForkedWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +40,9 @@ class WorkerProcesses:
             f"batching:\n  policy: {policy}\n  max_batch_size: 8\n  max_wait_ms: 300\n"
             "decoding:\n  max_new_tokens: 32\n  max_context_tokens: 128\n")
         self.marker = tmp_path / "stalled"
-        self.env = {**os.environ, "SERVELAB_REDIS_URL": service_settings.redis_url,
-                    "SERVELAB_DATABASE_URL": service_settings.database_url,
-                    "SERVELAB_KEY_PREFIX": service_settings.key_prefix,
-                    "SERVELAB_CACHE_DIR": str(service_settings.cache_dir),
-                    "SERVELAB_CLAIM_IDLE_MS": "1500", "SERVELAB_RENEW_EVERY_S": "0.2",
-                    "SERVELAB_TEST_STALL_MARKER": str(self.marker), "PYTHONPATH": str(REPO)}
+        self.env = {**os.environ, **service_env(service_settings, SERVELAB_CLAIM_IDLE_MS="1500",
+                                                 SERVELAB_RENEW_EVERY_S="0.2",
+                                                 SERVELAB_TEST_STALL_MARKER=str(self.marker), PYTHONPATH=str(REPO))}
         self.procs: list[ForkedWorker] = []
 
     def start(self, name: str) -> ForkedWorker:

@@ -19,6 +19,7 @@ from servelab.store import requests as store
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import WorkerRow
 from servelab.store.run_settings import describe_settings
+from tests.conftest import service_env
 from tests.engine.conftest import make_config, tiny_gpt2_folder  # noqa: F401 (fixtures)
 
 
@@ -40,14 +41,13 @@ def test_a_transformers_served_model_is_recorded_with_the_reason_and_the_cost(ti
 
 
 def test_status_shows_why_transformers_forward_serves_a_worker(tiny_gpt2_folder: Path, settings, engine,
-                                                               service_settings, tmp_path: Path) -> None:
+                                                               service_settings) -> None:
     model = Engine.from_config(make_config(str(tiny_gpt2_folder), num_threads=1), settings)
     name = f"test-{uuid.uuid4().hex[:8]}"
     sessions = session_factory(engine)
     with session_scope(sessions) as session:
         register(session, name=name, engine=model, bandwidth_gbs=1.0)
-    env = {"SERVELAB_REDIS_URL": service_settings.redis_url, "SERVELAB_DATABASE_URL": service_settings.database_url,
-           "SERVELAB_KEY_PREFIX": service_settings.key_prefix, "SERVELAB_STATE_DIR": str(tmp_path / "state")}
+    env = service_env(service_settings)
     try:
         result = CliRunner().invoke(app, ["status"], env=env)
     finally:
