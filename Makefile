@@ -101,12 +101,11 @@ bench: $(STAMP)
 gpu-wheels: $(STAMP)
 	$(PY) deploy/gpu_wheels.py $(GPU_WHEELS)
 
-# On the CUDA host, no network, no project venv: a throwaway venv over the host's own packages (--system-site-packages:
-# its torch, transformers and Triton), the folder's wheels, then the check from this checkout. Exit status: the check's.
+# On the CUDA host, no network, no project venv: a throwaway venv over the host's own packages (its torch, transformers
+# and Triton, also where its python3 is itself a venv), the folder's wheels, then the check from this checkout. Exit
+# status: the check's.
 gpu-check:
-	rm -rf $(GPU_VENV)
-	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install --quiet --no-index --find-links $(GPU_WHEELS) -r $(GPU_WHEELS)/requirements.txt
+	$(GPU_PYTHON) deploy/gpu_check_venv.py $(GPU_VENV) $(GPU_WHEELS)
 	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m servelab.cli check-gpu --tokenizer $(GPU_WHEELS)/tokenizer $(GPU_CHECK_ARGS)
 
 stop:

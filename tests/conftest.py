@@ -210,6 +210,16 @@ def settings_for(database_url: URL, key_prefix: str, state_dir: Path) -> Setting
     )
 
 
+def deploy_script(name: str):
+    """A script of deploy/ (run by `make`, not a package) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def service_env(settings: Settings, **extra: str) -> dict[str, str]:
     """The environment the CLI (and the workers it starts) reads for these settings: the tests' Redis and
     PostgreSQL, the key prefix, the cache and the state folder (the workers' logs land in the test's own folder, not
