@@ -81,6 +81,13 @@ def carried_packages() -> dict[str, str]:
             if name not in host or name in own}
 
 
+def host_packages(*, gptqmodel: bool) -> dict[str, str]:
+    """Every package a host has once `make gpu-check` installed the folder: its torch, transformers and Triton trees
+    and the carried ones (with gptqmodel's tree: a host that installed it for the int4 part)."""
+    host = requirement_tree(HOST) if _installed("triton") else requirement_tree(HOST[:2])
+    return {**host, **carried_packages(), **(requirement_tree(("gptqmodel",)) if gptqmodel else {})}
+
+
 def _installed(name: str) -> bool:
     try:
         metadata.version(name)

@@ -18,7 +18,6 @@ from servelab.analysis.token_match import TokenComparison, compare_tokens
 from servelab.config import BUNDLED_PREFIX, ServingConfig
 from servelab.engine.engine import Engine
 from servelab.engine.loader import ModelLoadError
-from servelab.lab.bench import bench_requests, time_engine
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 
@@ -125,6 +124,10 @@ def measure_decode(engine: Engine, *, batch_sizes: list[int], num_prompt_tokens:
                    num_new_tokens: int) -> tuple[DecodeSpeed, ...]:
     """One timed batch per size after a warm-up batch (first calls pay for lazy initialisation): a quick figure, not
     a benchmark; `servelab bench engine` interleaves rounds and compares with transformers' generate."""
+    # NOTE: imported here: the bench brings the lab's statistics (scipy), which a GPU host's check, importing this
+    # module for reference_greedy, has no need of and may not have
+    from servelab.lab.bench import bench_requests, time_engine
+
     time_engine(engine, bench_requests(engine, 1, 8, 2))
     speeds = []
     for batch_size in batch_sizes:

