@@ -64,11 +64,11 @@ def resolve_urls(settings: Settings) -> ServerURLs:
     return ServerURLs(redis_url=redis_url, database_url=database_url)
 
 
-def stop_embedded(settings: Settings) -> list[EmbeddedServer]:
-    """Stop the embedded servers recorded under the state folder; returns those that were running."""
+def stop_embedded(settings: Settings, kinds: tuple[str, ...] = ("redis", "pg")) -> list[EmbeddedServer]:
+    """Stop the embedded servers of these kinds recorded under the state folder; returns those that were running."""
     stopped = []
     for kind, stop in (("redis", _stop_redis), ("pg", _stop_postgres)):
-        if not (settings.state_dir / kind).is_dir():
+        if kind not in kinds or not (settings.state_dir / kind).is_dir():
             continue
         with _locked(settings.state_dir, kind) as folder:
             server = _read_record(folder)
@@ -77,6 +77,19 @@ def stop_embedded(settings: Settings) -> list[EmbeddedServer]:
                 stopped.append(server)
             (folder / "server.json").unlink(missing_ok=True)
     return stopped
+
+
+@contextmanager
+def stopping_what_it_starts(settings: Settings) -> Iterator[None]:
+    """For a command that serves for a while and ends (`servelab check-gpu`): the embedded servers it starts are
+    stopped when it ends; those already running before it (a stack's, under the same state folder) stay, and a server
+    the settings name by URL is not touched."""
+    embedded = tuple(kind for kind, url in (("redis", settings.redis_url), ("pg", settings.database_url)) if url is None)
+    running = {kind for kind, (_, up) in recorded_servers(settings).items() if up}
+    try:
+        yield
+    finally:
+        stop_embedded(settings, tuple(kind for kind in embedded if kind not in running))
 
 
 def recorded_servers(settings: Settings) -> dict[str, tuple[EmbeddedServer, bool]]:

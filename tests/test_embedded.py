@@ -18,7 +18,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from servelab.embedded import ServerURLs, resolve_urls, stop_embedded
+from servelab.embedded import ServerURLs, recorded_servers, resolve_urls, stop_embedded, stopping_what_it_starts
 from servelab.settings import Settings
 from servelab.store.db import make_engine
 
@@ -107,6 +107,32 @@ def test_servers_killed_mid_flight_are_started_again(embedded_settings: Settings
         assert client.ping()
     finally:
         client.close()
+
+
+def _pids(settings: Settings) -> dict[str, int]:
+    return {kind: server.pid for kind, (server, running) in recorded_servers(settings).items() if running}
+
+
+def test_a_command_stops_the_servers_it_started_and_leaves_those_running_before_it(embedded_settings: Settings) -> None:
+    with stopping_what_it_starts(embedded_settings):
+        resolve_urls(embedded_settings)
+        started = _pids(embedded_settings)
+        assert sorted(started) == ["pg", "redis"]
+    assert _pids(embedded_settings) == {} and not any(_is_running(pid) for pid in started.values())
+
+    resolve_urls(embedded_settings)  # a stack's servers, up before the command
+    before = _pids(embedded_settings)
+    with stopping_what_it_starts(embedded_settings):
+        resolve_urls(embedded_settings)
+    assert _pids(embedded_settings) == before and all(_is_running(pid) for pid in before.values())
+
+    # a server named by URL is not the command's: only the embedded PostgreSQL it starts is stopped
+    stop_embedded(embedded_settings, ("pg",))
+    redis_url = recorded_servers(embedded_settings)["redis"][0].url
+    with_url = embedded_settings.model_copy(update={"redis_url": redis_url})
+    with stopping_what_it_starts(with_url):
+        resolve_urls(with_url)
+    assert sorted(_pids(embedded_settings)) == ["redis"]
 
 
 def test_configured_urls_are_used_as_they_are(tmp_path: Path) -> None:

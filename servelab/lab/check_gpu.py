@@ -590,7 +590,15 @@ def served_reason(settings: Settings, *, dry_run: bool) -> str | None:
 
 def check_served(engine: Engine, settings: Settings, sizes: Sizes, progress: Progress) -> ServedCheck:
     """A worker on the engine (in this process, the worker's own loop and scheduler) serving requests submitted
-    through the queue and the store; each must be answered exactly once (one result row, one done notification)."""
+    through the queue and the store; each must be answered exactly once (one result row, one done notification).
+    Embedded servers the check starts are stopped after it."""
+    from servelab.embedded import stopping_what_it_starts
+
+    with stopping_what_it_starts(settings):
+        return _check_served(engine, settings, sizes, progress)
+
+
+def _check_served(engine: Engine, settings: Settings, sizes: Sizes, progress: Progress) -> ServedCheck:
     from sqlalchemy import select
 
     from servelab.queue.streams import RequestStreams, done_key, wait_done
