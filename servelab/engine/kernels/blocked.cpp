@@ -25,7 +25,10 @@
 // activation quantisation), a block (dequantisation), computed by the same code in the same order whatever the
 // thread count, so the results do not depend on it. A second thread is woken only for at least min_thread_bytes of
 // work (grain_for).
-#include <torch/extension.h>
+// NOTE: torch/types.h (tensors, torch:: factories) and torch's pybind11 casters, not torch/extension.h: that one also
+// brings the whole C++ frontend (nn, optim, data), half of this file's compile time, and nothing here uses it
+#include <torch/types.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
