@@ -9,6 +9,7 @@ the lab; the engine and torch are imported inside the commands, so `servelab --h
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, get_args
 
@@ -247,10 +248,15 @@ def check_gpu(
 
     from servelab.lab.check_gpu import CheckCannotRun, run_check
 
+    started = time.perf_counter()
+
+    def timed(message: str) -> None:  # NOTE: each part's start, so a run cut short still says where its minutes went
+        progress(f"{time.perf_counter() - started:6.1f} s  {message}")
+
     try:
         check = run_check(shapes=names, dtype_name=dtype, dry_run=dry_run, tokenizer_path=tokenizer,
                           settings=settings(), awq_kernel=awq_kernel, awq=awq, served=served, speed=speed,
-                          paged_attention=paged_attention, progress=progress)
+                          paged_attention=paged_attention, progress=timed)
     except CheckCannotRun as exc:
         fail(str(exc))
     _print_gpu_check(check, TOLERANCES)
@@ -300,6 +306,11 @@ def _print_gpu_check(check, tolerances: dict[str, float]) -> None:
         typer.secho(f"\nserved    not run: {served.reason}", fg=typer.colors.YELLOW)
     for problem in check.problems:
         typer.secho(f"could not run: {problem}", fg=typer.colors.RED, err=True)
+    parts = {s.shape: s.seconds for s in check.shapes}
+    if served is not None and served.ran:
+        parts["served path"] = served.seconds
+    parts["AWQ int4 and the rest"] = check.seconds - sum(parts.values())
+    typer.echo(f"\ntime      {check.seconds:.1f} s in all: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
     verdict = {0: "every token equal to naive decoding (near ties within the tolerance named)",
                1: "FAIL: a wrong token, or a part that did not do what it says (above)",
                2: "INCOMPLETE: a part could not run (above)"}[check.exit_code]

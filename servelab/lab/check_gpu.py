@@ -187,6 +187,7 @@ class GpuCheck:
     awq_reason: str = ""  # why AWQ int4 was not checked, or on what
     served: ServedCheck | None = None
     problems: list[str] = field(default_factory=list)  # parts that could not run, each with why
+    seconds: float = 0.0  # the whole check, from its first model to its last part
 
     @property
     def wrong_tokens(self) -> bool:
@@ -699,6 +700,7 @@ def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokeniz
     import transformers
     from transformers import AutoTokenizer
 
+    started = time.perf_counter()
     if dry_run:
         shapes = ["tiny"]
     folder = tokenizer_folder(tokenizer_path, settings)
@@ -750,4 +752,5 @@ def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokeniz
                 check.problems.append(f"AWQ int4 with kernel {kernel!r}: {exc}")
     else:
         check.awq_reason = "not asked for (--no-awq)"
+    check.seconds = time.perf_counter() - started
     return check

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -102,9 +103,13 @@ def test_the_dry_run_with_only_a_gpu_hosts_packages_finds_every_token_equal_and_
     assert "attention     torch (no fused kernel" in text
     assert "64 of 64 requests answered exactly once through the queue" in text, text
     assert "verdict   every token equal to naive decoding" in text
+    assert re.search(r"\ntime      [\d.]+ s in all: tiny Llama \(dry run\) [\d.]+ s, served path [\d.]+ s, AWQ int4 and "
+                     r"the rest [\d.]+ s\n", text), text
+    # each part's start is timed from the check's, on stderr
+    assert re.search(r"^ +\d+\.\d s  tiny Llama \(dry run\): random weights", result.stderr, re.M), result.stderr
 
     record = json.loads(out.read_text())
-    assert record["exit_code"] == 0 and record["dry_run"] and record["device"] == "cpu"
+    assert record["exit_code"] == 0 and record["dry_run"] and record["device"] == "cpu" and record["seconds"] > 0
     (shape,) = record["shapes"]
     assert [s["batch_size"] for s in shape["decode"]] == [1, 4]
     assert all(s["servelab_tok_s"] > 0 and s["transformers_tok_s"] > 0 for s in shape["decode"])
