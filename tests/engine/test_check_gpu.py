@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from dataclasses import asdict
 from pathlib import Path
 
@@ -77,7 +78,11 @@ def modules_a_gpu_host_lacks() -> list[str]:
     transformers (and Triton) trees, the wheel folder's packages and gptqmodel's tree (a host that installed it)."""
     gpu_wheels = deploy_script("gpu_wheels")
     host = set(gpu_wheels.host_packages(gptqmodel=True))
-    dists = list(importlib.metadata.distributions())
+    # NOTE: the venv's site-packages, not this process's sys.path: once anything here imported setuptools, sys.path
+    # also holds setuptools/_vendor, whose jaraco.* would be taken for packages a host lacks and blocked, and with
+    # them the vendored copies setuptools imports on a host too (gptqmodel imports torch's cpp_extension, setuptools)
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    dists = list(importlib.metadata.distributions(path=site))
     on_host = [d for d in dists if gpu_wheels.canonical(d.metadata["Name"]) in host]
     lacks = _module_names(d for d in dists if d not in on_host) - _module_names(on_host)
     return sorted(lacks - set(sys.stdlib_module_names) - {"servelab", "tests"})
