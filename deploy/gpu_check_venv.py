@@ -30,16 +30,21 @@ def site_packages(python: str) -> list[str]:
     return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
-def make_venv(venv: Path, *, python: str = sys.executable, with_pip: bool = True) -> Path:
-    """A fresh venv at `venv` over `python`'s packages -> its interpreter."""
+def make_venv(venv: Path, *, python: str = sys.executable) -> Path:
+    """A fresh venv at `venv` over `python`'s packages -> its interpreter. Made without pip of its own: the host's pip
+    serves it (seen through the .pth, it installs into the venv it runs in), so a host Python without ensurepip (a
+    distribution's, its venv module split off) still makes one."""
     shutil.rmtree(venv, ignore_errors=True)
-    args = [python, "-m", "venv", "--system-site-packages", *(() if with_pip else ("--without-pip",)), str(venv)]
-    subprocess.run(args, check=True)
+    subprocess.run([python, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     interpreter = venv / "bin" / "python"
     purelib = subprocess.run([str(interpreter), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
     (Path(purelib) / PTH_NAME).write_text("".join(f"{folder}\n" for folder in site_packages(python)))
     return interpreter
+
+
+def has_pip(python: str) -> bool:
+    return subprocess.run([python, "-c", "import pip"], capture_output=True).returncode == 0
 
 
 def install(interpreter: Path, wheels: Path) -> None:
@@ -56,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.wheels / "requirements.txt").is_file():
         print(f"{args.wheels}/requirements.txt is missing: make the folder with `make gpu-wheels` on a networked "
               "machine and carry it here", file=sys.stderr)
+        return 2
+    if not has_pip(sys.executable):
+        print(f"this Python ({sys.executable}) has no pip to install the folder's wheels with (a venv made by uv, say): "
+              f"add it with `{sys.executable} -m ensurepip`, then run this again", file=sys.stderr)
         return 2
     install(make_venv(args.venv), args.wheels)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -90,7 +91,19 @@ def test_the_check_venv_sees_the_packages_of_a_host_whose_python_is_itself_a_ven
                           "import iniconfig, torch, sys; print(iniconfig.CARRIED, torch.__version__, sys.prefix)"],
                          check=True, capture_output=True, text=True).stdout.split()
     assert out == ["True", torch.__version__, str(tmp_path / "venv")]
+    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/pip"))  # the host's pip installed them
     assert importlib.metadata.version("iniconfig") == host_iniconfig  # the host's own left as it was
+
+
+def test_a_host_without_pip_is_told_how_to_add_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    venv_module = deploy_script("gpu_check_venv")
+    (tmp_path / "requirements.txt").write_text("")
+    # NOTE: this machine's Pythons all have pip: the host's is taken for missing
+    monkeypatch.setattr(venv_module, "has_pip", lambda python: False)
+    assert venv_module.main([str(tmp_path / "venv"), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "has no pip to install the folder's wheels with" in err and f"{sys.executable} -m ensurepip" in err
+    assert not (tmp_path / "venv").exists()
 
 
 def test_the_check_venv_names_a_folder_without_its_pins(tmp_path: Path, capsys) -> None:
