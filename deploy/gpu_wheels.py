@@ -72,11 +72,16 @@ def requirement_tree(roots: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
+def host_tree() -> dict[str, str]:
+    """What the host brings: torch's, transformers' and Triton's trees (Triton's where this venv has it: a CPU venv
+    does not)."""
+    return requirement_tree(HOST) if _installed("triton") else requirement_tree(HOST[:2])
+
+
 def carried_packages() -> dict[str, str]:
     """What the folder carries: the needed packages' tree, less what the host's torch, transformers and Triton
     bring (servelab's own libraries' trees kept)."""
-    host = requirement_tree(HOST) if _installed("triton") else requirement_tree(HOST[:2])
-    own = requirement_tree(OWN)
+    host, own = host_tree(), requirement_tree(OWN)
     return {name: version for name, version in requirement_tree(NEEDED).items()
             if name not in host or name in own}
 
@@ -84,8 +89,7 @@ def carried_packages() -> dict[str, str]:
 def host_packages(*, gptqmodel: bool) -> dict[str, str]:
     """Every package a host has once `make gpu-check` installed the folder: its torch, transformers and Triton trees
     and the carried ones (with gptqmodel's tree: a host that installed it for the int4 part)."""
-    host = requirement_tree(HOST) if _installed("triton") else requirement_tree(HOST[:2])
-    return {**host, **carried_packages(), **(requirement_tree(("gptqmodel",)) if gptqmodel else {})}
+    return {**host_tree(), **carried_packages(), **(requirement_tree(("gptqmodel",)) if gptqmodel else {})}
 
 
 def _installed(name: str) -> bool:
