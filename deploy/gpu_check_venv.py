@@ -14,8 +14,9 @@ which wheels the folder holds (deploy/gpu_wheels.py).
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -23,28 +24,28 @@ from pathlib import Path
 PTH_NAME = "host-site-packages.pth"
 
 
-def site_packages(python: str) -> list[str]:
-    """The folders an interpreter imports installed packages from: its own site-packages (a venv's), and its base's
+def site_packages() -> list[str]:
+    """The folders this interpreter imports installed packages from: its own site-packages (a venv's), and its base's
     where it sees them (a venv made with --system-site-packages), in its order."""
-    code = "import json, site, sys; print(json.dumps([p for p in sys.path if p in set(site.getsitepackages())]))"
-    return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
+    folders = set(site.getsitepackages())
+    return [path for path in sys.path if path in folders]
 
 
-def make_venv(venv: Path, *, python: str = sys.executable) -> Path:
-    """A fresh venv at `venv` over `python`'s packages -> its interpreter. Made without pip of its own: the host's pip
-    serves it (seen through the .pth, it installs into the venv it runs in), so a host Python without ensurepip (a
-    distribution's, its venv module split off) still makes one."""
+def make_venv(venv: Path) -> Path:
+    """A fresh venv at `venv` over this interpreter's packages -> its interpreter. Made without pip of its own: the
+    host's pip serves it (seen through the .pth, it installs into the venv it runs in), so a host Python without
+    ensurepip (a distribution's, its venv module split off) still makes one."""
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([python, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     interpreter = venv / "bin" / "python"
     purelib = subprocess.run([str(interpreter), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
-    (Path(purelib) / PTH_NAME).write_text("".join(f"{folder}\n" for folder in site_packages(python)))
+    (Path(purelib) / PTH_NAME).write_text("".join(f"{folder}\n" for folder in site_packages()))
     return interpreter
 
 
-def has_pip(python: str) -> bool:
-    return subprocess.run([python, "-c", "import pip"], capture_output=True).returncode == 0
+def has_pip() -> bool:
+    return importlib.util.find_spec("pip") is not None
 
 
 def install(interpreter: Path, wheels: Path) -> None:
@@ -62,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.wheels}/requirements.txt is missing: make the folder with `make gpu-wheels` on a networked "
               "machine and carry it here", file=sys.stderr)
         return 2
-    if not has_pip(sys.executable):
-        print(f"this Python ({sys.executable}) has no pip to install the folder's wheels with (a venv made by uv, say): "
-              f"add it with `{sys.executable} -m ensurepip`, then run this again", file=sys.stderr)
+    if not has_pip():
+        print(f"this Python ({sys.executable}) has no pip to install the folder's wheels with (a venv made by uv, "
+              f"say): add it with `{sys.executable} -m ensurepip`, then run this again", file=sys.stderr)
         return 2
     install(make_venv(args.venv), args.wheels)
     return 0

@@ -1,7 +1,8 @@
 """`make gpu-wheels`' size check and its choice of packages (deploy/gpu_wheels.py): a folder over the limit fails,
 naming every file largest first; the carried packages are the check's needs less what the host's torch and
 transformers bring. `make gpu-check`'s venv (deploy/gpu_check_venv.py) sees the host's packages, also where the host's
-Python is itself a venv, and installs the folder's over them. Building the real folder needs the network: `make gpu-wheels` (its size is in docs/deployment.md)."""
+Python is itself a venv, and installs the folder's over them. Building the real folder needs the network: `make
+gpu-wheels` (its size is in docs/deployment.md)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def test_the_check_venv_sees_the_packages_of_a_host_whose_python_is_itself_a_ven
     _wheel(wheels, "iniconfig", "0.0.1", "CARRIED = True\n")  # the folder's pin differs from the host's: it wins
     host_iniconfig = importlib.metadata.version("iniconfig")
     # NOTE: the folder has no `packaging` wheel: pip must find the host's
-    (wheels / "requirements.txt").write_text(f"iniconfig==0.0.1\npackaging=={importlib.metadata.version('packaging')}\n")
+    packaging = importlib.metadata.version("packaging")
+    (wheels / "requirements.txt").write_text(f"iniconfig==0.0.1\npackaging=={packaging}\n")
     assert venv_module.main([str(tmp_path / "venv"), str(wheels)]) == 0
     out = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c",
                           "import iniconfig, torch, sys; print(iniconfig.CARRIED, torch.__version__, sys.prefix)"],
@@ -99,7 +101,7 @@ def test_a_host_without_pip_is_told_how_to_add_it(tmp_path: Path, monkeypatch, c
     venv_module = deploy_script("gpu_check_venv")
     (tmp_path / "requirements.txt").write_text("")
     # NOTE: this machine's Pythons all have pip: the host's is taken for missing
-    monkeypatch.setattr(venv_module, "has_pip", lambda python: False)
+    monkeypatch.setattr(venv_module, "has_pip", lambda: False)
     assert venv_module.main([str(tmp_path / "venv"), str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "has no pip to install the folder's wheels with" in err and f"{sys.executable} -m ensurepip" in err
