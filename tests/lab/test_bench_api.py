@@ -4,7 +4,6 @@ nothing behind: no bench tenant's rows or keys, no Redis keys of its prefix, no 
 
 from __future__ import annotations
 
-
 from sqlalchemy import create_engine, func, select, text
 from typer.testing import CliRunner
 
