@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ def gather_on_huge_pages(tensors: list[torch.Tensor], sharing: list[torch.Tensor
         offsets[ptr] = total
         total += -(-storage.nbytes() // ALIGN) * ALIGN
     span = -(-total // HUGE_PAGE) * HUGE_PAGE
-    buffer = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    buffer = _fresh_pages(span + HUGE_PAGE)
     start = -buffer.data_ptr() % HUGE_PAGE
     if _madvise(buffer.data_ptr() + start, span) != 0:
         log.info("weights stay on the default pages: madvise(MADV_HUGEPAGE) was refused (errno %d)", ctypes.get_errno())
@@ -108,6 +109,16 @@ def gather_on_huge_pages(tensors: list[torch.Tensor], sharing: list[torch.Tensor
     log.info("weights a step reads gathered into one %.1f MB arena (%d tensors), on %d huge pages of 2 MB",
              arena.num_bytes / 1e6, arena.num_tensors, arena.huge_page_bytes // HUGE_PAGE)
     return arena
+
+
+def _fresh_pages(num_bytes: int) -> torch.Tensor:
+    """num_bytes of memory no one has touched yet, as a uint8 tensor (which keeps the mapping alive): a private
+    anonymous mapping of its own. NOTE: not torch.empty: glibc serves a few MB from its heap once larger blocks have
+    been freed (its mmap threshold rises), memory already faulted in on 4 KB pages, which MADV_HUGEPAGE does not
+    replace at once: such an arena came out on no huge page at all."""
+    # NOTE: private: a shared anonymous mapping is shmem, whose huge pages have a setting of their own (off by default)
+    pages = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8)
 
 
 def resident_huge_page_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int:
