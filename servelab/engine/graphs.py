@@ -66,7 +66,13 @@ class DecodeGraphs:
         if size.graph is not None:
             size.graph.replay()
             return size.logits[:B]
-        return self.decoder.forward_paged(batch, self.cache, positions_checked=True)[:B]
+        return self.step(size.batch)[:B]
+
+    def step(self, batch: PagedBatch) -> torch.Tensor:
+        """What a graph captures, and an eager step runs: the decoder's forward over a padded size's buffers ->
+        logits (rows, V). It reads no value back to the host (positions are checked before it) and makes no tensor from
+        host data (the buffers are filled before it): a capture refuses both."""
+        return self.decoder.forward_paged(batch, self.cache, positions_checked=True)
 
     def prepare(self, max_rows: int) -> list[int]:
         """Build every padded size a step of up to max_rows rows takes (within this object's max_rows) before serving,
@@ -79,7 +85,7 @@ class DecodeGraphs:
             fresh = rows not in self._sizes
             size = self._size(rows)
             if fresh and not self.capture:
-                self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
+                self.step(size.batch)
             sizes.append(rows)
             rows *= 2
         return sizes
@@ -106,14 +112,14 @@ class DecodeGraphs:
         stream.wait_stream(serving)
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
+                self.step(size.batch)
         serving.wait_stream(stream)
         try:
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
-                size.logits = self.decoder.forward_paged(size.batch, self.cache, positions_checked=True)
+                size.logits = self.step(size.batch)
             size.graph = graph
         except Exception as exc:  # noqa: BLE001 - NOTE: a kernel that cannot be captured (CUDA's errors, Triton's own
             # exceptions): this size runs eagerly, said once

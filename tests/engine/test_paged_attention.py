@@ -19,6 +19,7 @@ from servelab.engine.kvcache import PagedKVCache
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 from tests.engine.conftest import make_config
+from tests.engine.host_reads import HostReads, unobserved
 from tests.engine.naive import naive_greedy
 from tests.engine.test_stepping import _request, _run_schedule
 
@@ -177,6 +178,50 @@ def test_prepare_builds_each_padded_size_a_worker_can_take_before_it_serves(flex
         assert graphs._sizes[4] is built and list(done["p"].token_ids) == _expected(flex_engine, request)
     finally:
         runner.graph_rows, runner.prepared = 0, None
+
+
+def test_the_step_a_cuda_graph_captures_reads_nothing_back_and_copies_nothing_in(flex_engine: Engine,
+                                                                                  monkeypatch) -> None:
+    """The padded decode step a worker captures on a GPU (DecodeGraphs.step), run here under HostReads: no op that
+    would fail its capture there (FlexAttention's compiled call itself aside). The same forward with its positions
+    checked inside reads one value back, and is caught, at its line."""
+    runner = flex_engine.runner
+    flex_engine.reset()
+    pool = flex_engine.scheduler.pool
+    runner.graph_rows = 4
+    try:
+        runner.prepare(pool, 3)
+        graphs = runner._graphs[pool]
+        flex = flex_engine.decoder.flex(pool.block_size)
+        monkeypatch.setattr(flex, "_flex", unobserved(flex._flex))
+        batch = graphs._sizes[4].batch
+        with torch.inference_mode(), HostReads().observing() as reads:
+            logits = graphs.step(batch)
+        assert logits.shape == (4, flex_engine.decoder.vocab_size) and reads.found == []
+        with torch.inference_mode(), HostReads().observing() as reads:
+            flex_engine.decoder.forward_paged(batch, graphs.cache)
+        assert len(reads.found) == 1 and reads.found[0].startswith("aten.item.default at servelab/engine/decoder.py:")
+    finally:
+        runner.graph_rows, runner.prepared = 0, None
+
+
+def test_host_reads_finds_what_a_capture_refuses_and_passes_what_it_takes() -> None:
+    x = torch.arange(6.0)
+    refused = {"item": lambda: x[1].item(), "int": lambda: int(x[1]), "bool": lambda: bool(x[1] > 0),
+               "tolist": lambda: x.tolist(), "numpy": lambda: x.numpy(), "mask": lambda: x[x > 2],
+               "masked write": lambda: x.clone().__setitem__(x > 2, 0.0), "nonzero": lambda: x.nonzero(),
+               "from a list": lambda: torch.tensor([1, 2]), "equal": lambda: torch.equal(x, x)}
+    for name, op in refused.items():
+        with HostReads().observing() as reads:
+            op()
+        assert len(reads.found) == 1, (name, reads.found)
+    with HostReads().observing() as reads:
+        y = torch.zeros(6)
+        y[2:] = 1.0
+        y.index_copy_(0, torch.arange(2), x[:2])
+        y[torch.arange(3)] = x[:3]
+        torch.where(x > 2, x, y).max()
+    assert reads.found == []
 
 
 def test_the_load_time_measurement_times_both_ways_on_this_cpu(flex_engine: Engine) -> None:
