@@ -11,6 +11,9 @@ No mocks of either server.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +46,14 @@ ADMIN_URL = os.environ.get(
 )
 REDIS_URL = os.environ.get("SERVELAB_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 _started_embedded: list[str] = []
+_kernel_builds: list[subprocess.Popen] = []
+
+# Files that start no engine, so load none of servelab's CPU kernels: a run of the whole suite takes them first,
+# while the kernels build (pytest_collection_modifyitems). Misplacing one costs time, never a result.
+NO_ENGINE = ("tests/analysis/", "tests/scheduler/", "tests/store/", "tests/jobs/test_lines.py",
+             "tests/test_architecture.py", "tests/test_config.py", "tests/test_deploy.py", "tests/test_docs.py",
+             "tests/test_embedded.py", "tests/test_gpu_wheels.py", "tests/test_protocol.py", "tests/test_request.py",
+             "tests/test_structured_protocol.py", "tests/test_telemetry.py")
 
 
 def _postgres_answers(url: str) -> bool:
@@ -74,24 +85,63 @@ def pytest_configure(config: pytest.Config) -> None:
         ADMIN_URL = make_url(start_postgres(EMBEDDED_STATE_DIR).url).set(database="postgres").render_as_string(
             hide_password=False)
         _started_embedded.append(f"PostgreSQL at {ADMIN_URL}")
+    if not hasattr(config, "workerinput") and _runs_the_whole_suite(config):
+        _start_kernel_builds()
     if _started_embedded:
         # NOTE: a pytest run started from a test (tests/engine/test_cpu_kinds.py) inherits these, so it uses
         # this run's servers and never stops them: only the run that started them does.
         os.environ["SERVELAB_TEST_REDIS_URL"], os.environ["SERVELAB_TEST_DATABASE_ADMIN_URL"] = REDIS_URL, ADMIN_URL
 
 
+def _runs_the_whole_suite(config: pytest.Config) -> bool:
+    return [Path(a.split("::")[0]).resolve() for a in config.args] == [REPO / "tests"]
+
+
+def _start_kernel_builds() -> None:
+    """servelab's CPU kernels (each build this CPU runs, best first) built in a process of their own from the
+    start: in a fresh clone a build is one to two minutes of one core that every engine's load waits on (under the
+    build's lock), and the test processes meanwhile run the files that start no engine. Built already: it loads them
+    and ends."""
+    code = ("import sys; from pathlib import Path; from servelab.engine.kernels import ISAS, isa_reason, "
+            "load_blocked_kernel\n"
+            "for isa in ISAS:\n    if isa_reason(isa) is None: load_blocked_kernel(Path(sys.argv[1]), isa.name)")
+    _kernel_builds.append(subprocess.Popen([sys.executable, "-c", code, str(REPO / ".cache")], cwd=REPO,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True))
+
+
+def _scope(nodeid: str) -> str:
+    """The unit a test process takes: a file, or tests/dashboard whole (its session's seeded runs are made once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/dashboard" if path.startswith("tests/dashboard/") else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a test process of `make test` (pytest-xdist), the order its files are handed out in: those that start no
+    engine first (NO_ENGINE: they run while the kernels build), then the rest; in each part the files with the most
+    tests first, as pytest-xdist orders them itself."""
+    if not hasattr(config, "workerinput"):
+        return
+    scopes: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        scopes.setdefault(_scope(item.nodeid), []).append(item)
+    order = sorted(scopes, key=lambda scope: (not scope.startswith(NO_ENGINE), -len(scopes[scope])))
+    items[:] = [item for scope in order for item in scopes[scope]]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`make test` runs the suite in two pytest processes (pytest-xdist's `-n`): each file's tests run in one of
     them, so a module's stack (tests/jobs, tests/api) starts once, and tests/dashboard's files all in one, so its
-    session's seeded runs are made once. A process that finishes its files takes the next; files keep their order."""
+    session's seeded runs are made once. A process that finishes its files takes the next, in the order the
+    processes collected them (pytest_collection_modifyitems)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "tests/dashboard" if path.startswith("tests/dashboard/") else path
+            return _scope(nodeid)
 
+    config.option.loadscopereorder = False  # NOTE: its own order is by number of tests alone
     return ByFile(config, log)
 
 
@@ -102,6 +152,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    for build in _kernel_builds:  # NOTE: a run cut short stops its build (and the compiler it runs)
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGTERM)
+        build.wait()
     if _started_embedded:
         stop_embedded(Settings(state_dir=EMBEDDED_STATE_DIR))
 
