@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from servelab.engine.decoder import PagedBatch
-from servelab.engine.kvcache import PagedKVCache
+from servelab.engine.kvcache import PagedKVCache, padded_tables
 from servelab.engine.paged_attention import MIN_ROWS, first_line, padded_rows
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ class DecodeGraphs:
         if positions and max(positions) >= self.decoder.cos.shape[0]:
             self.decoder._check_positions(torch.tensor(positions))  # raises: the decoder's own message
         size = self._size(padded_rows(B))
-        scratch, pad = self.cache.scratch_block, padded_rows(B) - B
-        rows = [[*t, *[scratch] * (self.width - len(t))] for t in tables] + [[scratch] * self.width] * pad
+        pad = padded_rows(B) - B
         batch = size.batch
         batch.input_ids.copy_(torch.tensor([*token_ids, *[0] * pad]), non_blocking=True)
         batch.positions.copy_(torch.tensor([*positions, *[0] * pad]), non_blocking=True)
         batch.lengths.copy_(torch.tensor([*lengths, *[0] * pad]), non_blocking=True)
-        batch.block_table.copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        batch.block_table.copy_(padded_tables([*tables, *[[]] * pad], self.width, self.cache.scratch_block),
+                                non_blocking=True)
         if size.graph is not None:
             size.graph.replay()
             return size.logits[:B]

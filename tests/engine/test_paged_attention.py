@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from servelab.engine import paged_attention as paged
 from servelab.engine.engine import Engine, check_configured_kernel
-from servelab.engine.kvcache import PagedKVCache
+from servelab.engine.kvcache import PagedKVCache, padded_tables
 from servelab.request import GenerationRequest, SamplingParams
 from servelab.settings import Settings
 from tests.engine.conftest import make_config
@@ -72,6 +72,12 @@ def test_flex_reads_a_pool_of_512_slots_a_row_or_more_like_a_gather() -> None:
 
 def test_padded_rows_are_powers_of_two_from_the_smallest() -> None:
     assert [paged.padded_rows(n) for n in (1, 3, 4, 5, 8, 9, 64, 65)] == [4, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_block_tables_are_padded_to_their_width_with_the_block_named() -> None:
+    table = padded_tables([[3, 1], [], [5]], 3, 9)
+    assert table.dtype == torch.int32 and table.tolist() == [[3, 1, 9], [9, 9, 9], [5, 9, 9]]
+    assert padded_tables([], 4, 0).shape == (0, 4)
 
 
 def test_a_token_major_pool_reads_the_same_columns_as_the_default_layout() -> None:
