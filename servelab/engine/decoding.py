@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from servelab.engine.detokenize import Detokenizer, TokenBytes
+from servelab.engine.detokenize import Detokenizer, TokenBytes, direct_decoder
 from servelab.engine.grammar import Grammars
 from servelab.engine.sampling import Allowed, make_generator, read_logprobs, sample_next
 from servelab.outputs import Alternative, Completion, FinishReason, StepOutput, TokenLogprobs
@@ -43,6 +43,7 @@ class Decodings:
                  argmax=None) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids, self.device = tokenizer, vocab_size, eos_token_ids, device
         self.token_bytes = TokenBytes(tokenizer)
+        self._decoder = direct_decoder(tokenizer)  # what each row's Detokenizer decodes with
         self.argmax = argmax  # servelab's argmax kernel, or None for torch's
         self.grammars: Grammars | None = None  # compiled constraints, on the first constrained request
         self._by_id: dict[str, Decoding] = {}
@@ -70,7 +71,7 @@ class Decodings:
                 params = r.request.params
                 self._by_id[r.request_id] = Decoding(
                     make_generator(params, self.device),
-                    Detokenizer(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output,
+                    Detokenizer(self._decoder, params.stop, include_stop=params.include_stop_str_in_output,
                                 skip_special_tokens=params.skip_special_tokens),
                     started, started_at_s, matcher=self.matcher(params.constraint),
                     logprobs=[] if params.logprobs is not None else None)

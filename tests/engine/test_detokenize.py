@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from servelab.engine.detokenize import Detokenizer, TokenBytes
+from servelab.engine.detokenize import Detokenizer, TokenBytes, direct_decoder
 from servelab.engine.engine import Engine
 from servelab.outputs import FinishReason
 from servelab.request import GenerationRequest, SamplingParams
@@ -21,8 +21,9 @@ def tokenizer(bundled_folder: str):
     return AutoTokenizer.from_pretrained(bundled_folder)
 
 
-def _pieces(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:
-    detok, pieces = Detokenizer(tokenizer, stop), []
+def _pieces(tokenizer, ids: list[int], stop: tuple[str, ...] = (), *, direct: bool = False
+            ) -> tuple[list[str], Detokenizer]:
+    detok, pieces = Detokenizer(direct_decoder(tokenizer) if direct else tokenizer, stop), []
     for i, token_id in enumerate(ids):
         stopped = detok.push(token_id)
         piece = detok.finish() if stopped or i == len(ids) - 1 else detok.release()
@@ -32,17 +33,37 @@ def _pieces(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list
     return pieces, detok
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["transformers", "direct"])
 @pytest.mark.parametrize("seed", range(6))
-def test_pieces_add_up_to_the_whole_decode_and_hold_no_broken_character(tokenizer, seed: int) -> None:
+def test_pieces_add_up_to_the_whole_decode_and_hold_no_broken_character(tokenizer, seed: int, direct: bool) -> None:
+    """Through transformers' decode, and through the tokenizer's own (direct_decoder: what the engine uses), against
+    transformers' decode of the whole output."""
     rng = random.Random(seed)
     text = "".join(rng.choice([MULTIBYTE, " the cat sat", "\n", "  x ", "😀"]) for _ in range(12))
     ids = tokenizer.encode(text, add_special_tokens=False)
     ids += [rng.randrange(len(tokenizer)) for _ in range(60)]  # NOTE: random tokens: byte pieces of any kind
-    pieces, detok = _pieces(tokenizer, ids)
+    pieces, detok = _pieces(tokenizer, ids, direct=direct)
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == detok.final_text
     for piece in pieces[:-1]:  # NOTE: the last piece is the end: an unfinished character is U+FFFD, as in a decode
         assert "\ufffd" not in piece or "\ufffd" in tokenizer.decode(ids, skip_special_tokens=True)
         piece.encode("utf-8")  # a lone surrogate would raise
+
+
+def test_the_direct_decoder_is_the_tokenizers_own_only_where_transformers_adds_nothing(bundled_folder: str,
+                                                                                      tokenizer) -> None:
+    assert direct_decoder(tokenizer) is tokenizer.backend_tokenizer
+    cleaned = AutoTokenizer.from_pretrained(bundled_folder, clean_up_tokenization_spaces=True)
+    assert direct_decoder(cleaned) is cleaned  # NOTE: transformers' decode may clean spaces up: it decodes
+
+    class Overridden(type(tokenizer)):
+        def decode(self, ids, **kwargs):
+            return "!" + super().decode(ids, **kwargs)
+
+    tokenizer.__class__ = Overridden
+    try:
+        assert direct_decoder(tokenizer) is tokenizer
+    finally:
+        tokenizer.__class__ = Overridden.__bases__[0]
 
 
 def test_a_multibyte_character_split_over_tokens_is_released_whole(tokenizer) -> None:
