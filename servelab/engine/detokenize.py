@@ -31,12 +31,11 @@ def direct_decoder(tokenizer: Any) -> Decoder:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # NOTE: transformers before 5 names its fast tokenizers otherwise: decode through them
         return tokenizer
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     kind = type(tokenizer)
-    if (backend is None or not isinstance(tokenizer, TokenizersBackend) or tokenizer.clean_up_tokenization_spaces
+    if (not isinstance(tokenizer, TokenizersBackend) or tokenizer.clean_up_tokenization_spaces
             or kind.decode is not TokenizersBackend.decode or kind._decode is not TokenizersBackend._decode):
         return tokenizer
-    return backend
+    return tokenizer.backend_tokenizer
 
 
 @dataclass
