@@ -124,7 +124,7 @@ def read_round(session: Session, *, now: datetime) -> FeedRound:
 def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams], configs_dir: Path,
               worker_live_s: float, limits: IngestLimits, max_bulk_queued_batches: float, max_s: float,
               tries: StepTries, is_mine: Callable[[], bool] = lambda: True) -> Fed:
-    """Rounds for up to max_s seconds, or until no job has lines left, or until is_mine() (asked before each
+    """Rounds for up to max_s seconds (one at least), or until no job has lines left, or until is_mine() (asked before each
     round: does this feed still hold its lease?) says no.
 
     NOTE: one loop for every job, not a task per job: a job created now is in the next round (THROTTLED_WAIT_S
@@ -141,7 +141,9 @@ def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], R
     state, seen = ShareState(), {}  # seen: job -> configs its lines joined (a job whose lines all started)
     retry_at: dict[str, float] = {}  # a job whose slice raised: not before then (monotonic)
     counted = tries.counted()
-    while time.monotonic() < deadline and is_mine():
+    is_first = True  # NOTE: one round at least, however long the task took to get here (a loaded host)
+    while (is_first or time.monotonic() < deadline) and is_mine():
+        is_first = False
         now = datetime.now(UTC)
         live_since = now - timedelta(seconds=worker_live_s)
         with session_scope(sessions) as session:

@@ -57,7 +57,8 @@ def test_compare_link_shows_the_verdict_then_every_figure(open_app, seeded) -> N
     at = open_app(seeded.database_url, key_prefix=seeded.key_prefix,
                   baseline=",".join(seeded.baseline_ids), candidates=",".join(seeded.candidate_ids))
     headings = [h.value for h in at.subheader]
-    assert any(seeded.candidate_name in h and seeded.baseline_name in h and "ACCEPT" in h for h in headings), headings
+    assert any(seeded.candidate_name in h and seeded.baseline_name in h and "ACCEPT" in h for h in headings), \
+        (headings, [w.value for w in at.warning])  # an inconclusive verdict says why in a warning box
     assert "plan dash-precision" in texts(at)  # the stored plan's limits, said where they came from
     criteria = at.dataframe[0].value
     assert set(criteria["result"]) <= {"pass", "FAIL", "unsure"} and {"quality", "latency", "gain"} == {

@@ -64,6 +64,15 @@ def test_a_job_whose_slice_raises_fails_after_its_tries_across_tasks_and_never_s
     assert not stack.runtime.redis.hexists(f"{stack.settings.key_prefix}:feed:step_tries", str(broken.id))
 
 
+def test_a_task_that_gets_going_after_its_time_is_up_still_runs_a_round(make_stack) -> None:
+    """On a loaded host a task can reach its loop after max_s: it reads a round all the same (CI saw a task of 10 ms
+    read nothing), else a busy host would stall every job until the feed got a quiet moment."""
+    stack = make_stack(with_worker=False)
+    job = make_job(stack, job_file("fp32", "z-", 3), tenant=f"z-{uuid.uuid4().hex[:6]}")
+    assert feed_once(stack, max_bulk_queued_batches=0, max_s=0.0) == 3
+    assert lines_read(stack, job.id) == 3 and bulk_queued(stack, "fp32") == 3
+
+
 def live_config(stack, *, max_batch_size: int, is_live: bool = True) -> str:
     """A serving config of its own, registered with a worker (live, or with its last heartbeat long ago)."""
     base = ServingConfig.from_yaml(REPO / "configs" / "fp32.yaml")
