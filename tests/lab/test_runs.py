@@ -95,8 +95,9 @@ def test_a_plan_runs_every_config_interleaved_and_compare_exits_1_on_a_reject(fo
         f"workload: {workload_file(tmp_path)}\nbaseline: {base}\ncandidates: [{batched}]\nrepeats: 2\n"
         "quality: {lambada_samples: 8}\n"
         "limits:\n  max_accuracy_drop: 1.0\n  latency: [{metric: tpot_ms, percentile: 95, max_ratio: 1000}]\n"
-        # NOTE: a goal past any interval two rounds of timings can give (a t interval with 1 degree of freedom is
-        # x12.7 the rounds' spread, so x1000 was within reach of a loaded host's): the reject is certain
+        # NOTE: a goal past any interval two rounds of timings can give (a t interval with 1 degree of freedom
+        # reaches 6.4 times the rounds' log difference either side: x1000 was within a loaded host's reach): the
+        # reject is certain
         "  gains: [{metric: output_tokens_per_s, min_ratio: 1.0e+300}]\n")
     env = service_env(service_settings)
     result = CliRunner().invoke(app, ["compare", str(plan_path), "--json"], env=env)
