@@ -124,8 +124,8 @@ def read_round(session: Session, *, now: datetime) -> FeedRound:
 def feed_bulk(*, sessions: sessionmaker[Session], streams_for: Callable[[str], RequestStreams], configs_dir: Path,
               worker_live_s: float, limits: IngestLimits, max_bulk_queued_batches: float, max_s: float,
               tries: StepTries, is_mine: Callable[[], bool] = lambda: True) -> Fed:
-    """Rounds for up to max_s seconds (one at least), or until no job has lines left, or until is_mine() (asked before each
-    round: does this feed still hold its lease?) says no.
+    """Rounds for up to max_s seconds (one at least), or until no job has lines left, or until is_mine() (asked
+    before each round: does this feed still hold its lease?) says no.
 
     NOTE: one loop for every job, not a task per job: a job created now is in the next round (THROTTLED_WAIT_S
     away at most), never behind another job's task; and the round-robin state lives here. Two feeds at once
