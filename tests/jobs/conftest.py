@@ -95,9 +95,16 @@ def stacks(service_settings, make_served, model) -> Iterator:
 
     yield make
     for runtime in runtimes:
-        with session_scope(runtime.sessions) as session:  # NOTE: the database is shared by the whole session
-            session.execute(update(BatchJobRow).where(BatchJobRow.status.in_(ACTIVE)).values(status=BatchStatus.FAILED))
+        fail_active_jobs(runtime.sessions)
         runtime.close()
+
+
+def fail_active_jobs(sessions, *, tenant: str | None = None) -> None:
+    """Every batch job left active (of `tenant`, else of anyone) failed. The database is the whole test session's:
+    a job left running would be read by the next feed in the process, beside that test's own jobs."""
+    where = [BatchJobRow.status.in_(ACTIVE)] + ([BatchJobRow.tenant == tenant] if tenant is not None else [])
+    with session_scope(sessions) as session:
+        session.execute(update(BatchJobRow).where(*where).values(status=BatchStatus.FAILED))
 
 
 @pytest.fixture

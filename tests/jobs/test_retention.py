@@ -9,18 +9,18 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from servelab.jobs.retention import Pruned, RetentionPolicy, prune
 from servelab.lab.runsets import batch_samples, load_run_set
 from servelab.request import FinishReason
 from servelab.store import batch_jobs, files, runs
-from servelab.store.batch_jobs import ACTIVE
 from servelab.store.db import session_factory, session_scope
 from servelab.store.models import (BatchJobRow, BatchRow, BatchStatus, ComparisonRow, FilePartRow, FileRow,
                                    RequestMetricsRow, RequestRow, RequestStatus, ResultRow, RunRequestRow, RunRow,
                                    StreamKind, StreamMetricsRow)
+from tests.jobs.conftest import fail_active_jobs
 
 NOW = datetime.now(UTC)
 OLD, RECENT = timedelta(days=40), timedelta(days=2)
@@ -32,11 +32,9 @@ POLICY = RetentionPolicy(max_age=timedelta(days=30), max_file_age=timedelta(days
 def sessions(engine) -> Iterator[sessionmaker[Session]]:
     made = session_factory(engine)
     yield made
-    # NOTE: the database is the whole test session's: a job of these tests left running (its file's one line unread)
-    # was read by the next feed in the process, one line more than that test's own (seen in a whole-suite run)
-    with session_scope(made) as session:
-        session.execute(update(BatchJobRow).where(BatchJobRow.tenant == TENANT, BatchJobRow.status.in_(ACTIVE))
-                        .values(status=BatchStatus.FAILED))
+    # NOTE: a job of these tests left running (its file's one line unread) was read by the next feed in the process,
+    # one line more than that test's own (seen in a whole-suite run)
+    fail_active_jobs(made, tenant=TENANT)
 
 
 def served(sessions, *, age: timedelta, status: RequestStatus = RequestStatus.SUCCEEDED, n: int = 1,
