@@ -14,7 +14,6 @@ which wheels the folder holds (deploy/gpu_wheels.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import site
 import subprocess
@@ -45,7 +44,9 @@ def make_venv(venv: Path) -> Path:
 
 
 def has_pip() -> bool:
-    return importlib.util.find_spec("pip") is not None
+    # NOTE: asked of a child: looking pip up in this process (find_spec) makes setuptools' distutils shim stand
+    # down for good (it leaves distutils to pip), and a later setuptools import in a test process then fails
+    return subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
 
 
 def install(interpreter: Path, wheels: Path) -> None:
