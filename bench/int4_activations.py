@@ -1,7 +1,7 @@
 """servelab's int4 kernel on int8 activations against fp32 ones (awq.activations), on the bundled model's
 awq-int4-fast checkpoint, one thread:
 
-- agreement: greedy tokens of each against gptqmodel's ATen layers (configs/awq-int4-fast-aten.yaml, the same
+- agreement: greedy tokens of each against ATen's int4 matmul (configs/awq-int4-fast-aten.yaml, the same
   checkpoint and output layer), on the 32 chat prompts (chat template, batches of 16) and on 32 LAMBADA passages
   (seed 0, one at a time): how many of 32 are identical over the first --new-tokens tokens, and where the others
   part. --heads picks the output layer on both sides: bf16 as the checkpoint stores it (auto) and/or int8. The

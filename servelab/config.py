@@ -118,7 +118,9 @@ class AWQConfig(_Frozen):
     calibration_seq_len: int = Field(default=256, ge=16, le=4096)
     calibration_set: Literal["hellaswag", "arc_easy", "piqa"] = "hellaswag"
     kernel: Literal["auto", "servelab", "aten", "torch", "triton", "marlin", "gemm", "exllama"] = Field(
-        default="auto", description="int4 matmul: auto = servelab's own on CPU (gptqmodel's ATen kernel where it cannot run), a CUDA kernel on GPU; servelab / aten name a CPU kernel; the rest name a gptqmodel backend")
+        default="auto", description="int4 matmul: auto = servelab's own on CPU (ATen's where it cannot run), on CUDA "
+        "gptqmodel's pick where gptqmodel is installed, else ATen's (tinygemm, bf16); servelab (CPU) and aten load "
+        "the checkpoint without gptqmodel; the rest name a gptqmodel backend")
     activations: Literal["int8", "float"] = Field(
         default="int8", description="servelab's int4 kernel at few rows: int8 = activations quantised per group, integer "
                                     "dot products (streams the weights at the bandwidth); float = fp32 activations on "

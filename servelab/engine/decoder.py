@@ -69,8 +69,9 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
                   int4_activations: str = "int8", paged_attention: str = "auto", kv_block_size: int = 16,
                   max_context_tokens: int | None = None) -> Decoder:
     """choice 'auto': servelab's decoder where it covers the model, else transformers'; 'transformers': always it.
-    int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else gptqmodel's; 'servelab' only
-    it (refused with the reason where it cannot run); anything else gptqmodel's (ATen on CPU). int4_activations:
+    int4_kernel (AWQ models): 'auto' servelab's int4 kernel where it runs, else the loaded layers' own (ATen's int4
+    matmul, joined, or a gptqmodel kernel); 'servelab' only it (refused with the reason where it cannot run);
+    anything else the loaded layers' own. int4_activations:
     servelab's int4 kernel at few rows on int8 activations (integer dot products) or 'float' ones (fp32 FMAs).
     lm_head_weights 'int8': the output layer in int8 through servelab's kernel (refused where it cannot run).
     paged_attention: how the paged pool is read (paged_attention.choose)."""
@@ -82,21 +83,23 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
         if int4_layers:
             int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float", dtype=dtype)
         if int4 is None:
-            _warm_up_int4(model, int4_layers, device)
+            _warm_up_int4(model, int4_layers, device, joined=True)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
                                       shapes=measured_shapes(dense) or ((64, 64),))
-        return LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel, int4=int4,
-                            int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None,
-                            paged_attention=paged_attention, kv_block_size=kv_block_size,
-                            max_context_tokens=max_context_tokens)
+        decoder = LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel,
+                               int4=int4, int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None,
+                               paged_attention=paged_attention, kv_block_size=kv_block_size,
+                               max_context_tokens=max_context_tokens)
+        _pack_called_layers(decoder)
+        return decoder
     if paged_attention != "auto":
         raise paged.PagedAttentionError(f"paged_attention {paged_attention!r} needs servelab's decoder, which does not "
                                         f"cover this model: {unsupported_reason(model) or 'decoder: transformers'}")
     if int4_kernel == "servelab":
         raise LinearKernelError("awq.kernel 'servelab' needs servelab's decoder, which does not cover this model: "
                                 f"{unsupported_reason(model) or 'decoder: transformers'}")
-    _warm_up_int4(model, int4_layers, device)
+    _warm_up_int4(model, int4_layers, device, joined=False)
     return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 
 
@@ -139,11 +142,29 @@ def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.devic
 
 
 @torch.inference_mode()
-def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device) -> None:
-    """gptqmodel's CPU int4 layers repack their weights for ATen on their first forward: done here, so that the
-    one-off cost lands in the load and not in the first request's TTFT (and Int4Linear can join them)."""
-    if layers and device.type == "cpu" and any(getattr(m, "linear_mode", "") is None for m in layers):
+def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device, *, joined: bool) -> None:
+    """ATen's int4 layers pack their weights for it on their first forward: done here, so that the one-off cost
+    lands in the load and not in the first request's TTFT. gptqmodel's CPU layers by a forward (then Int4Linear can
+    join them); servelab's own packed one by one, unless `joined` (servelab's decoder packs them joined)."""
+    from servelab.engine.awq.native import AwqAtenLinear
+
+    if not joined:
+        for m in layers:
+            if isinstance(m, AwqAtenLinear):
+                m.pack()
+    if any(getattr(m, "linear_mode", "") is None and not isinstance(m, AwqAtenLinear) for m in layers):
         model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
+
+
+def _pack_called_layers(decoder: LlamaDecoder) -> None:
+    """servelab's int4 layers the decoder calls as they are (not joined: a bias, say) packed now, not in a request."""
+    from servelab.engine.awq.native import AwqAtenLinear
+
+    for layer in decoder.layers:
+        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for m in (p.modules if isinstance(p, JoinedModules) else ()):
+                if isinstance(m, AwqAtenLinear):
+                    m.pack()
 
 
 def lm_head_reason(model, choice: str, device: torch.device, cache_dir: Path) -> str | None:

@@ -364,7 +364,7 @@ def check_configured_kernel(config: ServingConfig, settings: Settings) -> None:
     if config.weights == "awq-int4":
         from servelab.engine.awq import serving_dtype
 
-        dtype = serving_dtype(device)  # the dtype around the int4 layers: the output layer's
+        dtype = serving_dtype(device, config.awq.kernel if config.awq else "auto")  # around the int4 layers
     else:
         dtype = DTYPES[config.weights]
     try:

@@ -613,22 +613,45 @@ class BlockedMatmulLinear:
 
 
 class Int4Linear:
-    """int4 weights (AWQ, after gptqmodel's CPU transform) through ATen's int4 CPU matmul, several
-    projections of one input as one call: their packed rows and scales are joined along the outputs."""
+    """int4 weights (AWQ) through ATen's int4 matmul, several projections of one input as one call: servelab's layers
+    (awq/native.py) joined while unpacked and packed once, or gptqmodel's CPU layers, already packed, joined where the
+    packing allows it (ATen's CPU packing interleaves outputs in blocks of 64: a layer before another must fill its
+    blocks)."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
+        from servelab.engine.awq.native import aten_pack
+        from servelab.engine.awq.unpack import unpack_awq
+
         self.group_size = modules[0].group_size
-        self.weight = torch.cat([m.qweight for m in modules])  # (N, K / 2) uint8, one row per output
-        self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in modules], dim=1)  # (K / group, N, 2)
         self.out_features = sum(m.out_features for m in modules)
+        if modules[0].linear_mode is None:  # NOTE: servelab's layers, unpacked (covers says so)
+            parts = [unpack_awq(m.qweight, m.qzeros, m.scales) for m in modules]
+            self.weight, self.scales_and_zeros = aten_pack(
+                torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1),
+                torch.cat([p[2] for p in parts], dim=1), self.group_size)
+        else:
+            self.weight = torch.cat([m.qweight for m in modules])  # (N, K / 2) uint8, outputs leading
+            self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in modules], dim=1)  # (K / group, N, 2)
 
     @staticmethod
     def covers(modules: list[torch.nn.Module]) -> bool:
-        """gptqmodel's ATen AWQ layers already switched to the CPU int4 layout (the load runs one forward)."""
-        return all(getattr(m, "linear_mode", None) == "inference" and hasattr(m, "scales_and_zeros")
-                   and getattr(m, "bias", None) is None and m.group_size == modules[0].group_size for m in modules)
+        """servelab's AWQ layers not yet packed, or ATen-packed layers whose packed weights join (the load ran one
+        forward), all without a bias and at one group size."""
+        from servelab.engine.awq.native import AwqAtenLinear, aten_layout_reason
+
+        first = modules[0]
+        if any(getattr(m, "bias", None) is not None or getattr(m, "group_size", None) != first.group_size
+               for m in modules):
+            return False
+        if all(isinstance(m, AwqAtenLinear) and m.linear_mode is None for m in modules):
+            return aten_layout_reason(sum(m.out_features for m in modules), first.in_features, first.group_size,
+                                      first.qweight.device) is None
+        return (all(getattr(m, "linear_mode", None) == "inference" and hasattr(m, "scales_and_zeros")
+                    and m.qweight.device.type == "cpu" for m in modules)
+                and all(m.out_features % 64 == 0 for m in modules[:-1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # NOTE: the int4 kernel computes in bf16
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
+        from servelab.engine.awq.native import aten_int4_matmul
+
+        out = aten_int4_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.group_size, self.scales_and_zeros)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

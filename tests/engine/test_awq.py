@@ -10,6 +10,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,7 +176,40 @@ def test_loaded_layers_are_packed_int4_modules(loaded, tiny_base: Path) -> None:
         assert not isinstance(quant, torch.nn.Linear), f"{name} was left in full precision"
         packed_bytes = quant.qweight.numel() * quant.qweight.element_size()
         assert packed_bytes * 2 == linear.in_features * linear.out_features, f"{name} is not 4 bits per weight"
-    assert awq.kernel_name(loaded.model) == "TorchAtenAwqLinear"  # the ATen int4 CPU matmul
+    assert awq.kernel_name(loaded.model) == "AwqAtenLinear"  # servelab's own layers: no gptqmodel to serve
+
+
+def test_servelabs_layers_compute_what_gptqmodels_aten_layers_do(loaded, quantized: awq.QuantizeRecord) -> None:
+    """ATen's int4 matmul through servelab's layers (its packing, its scales and zeros) gives gptqmodel's ATen layers'
+    logits to the bit: the same weights, two implementations of their packing."""
+    from servelab.engine.awq.load import _from_pretrained
+
+    theirs = _from_pretrained(Path(quantized.checkpoint), loaded.device, loaded.dtype,
+                              _awq_config(quantized.checkpoint, kernel="aten").awq)
+    assert awq.kernel_name(theirs) == "TorchAtenAwqLinear"
+    for prompt in PROMPTS:
+        torch.testing.assert_close(_logits(loaded.model, loaded.tokenizer, prompt),
+                                   _logits(theirs, loaded.tokenizer, prompt), atol=0, rtol=0)
+
+
+def test_serving_int4_on_cpu_never_imports_gptqmodel(quantized, tiny_config: ServingConfig,
+                                                     awq_settings: Settings) -> None:
+    """A worker serving int4 on a CPU loads no gptqmodel (its import brings pyarrow, pandas and datasets)."""
+    script = (
+        "import sys\n"
+        "from servelab.config import ServingConfig\n"
+        "from servelab.engine.engine import Engine\n"
+        "from servelab.settings import Settings\n"
+        f"config = ServingConfig.from_dict({tiny_config.model_dump(mode='json')!r})\n"
+        f"engine = Engine.from_config(config, Settings(cache_dir={str(awq_settings.cache_dir)!r}))\n"
+        "print(engine.kernel)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('gptqmodel', 'pyarrow', 'datasets')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SERVELAB_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    kernel, modules = done.stdout.strip().splitlines()[-2:]
+    assert kernel.startswith("servelab decoder") and modules == "[]", done.stdout
 
 
 def test_checkpoint_stores_int32_packed_qweight(quantized: awq.QuantizeRecord) -> None:
@@ -276,7 +311,7 @@ def test_engine_decodes_the_awq_model_like_naive_greedy(quantized, tiny_config: 
         own_layout = tensor_storage_bytes([t for layer in engine.decoder.layers for t in layer.qkv.tensors()])
         assert engine.weight_bytes >= own_layout > 0  # the process's weights: the decoder's layouts
     else:
-        assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, TorchAtenAwqLinear"
+        assert isinstance(fused, Int4Linear) and engine.kernel == "servelab decoder, AwqAtenLinear"
 
 
 @pytest.mark.parametrize(("activations", "kv_cache_dtype"), [("int8", "auto"), ("float", "auto"), ("int8", "int8")])
@@ -310,9 +345,9 @@ def test_int4_prompt_chunks_in_one_call_equal_the_python_layer_loop(quantized, t
     assert_prompt_steps_equal_the_layer_loop(engine, [PROMPTS[0], *longer])
 
 
-def test_aten_kernel_joins_gptqmodels_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:
+def test_aten_kernel_joins_servelabs_layers(quantized, tiny_base: Path, awq_settings: Settings) -> None:
     engine = Engine.from_config(_awq_config(tiny_base, kernel="aten"), awq_settings)
-    assert engine.kernel == "servelab decoder, TorchAtenAwqLinear"
+    assert engine.kernel == "servelab decoder, AwqAtenLinear"
     assert engine.released_bytes > 0  # Int4Linear joined (copied) the layers: their own tensors are emptied
     attention = engine.model.model.layers[0].self_attn
     fused = engine.decoder.layers[0].qkv
@@ -354,6 +389,19 @@ def test_missing_weights_file_names_the_file(quantized, tiny_config: ServingConf
     with pytest.raises(awq.AWQCheckpointError, match="is missing") as info:
         awq.load_awq_model(tiny_config, settings)
     assert str(weights) in str(info.value)
+
+
+def test_a_tensor_missing_from_the_checkpoint_is_named(quantized, tiny_config: ServingConfig, tmp_path: Path) -> None:
+    """Beyond the layer linears the checkpoint checks: a norm missing is named, not left unallocated."""
+    from safetensors.torch import load_file, save_file
+
+    settings = Settings(cache_dir=tmp_path)
+    weights = _copy_checkpoint(quantized, tiny_config, settings) / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.norm.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(awq.AWQCheckpointError, match=r"model\.norm\.weight is not in the checkpoint"):
+        awq.load_awq_model(tiny_config, settings)
 
 
 @pytest.fixture
@@ -417,3 +465,21 @@ def test_cuda_loads_a_cuda_kernel_in_fp16(quantized, tiny_base: Path, awq_settin
     assert "Aten" not in awq.kernel_name(loaded.model)
     ids = loaded.tokenizer(PROMPTS[0], return_tensors="pt").input_ids.to(loaded.device)
     assert torch.isfinite(loaded.model(input_ids=ids).logits).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_serves_servelabs_layers_through_atens_int4_matmul(quantized, tiny_base: Path,
+                                                                awq_settings: Settings) -> None:
+    """awq.kernel aten on CUDA (auto's choice where gptqmodel is not installed): servelab's layers in bf16, q/k/v
+    packed joined for PyTorch's tinygemm, greedy tokens equal to transformers' forward over the same layers."""
+    config = ServingConfig.from_dict({**_awq_config(tiny_base, kernel="aten").model_dump(), "device": "cuda"})
+    engine = Engine.from_config(config, awq_settings)
+    assert engine.loaded.dtype == torch.bfloat16 and engine.kernel == "servelab decoder, AwqAtenLinear"
+    assert isinstance(engine.decoder.layers[0].qkv, Int4Linear) and engine.decoder.layers[0].qkv.weight.dim() == 4
+    requests = [GenerationRequest(f"r{i}", prompt=p, params=SamplingParams(max_new_tokens=8))
+                for i, p in enumerate(PROMPTS)]
+    result = engine.generate(requests)
+    for request, completion in zip(requests, result.completions):
+        expected = naive_greedy(engine.model, engine.encode(request), 8, engine.eos_token_ids)
+        assert list(completion.token_ids) == expected, request.prompt

@@ -3,8 +3,9 @@ published AWQ checkpoint as it is.
 
 Rooms: calibration.py the calibration text, gptq_cpu.py gptqmodel's import and CPU patches, quantizing.py
 the quantising, layout.py what a folder's files declare (a published checkpoint's AWQ layout, its tensors),
-checkpoint.py the cache folder, its key and its checks, load.py the loading. Importing this
-package does not import gptqmodel; quantising or loading does. Does not know decoding or evaluation.
+checkpoint.py the cache folder, its key and its checks, load.py the loading, native.py servelab's own int4 layers
+(loading a checkpoint without gptqmodel, ATen's int4 matmul). Importing this package does not import gptqmodel;
+quantising does, and loading for one of gptqmodel's kernels. Does not know decoding or evaluation.
 """
 
 from servelab.engine.awq.calibration import CALIBRATION_TASKS, calibration_texts, calibration_windows

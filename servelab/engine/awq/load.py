@@ -1,13 +1,16 @@
 """Loading an int4 checkpoint into a LoadedModel (a published AWQ checkpoint as it is, or the one cached for a
 full-precision model): the serving dtype and the kernel backend.
 
-Knows transformers' AWQ integration (gptqmodel's kernels behind it: ATen int4 on CPU, a CUDA kernel on
-GPU, or the one awq.kernel names) and checks the checkpoint before trusting it. Does not know how a
-checkpoint is made: loading never quantises (`servelab quantize` does), and never falls back to full precision.
+Knows which loader serves which awq.kernel: servelab's own (native.py: ATen's int4 matmul, or servelab's CPU
+kernel through the decoder; no gptqmodel) for auto on CPU, servelab and aten, and for auto on CUDA where gptqmodel
+is not installed; transformers' AWQ integration (gptqmodel's kernels) for auto on CUDA beside gptqmodel and for a
+gptqmodel backend named. Checks the checkpoint before trusting it. Does not know how a checkpoint is made: loading
+never quantises (`servelab quantize` does), and never falls back to full precision.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -28,15 +31,16 @@ from servelab.engine.awq.checkpoint import (
 )
 from servelab.engine.awq.gptq_cpu import import_gptqmodel
 from servelab.engine.awq.layout import check_published_tensors, published_layout
+from servelab.engine.awq.native import aten_int4_reason, load_native
 from servelab.engine.loaded_model import LoadedModel, attention_for, model_shape, resolve_device
-from servelab.engine.model_files import resolve_model_folder
+from servelab.engine.model_files import ModelLoadError, resolve_model_folder
 from servelab.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# config.awq.kernel -> transformers AwqBackend value; "auto" picks ATen int4 on CPU, a CUDA kernel on GPU.
-# "servelab" and "aten" load gptqmodel's CPU layers (ATen's); servelab's decoder then lays out their AWQ tensors
-# for its own int4 kernel ("servelab", and "auto" on CPU) or joins the ATen ones ("aten").
+# config.awq.kernel -> transformers AwqBackend value, for the kernels gptqmodel serves; "auto" on CUDA beside gptqmodel
+# lets it pick. "servelab", "aten" and "auto" elsewhere load servelab's own layers (native.py): servelab's decoder
+# lays out their AWQ tensors for its own int4 kernel ("servelab", and "auto" on CPU) or joins the ATen ones.
 KERNEL_BACKENDS = {
     "auto": "auto", "servelab": "auto", "aten": "auto", "torch": "torch_awq", "triton": "gemm_triton",
     "marlin": "marlin", "gemm": "gemm", "exllama": "exllama_v2",
@@ -51,10 +55,17 @@ def kernel_name(model: torch.nn.Module) -> str:
     return "+".join(names)
 
 
-def serving_dtype(device: torch.device) -> torch.dtype:
+def serves_natively(kernel: str, device: torch.device) -> bool:
+    """Whether servelab's own layers (native.py) load the checkpoint for this awq.kernel, rather than gptqmodel's."""
+    if kernel == "auto":
+        return device.type != "cuda" or importlib.util.find_spec("gptqmodel") is None
+    return kernel in ("servelab", "aten")
+
+
+def serving_dtype(device: torch.device, kernel: str = "auto") -> torch.dtype:
     """The dtype of everything around the int4 matmuls: embeddings, norms, attention, the head."""
-    if device.type == "cuda":
-        return torch.float16  # what the CUDA AWQ kernels take
+    if device.type == "cuda":  # NOTE: what the kernels take: ATen's int4 matmul bf16, gptqmodel's CUDA kernels fp16
+        return torch.bfloat16 if serves_natively(kernel, device) else torch.float16
     # NOTE: the CPU int4 kernel computes in bf16 whatever the model dtype; the rest of the model runs
     # in bf16 only where the CPU has native bf16 (AVX512-BF16 / AMX) and torch dispatches to it (not capped
     # below AVX-512 by ATEN_CPU_CAPABILITY), else at ~1/50 of fp32 speed.
@@ -73,8 +84,13 @@ def load_awq_model(config: ServingConfig, settings: Settings, *, method: QuantMe
     model_folder = Path(resolve_model_folder(config.model, settings))  # NOTE: the only resolve of this load
     folder, source = _checkpoint_to_serve(config, settings, model_folder, method)
     device = resolve_device(config.device)
-    dtype = serving_dtype(device)
-    model = _from_pretrained(folder, device, dtype, awq_cfg)
+    dtype = serving_dtype(device, awq_cfg.kernel)
+    if serves_natively(awq_cfg.kernel, device):
+        if (reason := aten_int4_reason(device)) is not None:
+            raise ModelLoadError(f"config {config.name!r}: awq.kernel {awq_cfg.kernel!r} cannot serve here: {reason}")
+        model = load_native(folder, device, dtype, attention_for(folder), awq_cfg.group_size)
+    else:
+        model = _from_pretrained(folder, device, dtype, awq_cfg)
     dense = _count_dense_layer_linears(model)
     assert not dense, f"{folder}: layers left in full precision after loading: {dense[:4]}"
     model.eval()  # NOTE: gptqmodel's CPU layers repack for ATen on their first forward: build_decoder decides
