@@ -86,10 +86,10 @@ def carried_packages() -> dict[str, str]:
             if name not in host or name in own}
 
 
-def host_packages(*, gptqmodel: bool) -> dict[str, str]:
+def host_packages() -> dict[str, str]:
     """Every package a host has once `make gpu-check` installed the folder: its torch, transformers and Triton trees
-    and the carried ones (with gptqmodel's tree: a host that installed it for the int4 part)."""
-    return {**host_tree(), **carried_packages(), **(requirement_tree(("gptqmodel",)) if gptqmodel else {})}
+    and the carried ones (no gptqmodel: the int4 part loads AWQ through servelab's own layers and ATen's matmul)."""
+    return {**host_tree(), **carried_packages()}
 
 
 def _installed(name: str) -> bool:

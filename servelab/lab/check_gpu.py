@@ -515,14 +515,19 @@ def free_engine(engine: Engine | None) -> None:
 # --- AWQ int4 ---
 
 
-def awq_reason() -> str | None:
-    """Why AWQ int4 cannot be checked here, or None: transformers loads AWQ checkpoints through gptqmodel."""
+def awq_reason(device: torch.device, kernel: str) -> str | None:
+    """Why AWQ int4 cannot be checked here with this awq.kernel, or None."""
+    from servelab.engine.awq.load import serves_natively
+    from servelab.engine.awq.native import aten_int4_reason
+
+    if serves_natively(kernel, device):
+        return aten_int4_reason(device)
     if importlib.util.find_spec("gptqmodel") is None:
         # NOTE: measured for CPython 3.12: beyond what torch and transformers bring, gptqmodel 7.6's tree is 87 MiB of
         # wheels (pyarrow 52, pandas 11, maturin 10, pillow 7) and five packages with no wheel (pypcre compiles C)
-        return ("gptqmodel is not installed: transformers loads AWQ checkpoints only through it, and its tree (87 MiB "
-                "of wheels for Python 3.12, pyarrow's 52 of them, and five source packages) does not fit the 64 MiB "
-                "wheel folder; install gptqmodel==7.6.0 on the host to check int4")
+        return (f"awq.kernel {kernel!r} is gptqmodel's, and gptqmodel is not installed (its tree, 87 MiB of wheels for "
+                "Python 3.12, does not fit the 64 MiB wheel folder): leave --awq-kernel at auto for ATen's int4 "
+                "matmul, or install gptqmodel==7.6.0 on the host")
     return None
 
 
@@ -735,13 +740,13 @@ def _run_check(*, shapes: Sequence[str], dtype_name: str, dry_run: bool, tokeniz
     if awq:
         # NOTE: on the smallest shape asked for: writing and loading an 8B checkpoint would take most of the minutes
         shape = min((SHAPES[s] for s in shapes), key=lambda s: s.num_parameters)
-        reason = awq_reason()
+        # NOTE: on the CPU ATen's int4 matmul through servelab's layers, joined as on a CUDA host without gptqmodel
+        # (auto there); servelab's own CPU kernel has its tests in the suite
+        kernel = awq_kernel or ("aten" if device.type == "cpu" else "auto")
+        reason = awq_reason(device, kernel)
         if reason is not None:
             check.awq_reason = reason
         else:
-            # NOTE: on the CPU gptqmodel's torch kernel: servelab's decoder calls its modules as they are, as it calls
-            # the CUDA kernels' (ATen's would be joined into one matmul, a path only the CPU takes)
-            kernel = awq_kernel or ("torch" if device.type == "cpu" else "triton")
             try:
                 check.awq, check.awq_reason = check_awq(shape, tokenizer=tokenizer, dtype_name=dtype_name,
                                                         device=device, sizes=sizes, dry_run=dry_run, settings=settings,
