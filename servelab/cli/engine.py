@@ -213,9 +213,10 @@ def check_gpu(
                                                    "run)")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="a folder with tokenizer.json (default: the bundled model's; "
                                                        "`make gpu-wheels` copies it into its folder)")] = None,
-    awq_kernel: Annotated[str | None, typer.Option(help="the int4 kernel (awq.kernel): default triton on CUDA, torch "
-                                                        "on the CPU")] = None,
-    awq: Annotated[bool, typer.Option(help="check AWQ int4 (needs gptqmodel)")] = True,
+    awq_kernel: Annotated[str | None, typer.Option(help="the int4 kernel (awq.kernel): default auto on CUDA "
+                                                        "(gptqmodel's pick where installed, else ATen's int4 "
+                                                        "matmul), aten on the CPU")] = None,
+    awq: Annotated[bool, typer.Option(help="check AWQ int4")] = True,
     served: Annotated[bool, typer.Option(help="run the served path (a worker, requests through the queue)")] = True,
     speed: Annotated[bool, typer.Option(help="time decode and prefill, measure the bandwidth, fill the KV pool "
                                              "(--no-speed: tokens only)")] = True,
