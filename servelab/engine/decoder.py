@@ -279,11 +279,12 @@ def _blocked_layout(p) -> BlockedLinear | Int8Linear | None:
 def release_copied_weights(model: torch.nn.Module, decoder: Decoder) -> int:
     """Empty the model's tensors that servelab's decoder holds a copy of (its layouts, norms, the embedding), so
     a serving process keeps one copy (transformers' forward then needs a fresh load: Engine.model does that).
-    -> bytes released. Layers the decoder reads in place (F.linear, ATen int4) are kept."""
+    -> bytes released. Layers the decoder reads in place (F.linear, ATen int4) are kept; int4 layers it joined on a
+    GPU were freed as they were joined (Int4Linear) and are counted here."""
     if not isinstance(decoder, LlamaDecoder):
         return 0
     held = {t.untyped_storage().data_ptr() for t in decoder.tensors() if t.layout == torch.strided}
-    released = 0
+    released = sum(getattr(m, "freed_bytes", 0) for m in model.modules())  # NOTE: int4 layers freed when joined
     for module in model.modules():
         tensors = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if any(t.untyped_storage().data_ptr() in held for t in tensors.values()):

@@ -619,16 +619,22 @@ class Int4Linear:
     blocks)."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
-        from servelab.engine.awq.native import aten_pack
+        from servelab.engine.awq.native import aten_int4_matmul, aten_pack
         from servelab.engine.awq.unpack import unpack_awq
 
         self.group_size = modules[0].group_size
         self.out_features = sum(m.out_features for m in modules)
+        self._matmul = aten_int4_matmul
         if modules[0].linear_mode is None:  # NOTE: servelab's layers, unpacked (covers says so)
             parts = [unpack_awq(m.qweight, m.qzeros, m.scales) for m in modules]
             self.weight, self.scales_and_zeros = aten_pack(
                 torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=1),
                 torch.cat([p[2] for p in parts], dim=1), self.group_size)
+            if self.weight.device.type == "cuda":
+                # NOTE: the one copy on a GPU from here: a 70B model's int4 weights held twice until the engine
+                # released them would not fit an 80 GB card (the engine counts the bytes as released)
+                for m in modules:
+                    m.free_joined()
         else:
             self.weight = torch.cat([m.qweight for m in modules])  # (N, K / 2) uint8, outputs leading
             self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in modules], dim=1)  # (K / group, N, 2)
@@ -651,7 +657,5 @@ class Int4Linear:
                 and all(m.out_features % 64 == 0 for m in modules[:-1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from servelab.engine.awq.native import aten_int4_matmul
-
-        out = aten_int4_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.group_size, self.scales_and_zeros)
+        out = self._matmul(x.reshape(-1, x.shape[-1]), self.weight, self.group_size, self.scales_and_zeros)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

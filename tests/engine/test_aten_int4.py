@@ -77,11 +77,59 @@ def test_shapes_and_devices_aten_cannot_take_are_named() -> None:
 def test_cuda_tinygemm_computes_the_dequantised_weight_and_joins_like_the_layers() -> None:
     if aten_layout_reason(64, 128, 64, torch.device("cuda")) is not None:
         pytest.skip(aten_layout_reason(64, 128, 64, torch.device("cuda")))
-    layers = [_layer(64, seed=1).cuda(), _layer(32, seed=2).cuda(), _layer(32, seed=3).cuda()]
-    weights = [_dequantised(layer) for layer in layers]
-    joined = Int4Linear(layers)
+    def layers():
+        return [_layer(64, seed=1).cuda(), _layer(32, seed=2).cuda(), _layer(32, seed=3).cuda()]
+
+    weights = [_dequantised(layer) for layer in layers()]
+    joined_layers = layers()
+    joined = Int4Linear(joined_layers)
     assert joined.weight.dim() == 4  # tinygemm's tiles: (N / 8, K / (16 x tiles), 32, tiles / 2)
+    assert all(layer.linear_mode == "joined" and layer.qweight.numel() == 0 for layer in joined_layers)  # one copy
     x = torch.randn(3, 128, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ torch.cat(weights).t()
     torch.testing.assert_close(joined(x).float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
-    torch.testing.assert_close(joined(x), torch.cat([layer(x) for layer in layers], dim=-1), atol=0, rtol=0)
+    torch.testing.assert_close(joined(x), torch.cat([layer(x) for layer in layers()], dim=-1), atol=0, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_layer_freed_after_joining_says_so_when_called() -> None:
+    layer = _layer(64)
+    assert layer.free_joined() == 128 * 8 * 4 + 2 * 8 * 4 + 2 * 64 * 2  # qweight, qzeros (int32), scales (fp16)
+    with pytest.raises(RuntimeError, match="packed into a joined matmul of servelab's decoder and freed"):
+        layer(torch.randn(1, 128))
+
+
+@pytest.fixture
+def published(tmp_path, bundled_folder: str):
+    """A tiny Llama's RTN int4 written as a published AWQ checkpoint (check-gpu's writer), and the tensors it holds."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from servelab.lab.gpu_models import SHAPES, random_llama, write_awq_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_folder)
+    model = random_llama(SHAPES["tiny"], tokenizer, dtype=torch.float32, device=CPU, seed=1)
+    write_awq_checkpoint(model, tokenizer, tmp_path, 64)
+    return tmp_path, load_file(tmp_path / "model.safetensors")
+
+
+def _rewrite(folder, tensors) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_the_loader_ignores_a_stored_computed_buffer_and_names_a_tensor_of_the_wrong_shape(published) -> None:
+    from servelab.engine.awq.layout import AWQCheckpointError
+    from servelab.engine.awq.native import load_native
+
+    folder, tensors = published
+    computed = load_native(folder, CPU, torch.float32, "sdpa", 64).model.rotary_emb.inv_freq.clone()
+    _rewrite(folder, {**tensors, "model.rotary_emb.inv_freq": torch.zeros_like(computed).half()})
+    model = load_native(folder, CPU, torch.float32, "sdpa", 64)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, computed, atol=0, rtol=0)  # as transformers: ignored
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the checkpoint stores the embedding once
+    norm = tensors["model.norm.weight"]
+    _rewrite(folder, {**tensors, "model.norm.weight": torch.cat([norm, norm])})
+    with pytest.raises(AWQCheckpointError, match=r"model\.norm\.weight is \(128,\), .* takes \(64,\)"):
+        load_native(folder, CPU, torch.float32, "sdpa", 64)

@@ -27,6 +27,8 @@ CUDA_GROUP_SIZES = (32, 64, 128, 256)
 def aten_int4_reason(device: torch.device) -> str | None:
     """Why ATen's int4 matmul cannot serve on this device, or None."""
     if device.type == "cuda":
+        if torch.version.hip:  # NOTE: ROCm's port packs outputs in groups of 16 and needs CDNA2: not checked here
+            return "ATen's int4 matmul on ROCm is not one servelab checks: install gptqmodel for its kernels"
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
             return (f"ATen's int4 matmul on CUDA (tinygemm) needs compute capability 8.0 or newer (bf16 tensor cores); "
@@ -64,6 +66,9 @@ class AwqAtenLinear(torch.nn.Module):
     @torch.no_grad()
     def pack(self) -> None:
         """The gemm tensors -> ATen's packed weight and its (groups, out, 2) bf16 scales and zeros (the gemm ones freed)."""
+        if self.linear_mode == "joined":
+            raise RuntimeError(f"{self.extra_repr()}: this layer's weights were packed into a joined matmul of "
+                               "servelab's decoder and freed; load the model again to call it")
         if self.linear_mode is not None:
             return
         packed, scales_and_zeros = aten_pack(*unpack_awq(self.qweight, self.qzeros, self.scales))
@@ -71,6 +76,14 @@ class AwqAtenLinear(torch.nn.Module):
         self.qweight = packed
         del self.qzeros, self.scales
         self.linear_mode = "inference"
+
+    def free_joined(self) -> int:
+        """The gemm tensors dropped once a joined matmul holds their values (the only copy from then on) -> bytes."""
+        freed = sum(t.untyped_storage().nbytes() for t in (self.qweight, self.qzeros, self.scales))
+        for name in ("qweight", "qzeros", "scales"):
+            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype, device=self.qweight.device))
+        self.linear_mode, self.freed_bytes = "joined", freed
+        return freed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.pack()
@@ -160,6 +173,9 @@ def load_native(folder: Path, device: torch.device, dtype: torch.dtype, attn_imp
                 if not isinstance(linear, torch.nn.Linear):
                     raise AWQCheckpointError(f"{path}: {prefix}.qweight packs a layer {type(model).__name__} does not "
                                              "have as a linear layer; the checkpoint is not this architecture's")
+                if device.type == "cuda" and (reason := aten_layout_reason(
+                        linear.out_features, linear.in_features, group_size, device)) is not None:
+                    raise AWQCheckpointError(f"{folder}: {prefix} cannot be served on {device}: {reason}")
                 layer = AwqAtenLinear(linear.in_features, linear.out_features, group_size, linear.bias is not None)
                 setattr(modules[parent_name] if parent_name else model, child, layer)
     modules = dict(model.named_modules())
@@ -169,18 +185,24 @@ def load_native(folder: Path, device: torch.device, dtype: torch.dtype, attn_imp
             for key in handle.keys():
                 owner, _, name = key.rpartition(".")
                 module = modules.get(owner)
+                if module is not None and name in module._non_persistent_buffers_set:
+                    continue  # NOTE: computed by the model (rotary frequencies), as transformers ignores them
                 if module is None or not (name in module._parameters or name in module._buffers):
                     raise AWQCheckpointError(f"{path}: {key} is no tensor of {type(model).__name__}; the checkpoint is "
                                              "not this architecture's")
-                tensor = handle.get_tensor(key)
+                tensor, held = handle.get_tensor(key), getattr(module, name)
+                if held is not None and tuple(tensor.shape) != tuple(held.shape):
+                    raise AWQCheckpointError(f"{path}: {key} is {tuple(tensor.shape)}, {type(model).__name__} of this "
+                                             f"config.json takes {tuple(held.shape)}; the checkpoint is not this model's")
                 if name in module._parameters:
                     module._parameters[name] = torch.nn.Parameter(tensor.to(dtype), requires_grad=False)
                 else:  # NOTE: AWQ's packed tensors keep their dtype; a bias follows the serving dtype
                     module._buffers[name] = tensor.to(dtype) if isinstance(module, AwqAtenLinear) and name == "bias" \
                         else tensor
                 seen.add(key)
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in seen:
-        model.lm_head.weight = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None and head.weight.device.type == "meta":
+        head.weight = model.get_input_embeddings().weight
     missing = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if missing:
         raise AWQCheckpointError(f"{folder}: {missing[0]} is not in the checkpoint ({len(missing)} tensors missing); "
