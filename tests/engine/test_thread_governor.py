@@ -215,7 +215,10 @@ def test_a_served_team_with_one_core_taken_shrinks_and_stops_waiting_for_it(bund
             _keep_rows(engine, 8)
             engine.step()
         share = (process_run_delay_s() - delay_s) / (time.monotonic() - started_s)
-        assert share < shrunk_share / 2, (shrunk_share, share)
+        # NOTE: not /2: the one thread still waits whenever another process (a second test process, say) holds the
+        # core it is left with; a CI run beside other work measured 1.12 -> 0.56. Waiting for the taken core too, a
+        # shrunk team would wait at least as long as the two threads did.
+        assert share < 0.75 * shrunk_share, (shrunk_share, share)
     finally:
         stop.set()
         busy.join(timeout=10)
