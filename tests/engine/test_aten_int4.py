@@ -133,3 +133,29 @@ def test_the_loader_ignores_a_stored_computed_buffer_and_names_a_tensor_of_the_w
     _rewrite(folder, {**tensors, "model.norm.weight": torch.cat([norm, norm])})
     with pytest.raises(AWQCheckpointError, match=r"model\.norm\.weight is \(128,\), .* takes \(64,\)"):
         load_native(folder, CPU, torch.float32, "sdpa", 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+def test_cuda_engine_serves_a_published_checkpoint_through_tinygemm_like_naive_greedy(published, settings) -> None:
+    """The path a CUDA host without gptqmodel takes (awq.kernel aten, auto's pick there): servelab's layers in bf16,
+    q/k/v and gate/up packed joined and their checkpoint tensors freed, greedy tokens equal to transformers' forward
+    over a fresh load of the same layers."""
+    from servelab.config import ServingConfig
+    from servelab.engine.engine import Engine
+    from servelab.request import GenerationRequest, SamplingParams
+    from tests.engine.naive import naive_greedy
+
+    folder, _ = published
+    config = ServingConfig.from_dict({
+        "name": "tiny-int4-cuda", "model": str(folder), "weights": "awq-int4", "device": "cuda",
+        "decoding": {"max_new_tokens": 8, "max_context_tokens": 128}, "awq": {"group_size": 64, "kernel": "aten"}})
+    engine = Engine.from_config(config, settings)
+    assert engine.loaded.dtype == torch.bfloat16 and engine.kernel == "servelab decoder, AwqAtenLinear"
+    assert isinstance(engine.decoder.layers[0].qkv, Int4Linear) and engine.released_bytes > 0
+    prompts = [list(range(100 + i, 110 + 2 * i)) for i in range(3)]
+    requests = [GenerationRequest(f"r{i}", prompt=engine.tokenizer.decode(ids), prompt_token_ids=tuple(ids),
+                                  params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+                for i, ids in enumerate(prompts)]
+    for request, completion in zip(requests, engine.generate(requests).completions):
+        assert list(completion.token_ids) == naive_greedy(engine.model, list(request.prompt_token_ids), 8, set())
