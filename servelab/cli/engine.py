@@ -172,8 +172,8 @@ def _print_check(check, tokenizer) -> None:
 def quantize(config: ConfigOption) -> None:
     """Quantise the config's base model to int4 (AWQ, or RTN with awq.method: rtn) once; later calls reuse it.
 
-    gptqmodel's own output (hundreds of lines) goes to <state>/logs/quantize-<config>.log; the terminal shows one
-    line that follows the layers. stdout is the result line only.
+    gptqmodel's own output (hundreds of lines) goes to <state>/logs/quantize-<config>.log and its per-run tables to
+    <state>/logs/gptqmodel/; the terminal shows one line that follows the layers. stdout is the result line only.
     """
     serving = load_config(config)
 

@@ -45,7 +45,8 @@ def _awq_config(model: str | Path, **awq) -> ServingConfig:
 
 @pytest.fixture(scope="module")
 def awq_settings(tmp_path_factory) -> Settings:
-    return Settings(cache_dir=with_built_kernels(tmp_path_factory.mktemp("awq-cache")))
+    return Settings(cache_dir=with_built_kernels(tmp_path_factory.mktemp("awq-cache")),
+                    state_dir=tmp_path_factory.mktemp("awq-state"))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +139,11 @@ def test_quantize_writes_a_checkpoint_with_its_record(quantized: awq.QuantizeRec
     assert not list(folder.parent.glob("*.partial")), "a finished quantisation leaves no staging folder"
     hf = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert (hf["quant_method"], hf["bits"], hf["group_size"], hf["zero_point"]) == ("awq", 4, 64, True)
+    # gptqmodel's per-run log went under the state folder, not into ./logs of the folder the command ran in
+    assert list((awq_settings.state_dir / "logs" / "gptqmodel").glob("awq_log_*.log"))
+    from gptqmodel.looper import loop_processor
+
+    assert loop_processor._PROJECT_LOG_DIR == Path("logs")  # gptqmodel's own setting restored after
 
 
 def test_second_quantize_reuses_the_checkpoint(quantized: awq.QuantizeRecord, tiny_config: ServingConfig,

@@ -1,5 +1,6 @@
-"""gptqmodel on this machine: importing it with a worker pool the cores allow, and two CPU speed patches
-to its AWQ search (a batched clip search, linear layers computing 16-bit inputs in fp32).
+"""gptqmodel on this machine: importing it with a worker pool the cores allow, two CPU speed patches
+to its AWQ search (a batched clip search, linear layers computing 16-bit inputs in fp32), and its per-run logs kept
+under servelab's state folder (it writes them into ./logs of whatever folder the command runs in).
 
 Knows gptqmodel 7.6's internals that the patches replace. Does not know checkpoints, calibration text or
 serving; the patches hold only while quantising (cpu_search), never while loading.
@@ -11,6 +12,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,21 @@ def import_gptqmodel():
     import gptqmodel
 
     return gptqmodel
+
+
+@contextmanager
+def run_logs_in(folder: Path) -> Iterator[None]:
+    """gptqmodel's per-run log files (a table per quantised layer) written under `folder` while quantising."""
+    # NOTE: gptqmodel 7.6 names its folder once, as a module constant (looper/loop_processor.py: Path("logs"))
+    import_gptqmodel()  # NOTE: first, with its worker pool and quiet logger
+    from gptqmodel.looper import loop_processor
+
+    before = loop_processor._PROJECT_LOG_DIR
+    loop_processor._PROJECT_LOG_DIR = folder
+    try:
+        yield
+    finally:
+        loop_processor._PROJECT_LOG_DIR = before
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from servelab.engine.awq.checkpoint import (
     checkpoint_slot,
     validate_checkpoint,
 )
-from servelab.engine.awq.gptq_cpu import cpu_search, import_gptqmodel
+from servelab.engine.awq.gptq_cpu import cpu_search, import_gptqmodel, run_logs_in
 from servelab.engine.awq.layout import AWQCheckpointError, published_layout, read_json
 from servelab.engine.loaded_model import resolve_device
 from servelab.engine.model_files import file_lock, resolve_model_folder
@@ -60,7 +60,8 @@ def quantize(
             return QuantizeRecord(**{**asdict(record), "is_reused": True})
         staging = out.with_name(out.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        record = _quantize_into(staging, config, slot, progress=progress)
+        with run_logs_in(Path(settings.state_dir) / "logs" / "gptqmodel"):
+            record = _quantize_into(staging, config, slot, progress=progress)
         record = QuantizeRecord(**{**asdict(record), "checkpoint": str(out)})
         (staging / RECORD_FILE).write_text(json.dumps(asdict(record), indent=2) + "\n")
         validate_checkpoint(staging, base_folder, awq_cfg)
