@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,15 +83,16 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
         if int4_layers:
             int4 = _int4_kernel(int4_layers, int4_kernel, device, cache_dir, int4_activations == "float", dtype=dtype)
         if int4 is None:
-            _warm_up_int4(model, int4_layers, device, joined=True)
+            _warm_up_int4(model, int4_layers, device)
         dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
         kernel = choose_linear_kernel(linear_kernel, device=device, dtype=dtype, cache_dir=cache_dir,
                                       shapes=measured_shapes(dense) or ((64, 64),))
+        int8_head = load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None
         decoder = LlamaDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device, kernel=kernel,
-                               int4=int4, int8_head=load_blocked_kernel(cache_dir) if lm_head_weights == "int8" else None,
-                               paged_attention=paged_attention, kv_block_size=kv_block_size,
-                               max_context_tokens=max_context_tokens)
-        _pack_called_layers(decoder)
+                               int4=int4, int8_head=int8_head, paged_attention=paged_attention,
+                               kv_block_size=kv_block_size, max_context_tokens=max_context_tokens)
+        _pack_servelab_layers(m for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                              if isinstance(p, JoinedModules) for m in p.modules)
         return decoder
     if paged_attention != "auto":
         raise paged.PagedAttentionError(f"paged_attention {paged_attention!r} needs servelab's decoder, which does not "
@@ -99,7 +100,8 @@ def build_decoder(model, *, choice: str, kv_cache_dtype: str, dtype: torch.dtype
     if int4_kernel == "servelab":
         raise LinearKernelError("awq.kernel 'servelab' needs servelab's decoder, which does not cover this model: "
                                 f"{unsupported_reason(model) or 'decoder: transformers'}")
-    _warm_up_int4(model, int4_layers, device, joined=False)
+    _warm_up_int4(model, int4_layers, device)
+    _pack_servelab_layers(int4_layers)
     return TransformersDecoder(model, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
 
 
@@ -142,29 +144,25 @@ def _int4_kernel(layers: list[torch.nn.Module], choice: str, device: torch.devic
 
 
 @torch.inference_mode()
-def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device, *, joined: bool) -> None:
-    """ATen's int4 layers pack their weights for it on their first forward: done here, so that the one-off cost
-    lands in the load and not in the first request's TTFT. gptqmodel's CPU layers by a forward (then Int4Linear can
-    join them); servelab's own packed one by one, unless `joined` (servelab's decoder packs them joined)."""
+def _warm_up_int4(model, layers: list[torch.nn.Module], device: torch.device) -> None:
+    """gptqmodel's CPU int4 layers repack their weights for ATen on their first forward: done here, so that the
+    one-off cost lands in the load and not in the first request's TTFT (and Int4Linear can join them). servelab's own
+    layers pack without a forward (_pack_servelab_layers)."""
     from servelab.engine.awq.native import AwqAtenLinear
 
-    if not joined:
-        for m in layers:
-            if isinstance(m, AwqAtenLinear):
-                m.pack()
-    if any(getattr(m, "linear_mode", "") is None and not isinstance(m, AwqAtenLinear) for m in layers):
+    if device.type == "cpu" and any(getattr(m, "linear_mode", "") is None and not isinstance(m, AwqAtenLinear)
+                                    for m in layers):
         model(input_ids=torch.ones((1, 1), dtype=torch.long, device=device))
 
 
-def _pack_called_layers(decoder: LlamaDecoder) -> None:
-    """servelab's int4 layers the decoder calls as they are (not joined: a bias, say) packed now, not in a request."""
+def _pack_servelab_layers(called: Iterable[torch.nn.Module]) -> None:
+    """servelab's int4 layers that a decoder calls as they are (all of them under transformers' forward; under
+    servelab's, those it did not join: a bias, say) packed for ATen now, not in the first request."""
     from servelab.engine.awq.native import AwqAtenLinear
 
-    for layer in decoder.layers:
-        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            for m in (p.modules if isinstance(p, JoinedModules) else ()):
-                if isinstance(m, AwqAtenLinear):
-                    m.pack()
+    for m in called:
+        if isinstance(m, AwqAtenLinear):
+            m.pack()
 
 
 def lm_head_reason(model, choice: str, device: torch.device, cache_dir: Path) -> str | None:

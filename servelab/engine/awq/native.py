@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from servelab.engine.awq.layout import RECOPY, AWQCheckpointError, safetensors_files
+from servelab.engine.awq.layout import RECOPY, AWQCheckpointError, safetensors_files, tensor_shapes
 from servelab.engine.awq.unpack import unpack_awq
 
 CUDA_INNER_K_TILES = (8, 4, 2)  # NOTE: tinygemm's k tiles per packed word: the widest the inputs divide is fastest
@@ -65,7 +65,8 @@ class AwqAtenLinear(torch.nn.Module):
 
     @torch.no_grad()
     def pack(self) -> None:
-        """The gemm tensors -> ATen's packed weight and its (groups, out, 2) bf16 scales and zeros (the gemm ones freed)."""
+        """The gemm tensors -> ATen's packed weight and its (groups, out, 2) bf16 scales and zeros (the gemm ones
+        freed)."""
         if self.linear_mode == "joined":
             raise RuntimeError(f"{self.extra_repr()}: this layer's weights were packed into a joined matmul of "
                                "servelab's decoder and freed; load the model again to call it")
@@ -165,19 +166,19 @@ def load_native(folder: Path, device: torch.device, dtype: torch.dtype, attn_imp
     with parameters_unallocated():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     modules = dict(model.named_modules())
-    for path in files:
-        with safe_open(path, "pt") as handle:
-            for prefix in sorted(k.removesuffix(".qweight") for k in handle.keys() if k.endswith(".qweight")):
-                parent_name, _, child = prefix.rpartition(".")
-                linear = modules.get(prefix)
-                if not isinstance(linear, torch.nn.Linear):
-                    raise AWQCheckpointError(f"{path}: {prefix}.qweight packs a layer {type(model).__name__} does not "
-                                             "have as a linear layer; the checkpoint is not this architecture's")
-                if device.type == "cuda" and (reason := aten_layout_reason(
-                        linear.out_features, linear.in_features, group_size, device)) is not None:
-                    raise AWQCheckpointError(f"{folder}: {prefix} cannot be served on {device}: {reason}")
-                layer = AwqAtenLinear(linear.in_features, linear.out_features, group_size, linear.bias is not None)
-                setattr(modules[parent_name] if parent_name else model, child, layer)
+    packed = sorted(key.removesuffix(".qweight") for key in tensor_shapes(files, fix=RECOPY)
+                    if key.endswith(".qweight"))
+    for prefix in packed:
+        parent_name, _, child = prefix.rpartition(".")
+        linear = modules.get(prefix)
+        if not isinstance(linear, torch.nn.Linear):
+            raise AWQCheckpointError(f"{folder}: {prefix}.qweight packs a layer {type(model).__name__} does not "
+                                     "have as a linear layer; the checkpoint is not this architecture's")
+        if device.type == "cuda" and (reason := aten_layout_reason(
+                linear.out_features, linear.in_features, group_size, device)) is not None:
+            raise AWQCheckpointError(f"{folder}: {prefix} cannot be served on {device}: {reason}")
+        layer = AwqAtenLinear(linear.in_features, linear.out_features, group_size, linear.bias is not None)
+        setattr(modules[parent_name] if parent_name else model, child, layer)
     modules = dict(model.named_modules())
     seen = set()
     for path in files:
@@ -192,8 +193,9 @@ def load_native(folder: Path, device: torch.device, dtype: torch.dtype, attn_imp
                                              "not this architecture's")
                 tensor, held = handle.get_tensor(key), getattr(module, name)
                 if held is not None and tuple(tensor.shape) != tuple(held.shape):
-                    raise AWQCheckpointError(f"{path}: {key} is {tuple(tensor.shape)}, {type(model).__name__} of this "
-                                             f"config.json takes {tuple(held.shape)}; the checkpoint is not this model's")
+                    raise AWQCheckpointError(f"{path}: {key} is {tuple(tensor.shape)}, {type(model).__name__} of "
+                                             f"this config.json takes {tuple(held.shape)}; the checkpoint is not this "
+                                             "model's")
                 if name in module._parameters:
                     module._parameters[name] = torch.nn.Parameter(tensor.to(dtype), requires_grad=False)
                 else:  # NOTE: AWQ's packed tensors keep their dtype; a bias follows the serving dtype
