@@ -33,6 +33,7 @@ from servelab.engine.families import (attention_scale, attention_softcap, family
 from servelab.engine.kvcache import (CACHE_DTYPES, BatchKVCache, KVCache, PagedKVCache, StaticKVCache,
                                      TransformersBatchCache, TransformersKVCache, kv_block_bytes, new_cache)
 from servelab.engine.kernels import BlockedKernel, load_blocked_kernel
+from servelab.engine import flex_chunks
 from servelab.engine import paged_attention as paged
 from servelab.engine.linear import (BlockedLinear, BlockedMatmulLinear, Int4Linear, Int8Linear, LinearKernel, LinearKernelError,
                                     RowDispatchLinear, ServelabInt4Linear, add_projection, choose_linear_kernel,
@@ -479,8 +480,8 @@ class LlamaDecoder:
             self.rotary[kind] = ((angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype))
         self.cos, self.sin = self.rotary.get("full_attention", next(iter(self.rotary.values())))
         self.fuses_every_layer = all(layer.fused for layer in self.layers)
-        # NOTE: how the paged pool is read: servelab's fused kernels (CPU), FlexAttention in place (decode rows; prompt
-        # chunks gather), or torch's gather; `auto` measures the last two on CUDA (paged_attention.choose)
+        # NOTE: how the paged pool is read: servelab's fused kernels (CPU), FlexAttention in place, or torch's gather;
+        # `auto` measures the last two on CUDA (paged_attention.choose), for prompt chunks too (flex_chunks.choose)
         self.paged_attention, self.paged_attention_reason = paged.choose(
             paged_attention, fused_fits=self.decode_step_attention is not None, device=device,
             flex_why_not=paged.flex_reason(cache_dtype=self.cache_dtype, dtype=dtype, head_dim=self.head_dim,
@@ -490,8 +491,13 @@ class LlamaDecoder:
         if self.paged_attention != "servelab":
             self.decode_step_attention = self.prefill_step_attention = None
         self._flex: dict[int, paged.FlexDecode] = {}  # by block size
+        self._flex_chunks: dict[int, flex_chunks.FlexChunks] = {}
         # NOTE: the longest row FlexAttention's index lists must hold (the config's context, within the rotary tables)
         self.max_context = min(max_context_tokens or self.cos.shape[0], self.cos.shape[0])
+        # NOTE: prompt chunks read a token-major pool in place too, where FlexAttention serves them (timed on CUDA)
+        self.chunk_attention, self.chunk_attention_reason = flex_chunks.choose(
+            self.paged_attention, device=device, asked=paged_attention == "flex",
+            measure=lambda: self.measure_chunk_attention(kv_block_size))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the decoder holds: weights in their layouts, embeddings, norms, rotary tables."""
@@ -528,6 +534,23 @@ class LlamaDecoder:
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
                 block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
         return self._flex[block_size]
+
+    def chunks(self, block_size: int) -> flex_chunks.FlexChunks:
+        """FlexAttention's prompt chunks over pools of this block size (its compiled kernels and buffers)."""
+        if block_size not in self._flex_chunks:
+            self._flex_chunks[block_size] = flex_chunks.FlexChunks(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+                block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
+        return self._flex_chunks[block_size]
+
+    def measure_chunk_attention(self, block_size: int, **size) -> dict[str, float]:
+        """Seconds of one layer's prompt-chunk attention read by FlexAttention in place and by torch's gather (this
+        decoder's own attention), at this model's heads (flex_chunks.measure_chunk_choices; size: tokens, cached)."""
+        return flex_chunks.measure_chunk_choices(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+            block_size=block_size, dtype=self.dtype, device=self.device,
+            torch_attention=lambda q, keys, values, visible: self._torch_attention(q, keys, values, visible,
+                                                                                   self.layers[0].softcap), **size)
 
     def measure_paged_attention(self, block_size: int, **size) -> dict[str, float]:
         """Seconds of one layer's decode attention read by FlexAttention and by torch's path (this decoder's own
@@ -643,7 +666,8 @@ class LlamaDecoder:
     def _mixed_hidden(self, h: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """Decode rows and prefill chunks together, h (N, 1, C): the projections over every token at once; the
         decode rows' attention through the fused kernel, FlexAttention or torch, each chunk's through the fused prefill
-        kernel or SDPA over the columns its row holds (its cached prefix, earlier chunks, itself, causal). Where the stack
+        kernel, FlexAttention in place or SDPA over the columns its row holds gathered (its cached prefix, earlier
+        chunks, itself, causal). Where the stack
         serves (see _decode_stack) and the fused kernels take every row, every layer in one call."""
         N, H, H_kv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         Bd = batch.num_decode
@@ -664,6 +688,7 @@ class LlamaDecoder:
         decode_places = batch.decode_places(bs) if Bd and not (in_place and self.fuses_every_layer) else None
         flex = (self.flex(bs).prepare(batch.decode_lengths, batch.block_table[:Bd], cache.num_allocated_blocks)
                 if Bd and self.paged_attention == "flex" else None)
+        chunk_steps = self._chunk_steps(batch, places, cache)
         for i, layer in enumerate(self.layers):
             qkv = self._qk_norm(layer, layer.qkv(self.rms_norm(h, layer.attn_norm, self.eps)).view(N, H + 2 * H_kv, D))
             cos, sin = rotary[layer.rotary]
@@ -680,17 +705,33 @@ class LlamaDecoder:
                 rows = slice(offset, offset + num_tokens)
                 parts.append(self._chunk_attention(qkv[rows], cos[rows], sin[rows], cache, i, place, start,
                                                    batch.window, bs, batch.positions[rows], batch.block_table[Bd + j],
-                                                   layer))
+                                                   layer, chunk_steps[j]))
             attended = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = self._add_mlp(layer, self._add_attention(layer, attended.view(N, 1, H * D), h))
         return h
 
+    def _chunk_steps(self, batch: PagedBatch, places, cache: PagedKVCache) -> list[flex_chunks.ChunkStep | None]:
+        """Per chunk, its FlexAttention step where prompt chunks read the pool in place and this one's columns are its
+        row's 0.. start + T - 1 (nothing evicted; see _fuses), else None (torch's gather)."""
+        steps: list[flex_chunks.ChunkStep | None] = [None] * len(batch.chunks)
+        if self.chunk_attention != "flex":
+            return steps
+        bs, slots = cache.block_size, {}  # NOTE: chunks of one padded size in one step each have their own buffers
+        for j, ((_, start, num_tokens), place) in enumerate(zip(batch.chunks, places)):
+            if self._fuses(place, start, num_tokens, batch.window, bs):
+                size = flex_chunks.padded_tokens(num_tokens)
+                slots[size] = slot = slots.get(size, -1) + 1
+                steps[j] = self.chunks(bs).prepare(batch.block_table[batch.num_decode + j], start, num_tokens,
+                                                   cache.num_allocated_blocks, slot)
+        return steps
+
     def _chunk_attention(self, x, cos, sin, cache: PagedKVCache, layer: int, place, start: int,
                          window: tuple[int, int] | None, bs: int, positions: torch.Tensor,
-                         table: torch.Tensor, spec: _Layer) -> torch.Tensor:
+                         table: torch.Tensor, spec: _Layer, step: flex_chunks.ChunkStep | None = None) -> torch.Tensor:
         """x (T, H + 2 H_kv, D) of one row's chunk at columns start.. (positions (T,) int64, the row's block table
-        (blocks,) int32) -> attention out (T, H x D). A layer with a sliding window or a soft cap (spec) takes torch's
-        operations: its queries see keys at positions > their own - window."""
+        (blocks,) int32) -> attention out (T, H x D): the fused kernel, FlexAttention in place (step) or torch's gather.
+        A layer with a sliding window or a soft cap (spec) takes torch's operations: its queries see keys at positions >
+        their own - window."""
         T, H, H_kv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         new_blocks, new_offsets, blocks, offsets, key_positions = place
         if spec.fused and self.prefill_step_attention is not None and self._fuses(place, start, T, window, bs):
@@ -698,6 +739,8 @@ class LlamaDecoder:
                                                cache.values[layer], table, start, H, self.scale, *cache.scales(layer))
         qk = _rotate(x[:, : H + H_kv].unsqueeze(0), cos.view(1, T, 1, D), sin.view(1, T, 1, D))[0]  # (T, H + H_kv, D)
         cache.write(layer, new_blocks, new_offsets, qk[:, H:], x[:, H + H_kv:])
+        if spec.fused and step is not None:
+            return self.chunks(bs).attend(step, qk[:, :H], cache.keys[layer], cache.values[layer])
         keys, values = cache.read(layer, blocks, offsets)  # (H_kv, S, D)
         query_positions = torch.arange(start, start + T, device=x.device)
         visible = key_positions[None, :] <= query_positions[:, None]

@@ -103,7 +103,7 @@ class FlexDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.block_size, self.dtype, self.device = scale, block_size, dtype, device
         self.max_blocks = -(-max_positions // block_size)
-        _allow_recompiles(64)  # NOTE: one compiled kernel per padded batch and pool size
+        allow_recompiles(64)  # NOTE: one compiled kernel per padded batch and pool size
         self._flex = torch.compile(flex_attention, dynamic=False)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
 
@@ -175,7 +175,7 @@ class FlexDecode:
         return self._buffers[key]
 
 
-def _allow_recompiles(limit: int) -> None:
+def allow_recompiles(limit: int) -> None:
     """Room for a compiled kernel per padded size and pool size (dynamo's limit is per function, process-wide)."""
     import torch._dynamo
 
@@ -257,7 +257,7 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         if flex_why_not is not None:
             raise PagedAttentionError(f"paged_attention 'flex' cannot serve here: {flex_why_not}")
         if device.type == "cuda":  # NOTE: compiled and timed at load, so a kernel that cannot compile is refused here
-            seconds, error = _measured(measure)
+            seconds, error = measured(measure)
             if seconds is None:
                 raise PagedAttentionError("paged_attention 'flex' cannot serve here: FlexAttention could not be "
                                           f"compiled or run: {error}")
@@ -271,7 +271,7 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
         return "torch", f"no fused kernel for this model or dtype on {device}; FlexAttention is measured on CUDA only"
     if flex_why_not is not None:
         return "torch", flex_why_not
-    seconds, error = _measured(measure)
+    seconds, error = measured(measure)
     if seconds is None:  # NOTE: a compiler missing or failing (Triton, inductor): torch serves
         return "torch", f"FlexAttention could not be compiled or run here: {error}"
     name = min(seconds, key=seconds.get)
@@ -279,7 +279,7 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
     return name, f"measured at load, {_figures(seconds)}"
 
 
-def _measured(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float] | None, str]:
+def measured(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float] | None, str]:
     """The measurement's seconds, or None and its error's first line (FlexAttention failing to compile, say)."""
     try:
         return measure(), ""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from servelab.engine import measure
+from servelab.engine import flex_chunks, measure
 from servelab.engine.decoder import PagedBatch
 from servelab.engine.decoding import Decodings
 from servelab.engine.graphs import DecodeGraphs
@@ -181,8 +181,27 @@ class PagedRunner(Runner):
             return
         started = time.perf_counter()
         sizes = self._graphs_of(pool, self.cache(pool)).prepare(max_rows)
+        chunks = self._compile_chunks(pool)
         self.prepared = (sizes, time.perf_counter() - started)
-        log.info("decode steps of %s rows prepared in %.1f s", ", ".join(map(str, sizes)), self.prepared[1])
+        log.info("decode steps of %s rows%s prepared in %.1f s", ", ".join(map(str, sizes)),
+                 f" and prompt chunks of {', '.join(map(str, chunks))} tokens" if chunks else "", self.prepared[1])
+
+    def _compile_chunks(self, pool: BlockManager) -> list[int]:
+        """Where prompt chunks read the pool in place: each padded chunk size up to the pool's chunk budget compiled
+        now, by an attention call that reads only the scratch block (its output dropped) -> the sizes."""
+        if self.decoder.chunk_attention != "flex" or not pool.chunk_tokens:
+            return []
+        cache, chunks = self.cache(pool), self.decoder.chunks(self.block_size)
+        queries = torch.zeros((1, self.decoder.num_heads, self.decoder.head_dim), dtype=self.decoder.dtype,
+                              device=self.device)
+        top = flex_chunks.padded_tokens(pool.chunk_tokens)
+        sizes = [size for size in (flex_chunks.MIN_TOKENS << k for k in range(top.bit_length())) if size <= top]
+        for size in sizes:
+            table = torch.full((-(-size // self.block_size),), cache.scratch_block, dtype=torch.int32,
+                               device=self.device)
+            step = chunks.prepare(table, 0, size, cache.num_allocated_blocks)
+            chunks.attend(step, queries.expand(size, -1, -1), cache.keys[0], cache.values[0])
+        return sizes
 
     def graphs_summary(self) -> str:
         """Which padded decode steps ran from CUDA graphs, and which could not be captured (and why)."""

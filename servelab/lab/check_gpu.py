@@ -492,7 +492,8 @@ def check_shape(shape: LlamaShape, *, tokenizer, folder: str, dtype_name: str, d
     check = ShapeCheck(
         shape=shape.name, dtype=dtype_name, device=str(device), num_parameters=shape.num_parameters,
         weight_bytes=engine.weight_bytes, step_weight_bytes=engine.step_weight_bytes, kernel=engine.kernel,
-        paged_attention=(f"{engine.decoder.paged_attention} ({engine.decoder.paged_attention_reason}); "
+        paged_attention=(f"{engine.decoder.paged_attention} ({engine.decoder.paged_attention_reason}); prompt chunks "
+                         f"{engine.decoder.chunk_attention} ({engine.decoder.chunk_attention_reason}); "
                          f"{engine.runner.graphs_summary()}"),
         parts=parts, decode=decode, prefill_tokens=sizes.prefill_tokens, prefill_servelab_tok_s=prefill_ours,
         prefill_transformers_tok_s=prefill_theirs, bandwidth_gbs=bandwidth, kv_block_size=block_size,

@@ -55,7 +55,7 @@ class BlockManager:
         if window is not None and (window[0] < 0 or window[1] < 1):
             raise ValueError(f"a window keeps at least one block behind the newest (got sink, window = {window})")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self.window = window
+        self.window, self.chunk_tokens = window, chunk_tokens
         self.row_cap = None if window is None else window[0] + window[1] + 1 + self.blocks_for(max(chunk_tokens, 1))
         self._root = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
         self._free = list(range(num_blocks))  # a heap: the lowest id first, so the pool's tensors stay compact

@@ -137,6 +137,9 @@ def test_flex_serves_a_cached_prefix_and_a_prompt_in_chunks_like_naive(flex_engi
     a = flex_engine.generate([first]).completions[0]
     b = flex_engine.generate([second]).completions[0]
     assert a.num_cached_tokens == 0 and b.num_cached_tokens >= 16
+    # NOTE: the chunks read the pool in place too (flex_chunks), in buffers of their padded sizes
+    chunks = flex_engine.decoder.chunks(flex_engine.scheduler.pool.block_size)
+    assert flex_engine.decoder.chunk_attention == "flex" and {size for size, _, _ in chunks._buffers} >= {32}
     for request, completion in ((first, a), (second, b)):
         assert list(completion.token_ids) == _expected(flex_engine, request)
 
@@ -176,6 +179,9 @@ def test_prepare_builds_each_padded_size_a_worker_can_take_before_it_serves(flex
         graphs = runner._graphs[pool]
         assert list(graphs._sizes) == [4] and runner.prepared[0] == [4]
         cache = runner.cache(pool)
+        # NOTE: and each padded prompt-chunk size up to the chunk budget (24 tokens) compiled, reading the scratch block
+        chunks = flex_engine.decoder.chunks(pool.block_size)
+        assert {(16, cache.num_allocated_blocks, 0), (32, cache.num_allocated_blocks, 0)} <= set(chunks._buffers)
         assert cache.keys[0][cache.scratch_block].abs().sum() > 0
         assert cache.keys[0][:cache.scratch_block].abs().sum() == 0 and cache.values[0][:cache.scratch_block].abs().sum() == 0
         built = graphs._sizes[4]
