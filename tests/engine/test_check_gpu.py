@@ -149,6 +149,29 @@ def test_a_corrupted_weight_on_servelabs_side_only_is_a_wrong_token_and_exit_1(q
     assert "verdict   FAIL: a wrong token" in result.stdout
 
 
+def test_each_decode_batch_runs_untimed_first_in_the_pool_it_is_timed_in(tiny_folder: Path, settings: Settings,
+                                                                          monkeypatch) -> None:
+    """Each padded step size is compiled (FlexAttention) and captured (CUDA graphs) before the timed steps meet it: the
+    timed batch follows a run of as many rows and tokens on other prompts, in the same pool (no reset between)."""
+    import random
+
+    engine = Engine.from_config(make_config(str(tiny_folder)), settings)
+    calls, generate = [], engine.generate
+
+    def observed(requests):
+        calls.append(([r.prompt_token_ids for r in requests], {r.params.max_new_tokens for r in requests},
+                      engine.scheduler.pool))
+        return generate(requests)
+
+    monkeypatch.setattr(engine, "generate", observed)
+    speeds = check_gpu.measure_decode(engine, engine.model, QUICK, random.Random(0))
+    assert [s.batch_size for s in speeds] == [1, 4] and [len(prompts) for prompts, _, _ in calls] == [1, 1, 4, 4]
+    for (warm, warm_tokens, warm_pool), (timed, timed_tokens, timed_pool) in zip(calls[::2], calls[1::2]):
+        assert warm_pool is timed_pool and warm_tokens == timed_tokens == {QUICK.decode_new_tokens}
+        assert not set(warm) & set(timed)
+    assert calls[0][2] is not calls[2][2]  # NOTE: each batch from a fresh pool
+
+
 def test_without_cuda_the_check_asks_for_the_dry_run_and_exits_2(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = runner.invoke(app, ["check-gpu"])
