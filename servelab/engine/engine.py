@@ -11,6 +11,7 @@ the same decisions, with no batch-size limit. Does not know queues or databases:
 from __future__ import annotations
 
 import gc
+import logging
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from servelab.engine.dense_runner import TransformersRunner
 from servelab.engine.kvcache import cache_bytes_per_element
 from servelab.engine.kernels import load_blocked_kernel
 from servelab.engine.linear import LABELS, LinearKernelError, check_linear_kernel
-from servelab.engine.paged_attention import PagedAttentionError, config_reason
+from servelab.engine.paged_attention import PagedAttentionError, config_reason, flex_pool_blocks
 from servelab.engine.loader import DTYPES, LoadedModel, apply_threads, load_model, resolve_device
 from servelab.engine.runner import PagedRunner, Runner
 from servelab.engine.sampling import kernel_argmax
@@ -42,6 +43,8 @@ from servelab.scheduler.policy import BatchPolicy
 from servelab.scheduler.scheduler import Scheduler
 from servelab.scheduler.state import ScheduledRequest
 from servelab.settings import Settings
+
+log = logging.getLogger(__name__)
 
 UNLIMITED = 1 << 62
 # What a model served by transformers' forward goes without: the features of servelab's decoder and its paged cache
@@ -114,6 +117,14 @@ class Engine:
             self.kv_pool_blocks = pool_blocks(
                 config, self.decoder.kv_bytes_per_block(block_size), block_size, device_memory=device_memory(self.device),
                 memory_share=settings.gpu_memory_share if settings is not None else DEFAULT_GPU_MEMORY_SHARE)
+            if self.device.type == "cuda" and self.decoder.paged_attention == "flex":
+                # NOTE: a pool sized from a large GPU's free memory could pass FlexAttention's 32-bit key offsets
+                most = flex_pool_blocks(block_size=block_size, num_kv_heads=self.decoder.num_kv_heads,
+                                        head_dim=self.decoder.head_dim) - 1  # and the scratch block
+                if self.kv_pool_blocks > most:
+                    log.info("KV pool capped at %d blocks (from %d): FlexAttention's key offsets are 32-bit", most,
+                             self.kv_pool_blocks)
+                    self.kv_pool_blocks = most
             # NOTE: the runner replays graphs only of steps FlexAttention serves (PagedRunner._graphs_for)
             self.runner = PagedRunner(self.decoder, self.decodings, block_size=block_size,
                                       num_blocks=self.kv_pool_blocks,

@@ -100,7 +100,8 @@ class FlexChunks:
         buffers.column_of[row.long()] = torch.arange(held, device=self.device) * bs
         buffers.start.fill_(start)
         buffers.blocks[0, 0, :, :held] = row
-        # NOTE: each tile of queries reads the blocks up to its last real token's (a padded tile: the first block)
+        # NOTE: each tile of queries reads the blocks up to its last real token's (a tile of padding only: up to the
+        # chunk's last token's, its output dropped)
         last = (torch.arange(1, buffers.count.shape[-1] + 1, device=self.device) * Q_BLOCK).clamp(max=num_tokens) - 1
         buffers.count[0, 0] = ((start + last) // bs + 1).clamp(min=1).to(torch.int32)
         return ChunkStep(num_tokens, buffers)
@@ -120,12 +121,17 @@ class FlexChunks:
                              enable_gqa=H != self.num_kv_heads, kernel_options=options)
         return out[0, :, :T].transpose(0, 1).reshape(T, H * D)
 
+    def width(self, num_pool_blocks: int) -> int:
+        """How many blocks the mask's index lists hold (as FlexDecode.width): the pool's on a CPU, on CUDA only as many
+        as the longest row may have."""
+        return num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+
     def _buffers_for(self, tokens: int, num_pool_blocks: int, slot: int) -> _Buffers:
         key = (tokens, num_pool_blocks, slot)
         if key not in self._buffers:
             from torch.nn.attention.flex_attention import BlockMask
 
-            width = num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+            width = self.width(num_pool_blocks)
             tiles = -(-tokens // Q_BLOCK)
             ints = dict(dtype=torch.int32, device=self.device)
             start = torch.zeros(1, dtype=torch.long, device=self.device)

@@ -62,6 +62,13 @@ def flex_reason(*, cache_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, 
     return None
 
 
+def flex_pool_blocks(*, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """The most blocks (the scratch block included) a pool FlexAttention reads on CUDA may hold: Triton's flex kernels
+    (torch 2.11-2.13) compute a key's offset in 32 bits (its block's index times the block's slots, times the slot's
+    H_kv x D), so one layer's keys seen as one sequence stay under 2**31 elements."""
+    return (2**31 - 1) // (block_size * num_kv_heads * head_dim)
+
+
 def padded_rows(num_rows: int) -> int:
     """The batch a step of num_rows decode rows is computed at: the next power of two, at least MIN_ROWS."""
     return max(MIN_ROWS, 1 << max(num_rows - 1, 0).bit_length())

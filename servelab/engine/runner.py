@@ -194,13 +194,16 @@ class PagedRunner(Runner):
         cache, chunks = self.cache(pool), self.decoder.chunks(self.block_size)
         queries = torch.zeros((1, self.decoder.num_heads, self.decoder.head_dim), dtype=self.decoder.dtype,
                               device=self.device)
-        top = flex_chunks.padded_tokens(pool.chunk_tokens)
+        # NOTE: no chunk is longer than a row may be (the blocks the mask lists), whatever the chunk budget
+        longest = min(pool.chunk_tokens, chunks.width(cache.num_allocated_blocks) * self.block_size)
+        top = flex_chunks.padded_tokens(longest)
         sizes = [size for size in (flex_chunks.MIN_TOKENS << k for k in range(top.bit_length())) if size <= top]
         for size in sizes:
-            table = torch.full((-(-size // self.block_size),), cache.scratch_block, dtype=torch.int32,
+            tokens = min(size, longest)  # NOTE: the padded size's kernel, for as many tokens as a chunk may have
+            table = torch.full((-(-tokens // self.block_size),), cache.scratch_block, dtype=torch.int32,
                                device=self.device)
-            step = chunks.prepare(table, 0, size, cache.num_allocated_blocks)
-            chunks.attend(step, queries.expand(size, -1, -1), cache.keys[0], cache.values[0])
+            step = chunks.prepare(table, 0, tokens, cache.num_allocated_blocks)
+            chunks.attend(step, queries.expand(tokens, -1, -1), cache.keys[0], cache.values[0])
         return sizes
 
     def graphs_summary(self) -> str:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import flex_chunks
+from servelab.engine import paged_attention as paged
 from servelab.engine.paged_attention import PagedAttentionError
 
 H, H_KV, D = 4, 2, 16  # NOTE: the tiny Llama's heads
@@ -107,3 +108,13 @@ def test_cudas_kernel_tiles_divide_a_pool_block_and_the_query_tile() -> None:
         options = flex_chunks.kernel_options(cuda, block_size, tokens)
         assert block_size % options["BLOCK_N"] == 0 and flex_chunks.Q_BLOCK % options["BLOCK_M"] == 0
         assert options["BLOCK_M"] <= tokens and options["BLOCK_N"] <= 64
+
+
+def test_a_pool_flex_reads_on_cuda_keeps_its_key_offsets_within_32_bits() -> None:
+    """Triton's flex kernels compute a key's offset in 32 bits: the pool's blocks (the scratch block included) times
+    their slots times a slot's elements stay under 2**31, and one block more would not."""
+    for block_size, num_kv_heads, head_dim in ((16, 8, 64), (16, 8, 128), (32, 1, 256)):
+        most = paged.flex_pool_blocks(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        slot = num_kv_heads * head_dim
+        assert most * block_size * slot < 2**31 <= (most + 1) * block_size * slot
+

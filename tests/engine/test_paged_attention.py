@@ -192,6 +192,22 @@ def test_prepare_builds_each_padded_size_a_worker_can_take_before_it_serves(flex
         runner.graph_rows, runner.prepared = 0, None
 
 
+def test_chunk_sizes_compiled_before_serving_stop_at_the_longest_row_a_mask_lists(flex_engine: Engine,
+                                                                                  monkeypatch) -> None:
+    """On CUDA a chunk mask lists only as many blocks as the longest row holds (FlexChunks.width), which a chunk budget
+    may pass (max_prefill_tokens 4096 against a context of 2048, say): the compile before serving asks for no chunk
+    longer than that. Here the width narrowed to 5 blocks of 4 (20 tokens) under a 24-token budget, the calls recorded
+    and not run."""
+    runner, pool = flex_engine.runner, flex_engine.scheduler.pool
+    chunks = flex_engine.decoder.chunks(pool.block_size)
+    asked = []
+    monkeypatch.setattr(chunks, "width", lambda num_pool_blocks: 5)
+    monkeypatch.setattr(chunks, "prepare",
+                        lambda table, start, num_tokens, *args: asked.append((len(table), num_tokens)))
+    monkeypatch.setattr(chunks, "attend", lambda step, queries, *args: None)
+    assert runner._compile_chunks(pool) == [16, 32] and asked == [(4, 16), (5, 20)]
+
+
 def test_the_step_a_cuda_graph_captures_reads_nothing_back_and_copies_nothing_in(flex_engine: Engine,
                                                                                   monkeypatch) -> None:
     """The padded decode step a worker captures on a GPU (DecodeGraphs.step), run here under HostReads: no op that
