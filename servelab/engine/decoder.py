@@ -490,8 +490,7 @@ class LlamaDecoder:
             measure=lambda: self.measure_paged_attention(kv_block_size))
         if self.paged_attention != "servelab":
             self.decode_step_attention = self.prefill_step_attention = None
-        self._flex: dict[int, paged.FlexDecode] = {}  # by block size
-        self._flex_chunks: dict[int, flex_chunks.FlexChunks] = {}
+        self._flex: dict[tuple[type, int], paged.FlexReader] = {}  # decode's and chunks', by block size
         # NOTE: the longest row FlexAttention's index lists must hold (the config's context, within the rotary tables)
         self.max_context = min(max_context_tokens or self.cos.shape[0], self.cos.shape[0])
         # NOTE: prompt chunks read a token-major pool in place too, where FlexAttention serves them (timed on CUDA)
@@ -529,19 +528,18 @@ class LlamaDecoder:
 
     def flex(self, block_size: int) -> paged.FlexDecode:
         """FlexAttention's decode over pools of this block size (its compiled kernels and buffers)."""
-        if block_size not in self._flex:
-            self._flex[block_size] = paged.FlexDecode(
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
-                block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
-        return self._flex[block_size]
+        return self._flex_reader(paged.FlexDecode, block_size)
 
     def chunks(self, block_size: int) -> flex_chunks.FlexChunks:
         """FlexAttention's prompt chunks over pools of this block size (its compiled kernels and buffers)."""
-        if block_size not in self._flex_chunks:
-            self._flex_chunks[block_size] = flex_chunks.FlexChunks(
+        return self._flex_reader(flex_chunks.FlexChunks, block_size)
+
+    def _flex_reader(self, kind: type, block_size: int):
+        if (kind, block_size) not in self._flex:
+            self._flex[kind, block_size] = kind(
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
                 block_size=block_size, dtype=self.dtype, device=self.device, max_positions=self.max_context)
-        return self._flex_chunks[block_size]
+        return self._flex[kind, block_size]
 
     def measure_chunk_attention(self, block_size: int, **size) -> dict[str, float]:
         """Seconds of one layer's prompt-chunk attention read by FlexAttention in place and by torch's gather (this

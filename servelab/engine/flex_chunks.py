@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelab.engine.paged_attention import PagedAttentionError, allow_recompiles, measured, time_decode
+from servelab.engine.paged_attention import FlexReader, PagedAttentionError, measured, time_decode
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +66,8 @@ class ChunkStep:
     buffers: _Buffers
 
 
-class FlexChunks:
-    """Prompt chunks' attention over a token-major pool, one kernel call per chunk per layer. max_positions: the
-    longest row (the mask's index lists are as wide as its blocks, or the pool on a CPU, as FlexDecode's)."""
-
-    name = "flex"
-
-    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, block_size: int,
-                 dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale, self.block_size, self.dtype, self.device = scale, block_size, dtype, device
-        self.max_blocks = -(-max_positions // block_size)
-        allow_recompiles(64)
-        self._flex = torch.compile(flex_attention, dynamic=False)
-        self._buffers: dict[tuple[int, int, int], _Buffers] = {}
+class FlexChunks(FlexReader):
+    """Prompt chunks' attention over a token-major pool, one kernel call per chunk per layer."""
 
     def prepare(self, table: torch.Tensor, start: int, num_tokens: int, num_pool_blocks: int,
                 slot: int = 0) -> ChunkStep:
@@ -120,11 +106,6 @@ class FlexChunks:
             out = self._flex(buffers.query, k, v, block_mask=buffers.mask, scale=self.scale,
                              enable_gqa=H != self.num_kv_heads, kernel_options=options)
         return out[0, :, :T].transpose(0, 1).reshape(T, H * D)
-
-    def width(self, num_pool_blocks: int) -> int:
-        """How many blocks the mask's index lists hold (as FlexDecode.width): the pool's on a CPU, on CUDA only as many
-        as the longest row may have."""
-        return num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
 
     def _buffers_for(self, tokens: int, num_pool_blocks: int, slot: int) -> _Buffers:
         key = (tokens, num_pool_blocks, slot)

@@ -97,9 +97,10 @@ class FlexStep:
     buffers: _Buffers
 
 
-class FlexDecode:
-    """The decode rows' attention of one step over a token-major pool (PagedKVCache layout 'NHD'), one kernel call per
-    layer. width: the most blocks a row's table may list (the mask's index lists are this wide)."""
+class FlexReader:
+    """FlexAttention compiled for one model's heads over token-major pools (PagedKVCache layout 'NHD') of one block
+    size, and the buffers of each padded size it has met. max_positions: the longest row (CUDA's mask index lists are
+    as wide as its blocks)."""
 
     name = "flex"
 
@@ -110,9 +111,18 @@ class FlexDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.block_size, self.dtype, self.device = scale, block_size, dtype, device
         self.max_blocks = -(-max_positions // block_size)
-        allow_recompiles(64)  # NOTE: one compiled kernel per padded batch and pool size
+        allow_recompiles(64)  # NOTE: one compiled kernel per padded size and pool size
         self._flex = torch.compile(flex_attention, dynamic=False)
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._buffers: dict[tuple[int, ...], object] = {}
+
+    def width(self, num_pool_blocks: int) -> int:
+        """How many blocks the mask's index lists hold: a CPU's kernel wants them as wide as the pool, CUDA's only as
+        wide as the longest table a row may have."""
+        return num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
+
+
+class FlexDecode(FlexReader):
+    """The decode rows' attention of one step over a token-major pool, one kernel call per layer."""
 
     def prepare(self, lengths: torch.Tensor, table: torch.Tensor, num_pool_blocks: int) -> FlexStep:
         """lengths (B,) int64: the column each row's new key goes to (the columns it keeps before it); table (B, nb)
@@ -149,11 +159,6 @@ class FlexDecode:
             out = self._flex(buffers.query, k, v, block_mask=buffers.mask, scale=self.scale,
                              enable_gqa=H != self.num_kv_heads)  # (rows, H, 1, D)
         return out[:B, :, 0].reshape(B, H * D)
-
-    def width(self, num_pool_blocks: int) -> int:
-        """How many blocks the mask's index lists hold: a CPU's kernel wants them as wide as the pool, CUDA's only as
-        wide as the longest table a row may have."""
-        return num_pool_blocks if self.device.type == "cpu" else min(num_pool_blocks, self.max_blocks)
 
     def _buffers_for(self, rows: int, num_pool_blocks: int) -> _Buffers:
         key = (rows, num_pool_blocks)
