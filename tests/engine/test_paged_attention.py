@@ -258,6 +258,10 @@ def test_the_load_time_measurement_times_both_ways_on_this_cpu(flex_engine: Engi
     # NOTE: 4 rows of 10 blocks of 4 and a spare block: the pool size every flex kernel here is compiled for
     seconds = flex_engine.decoder.measure_paged_attention(4, num_rows=4, columns=40)
     assert set(seconds) == {"flex", "torch"} and all(0 < t < 1 for t in seconds.values())
+    # NOTE: and prompt chunks' (flex_chunks.choose): 16 tokens after 140 cached columns, a pool of 40 blocks and the
+    # scratch block, as the engine's
+    seconds = flex_engine.decoder.measure_chunk_attention(4, tokens=16, cached=140)
+    assert set(seconds) == {"flex", "torch"} and all(0 < t < 1 for t in seconds.values())
 
 
 def test_auto_picks_the_measured_faster_on_cuda_and_says_why() -> None:
