@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from servelab.engine.paged_attention import FlexReader, PagedAttentionError, measured, time_decode
+from servelab.engine.paged_attention import (FlexReader, PagedAttentionError, figures, measured, padded_size,
+                                             time_decode)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ FAR = 1 << 40  # NOTE: a block the row does not hold maps past every column: no 
 
 def padded_tokens(num_tokens: int) -> int:
     """The query length a chunk of num_tokens is computed at: the next power of two, at least MIN_TOKENS."""
-    return max(MIN_TOKENS, 1 << max(num_tokens - 1, 0).bit_length())
+    return padded_size(num_tokens, MIN_TOKENS)
 
 
 def kernel_options(device: torch.device, block_size: int, tokens: int) -> dict[str, int | bool]:
@@ -188,7 +189,7 @@ def choose(decode: str, *, device: torch.device, asked: bool,
             raise PagedAttentionError(f"paged_attention 'flex' cannot serve here: prompt chunks' FlexAttention could "
                                       f"not be compiled or run: {error}")
         return "torch", f"FlexAttention could not be compiled or run for prompt chunks: {error}"
-    figures = "one layer's 256-token chunk: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
+    timings = figures(seconds, "one layer's 256-token chunk")
     name = "flex" if asked else min(seconds, key=seconds.get)
-    log.info("prompt chunks on %s: %s (%s)", device, name, figures)
-    return name, f"{'asked' if asked else 'measured at load'}, {figures}"
+    log.info("prompt chunks on %s: %s (%s)", device, name, timings)
+    return name, f"{'asked' if asked else 'measured at load'}, {timings}"

@@ -69,9 +69,14 @@ def flex_pool_blocks(*, block_size: int, num_kv_heads: int, head_dim: int) -> in
     return (2**31 - 1) // (block_size * num_kv_heads * head_dim)
 
 
+def padded_size(n: int, at_least: int) -> int:
+    """The size n is computed at where a kernel compiles once per size: the next power of two, at least at_least."""
+    return max(at_least, 1 << max(n - 1, 0).bit_length())
+
+
 def padded_rows(num_rows: int) -> int:
     """The batch a step of num_rows decode rows is computed at: the next power of two, at least MIN_ROWS."""
-    return max(MIN_ROWS, 1 << max(num_rows - 1, 0).bit_length())
+    return padded_size(num_rows, MIN_ROWS)
 
 
 @dataclass
@@ -276,7 +281,7 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
             if seconds is None:
                 raise PagedAttentionError("paged_attention 'flex' cannot serve here: FlexAttention could not be "
                                           f"compiled or run: {error}")
-            return "flex", f"asked; {_figures(seconds)}"
+            return "flex", f"asked; {figures(seconds)}"
         return "flex", "asked"
     if option == "torch":
         return "torch", "asked"
@@ -290,8 +295,8 @@ def choose(option: str, *, fused_fits: bool, device: torch.device, flex_why_not:
     if seconds is None:  # NOTE: a compiler missing or failing (Triton, inductor): torch serves
         return "torch", f"FlexAttention could not be compiled or run here: {error}"
     name = min(seconds, key=seconds.get)
-    log.info("paged attention on %s: %s (%s)", device, name, _figures(seconds))
-    return name, f"measured at load, {_figures(seconds)}"
+    log.info("paged attention on %s: %s (%s)", device, name, figures(seconds))
+    return name, f"measured at load, {figures(seconds)}"
 
 
 def measured(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float] | None, str]:
@@ -302,8 +307,9 @@ def measured(measure: Callable[[], dict[str, float]]) -> tuple[dict[str, float] 
         return None, first_line(exc)
 
 
-def _figures(seconds: dict[str, float]) -> str:
-    return "one layer's decode attention: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
+def figures(seconds: dict[str, float], what: str = "one layer's decode attention") -> str:
+    """A measurement's seconds per way, as the reasons and logs print them."""
+    return f"{what}: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(seconds.items()))
 
 
 def config_reason(config: ServingConfig, device: torch.device) -> str | None:

@@ -197,7 +197,7 @@ class PagedRunner(Runner):
         # NOTE: no chunk is longer than a row may be (the blocks the mask lists), whatever the chunk budget
         longest = min(pool.chunk_tokens, chunks.width(cache.num_allocated_blocks) * self.block_size)
         top = flex_chunks.padded_tokens(longest)
-        sizes = [size for size in (flex_chunks.MIN_TOKENS << k for k in range(top.bit_length())) if size <= top]
+        sizes = [flex_chunks.MIN_TOKENS << k for k in range((top // flex_chunks.MIN_TOKENS).bit_length())]
         for size in sizes:
             tokens = min(size, longest)  # NOTE: the padded size's kernel, for as many tokens as a chunk may have
             table = torch.full((-(-tokens // self.block_size),), cache.scratch_block, dtype=torch.int32,
